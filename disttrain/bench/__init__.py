@@ -1,0 +1,1 @@
+"""disttrain.bench: benchmarks of collectives and strategies, with tables and reports."""

@@ -1,0 +1,77 @@
+"""The algorithm registry: ``ALGORITHMS[op][name]`` is a plain function ``fn(ctx, ...)``.
+
+Signatures, by collective (``ctx`` is a :class:`~disttrain.comm.context.CollectiveContext`;
+tensors are flat and contiguous, validated by the Communicator before the call):
+
+=============== ===============================================================
+all_reduce      ``fn(ctx, tensor, op)``                 in place
+broadcast       ``fn(ctx, tensor, root)``               in place
+reduce          ``fn(ctx, tensor, root, op)``           result on root; others scratch
+gather          ``fn(ctx, output | None, tensor, root)``  output = p blocks, on root
+scatter         ``fn(ctx, output, tensor | None, root)``  tensor = p blocks, on root
+all_gather      ``fn(ctx, output, tensor)``             output = p blocks
+reduce_scatter  ``fn(ctx, output, tensor, op)``          tensor = p blocks
+all_to_all      ``fn(ctx, output, tensor, out_splits, in_splits)``
+barrier         ``fn(ctx)``
+=============== ===============================================================
+
+Adding an algorithm is one entry here; ``auto`` picks among the entries by the cost model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from disttrain.comm.algorithms import halving_doubling, naive, native, ring, tree
+
+Algorithm = Callable[..., None]
+
+ALGORITHMS: dict[str, dict[str, Algorithm]] = {
+    "all_reduce": {
+        "naive": naive.all_reduce,
+        "ring": ring.all_reduce,
+        "tree": tree.all_reduce,
+        "halving_doubling": halving_doubling.all_reduce,
+        "native": native.all_reduce,
+    },
+    "broadcast": {"naive": naive.broadcast, "tree": tree.broadcast, "native": native.broadcast},
+    "reduce": {"naive": naive.reduce, "tree": tree.reduce, "native": native.reduce},
+    "gather": {"naive": naive.gather, "tree": tree.gather, "native": native.gather},
+    "scatter": {"naive": naive.scatter, "tree": tree.scatter, "native": native.scatter},
+    "all_gather": {
+        "naive": naive.all_gather,
+        "ring": ring.all_gather,
+        "halving_doubling": halving_doubling.all_gather,
+        "native": native.all_gather,
+    },
+    "reduce_scatter": {
+        "naive": naive.reduce_scatter,
+        "ring": ring.reduce_scatter,
+        "halving_doubling": halving_doubling.reduce_scatter,
+        "native": native.reduce_scatter,
+    },
+    "all_to_all": {"naive": naive.all_to_all, "native": native.all_to_all},
+    "barrier": {"naive": naive.barrier, "tree": tree.barrier, "native": native.barrier},
+}
+
+COLLECTIVES = tuple(ALGORITHMS)
+
+
+def get(op: str, name: str) -> Algorithm:
+    """The algorithm ``name`` for collective ``op``, or a ValueError listing the choices."""
+    table = ALGORITHMS.get(op)
+    if table is None:
+        raise ValueError(f"unknown collective {op!r}; known: {', '.join(COLLECTIVES)}")
+    fn = table.get(name)
+    if fn is None:
+        raise ValueError(
+            f"algorithm={name!r} is not available for {op}; choose one of: "
+            f"{', '.join(['auto', *table])}"
+        )
+    return fn
+
+
+def names(op: str) -> list[str]:
+    return list(ALGORITHMS[op])
+
+
+__all__ = ["ALGORITHMS", "COLLECTIVES", "Algorithm", "get", "names"]

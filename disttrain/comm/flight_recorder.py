@@ -1,0 +1,63 @@
+"""Flight recorder: each rank remembers its last collectives, to diagnose a stuck job later.
+
+Like torch's NCCL flight recorder: a bounded ring buffer of records (sequence number, op,
+algorithm, bytes, queue/start/end times, state). ``dump()`` gives plain dicts; ``write()``
+stores them as JSON, e.g. when a collective times out.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class CollectiveRecord:
+    seq: int
+    op: str
+    algorithm: str
+    nbytes: int
+    queued_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+    state: str = "queued"  # queued → running → completed | failed
+    error: str = ""
+
+
+class FlightRecorder:
+    def __init__(self, capacity: int = 256) -> None:
+        if capacity < 1:
+            raise ValueError(f"flight recorder capacity must be ≥ 1, got {capacity}")
+        self._records: deque[CollectiveRecord] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def queued(self, seq: int, op: str, algorithm: str, nbytes: int) -> CollectiveRecord:
+        record = CollectiveRecord(seq, op, algorithm, nbytes, time.time())
+        with self._lock:
+            self._records.append(record)
+        return record
+
+    @staticmethod
+    def started(record: CollectiveRecord) -> None:
+        record.started_at, record.state = time.time(), "running"
+
+    @staticmethod
+    def ended(record: CollectiveRecord, error: BaseException | None = None) -> None:
+        record.ended_at = time.time()
+        record.state = "failed" if error is not None else "completed"
+        record.error = "" if error is None else f"{type(error).__name__}: {error}"
+
+    def dump(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [asdict(r) for r in self._records]
+
+    def write(self, path: str | Path, **meta: Any) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**meta, "records": self.dump()}, indent=1) + "\n")
+        return path

@@ -1,0 +1,84 @@
+"""The transport interface: how bytes move between two ranks. Algorithms are built on it.
+
+A transport offers only non-blocking point-to-point messages between the ranks of its group
+(``isend``/``irecv`` returning a handle with ``wait(timeout_s)``), sub-groups, and, when it
+sits on torch.distributed, the process group that the ``native`` algorithm hands whole
+collectives to. Everything else (rings, trees, timeouts that name peers, byte counting per
+collective) lives above it, so a new transport is a small file.
+
+Contract for ``RawWork.wait(timeout_s)``: return when the transfer completed; raise the
+builtin ``TimeoutError`` when it did not within ``timeout_s``; raise ``ConnectionError``
+when the peer is gone. The caller turns those into errors that name the operation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class RawWork(Protocol):
+    """A pending transfer."""
+
+    def wait(self, timeout_s: float) -> None: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class DoneWork:
+    """A transfer with nothing to do (zero bytes, or a message to oneself)."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class Transport(ABC):
+    """Point-to-point messaging among ``world_size`` ranks; ranks are group-relative."""
+
+    name: str = "abstract"
+
+    @property
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def global_ranks(self) -> tuple[int, ...]:
+        """The global rank of each group-relative rank."""
+
+    @abstractmethod
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RawWork:
+        """Start sending a contiguous tensor to group rank ``dst``."""
+
+    @abstractmethod
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> RawWork:
+        """Start receiving into a contiguous tensor from group rank ``src``."""
+
+    @abstractmethod
+    def subgroup(self, ranks: Sequence[int]) -> Transport | None:
+        """A transport over group ranks ``ranks`` (called by every member, in the same order
+        on every rank); ``None`` on ranks that are not members."""
+
+    @property
+    def native_group(self) -> Any | None:
+        """The torch.distributed process group for ``native`` collectives, if there is one."""
+        return None
+
+    @property
+    def device_type(self) -> str:
+        """The device type tensors must live on (``cpu`` for Gloo, ``cuda`` for NCCL)."""
+        return "cpu"
+
+    def close(self) -> None:
+        """Release resources; the transport must not be used afterwards."""
+        return None

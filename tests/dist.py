@@ -1,0 +1,206 @@
+"""Run test functions on real ranks over Gloo, with short timeouts and named failures.
+
+Two ways:
+
+* :class:`DistPool` keeps ``world_size`` processes alive with an initialized process group
+  (a ``file://`` store in a temp dir: no ports to clash) and runs ``fn(comm, *args)`` on all
+  of them, returning the per-rank results. Starting ranks costs seconds on 2 cores, so
+  pools are shared across test cases (see ``conftest.py``). A failure on any rank is
+  re-raised with its rank number and traceback, and the pool is restarted, so the next
+  test starts clean.
+* :func:`run_fresh` starts new processes for one call of ``fn(rank, world_size, store, *args)``,
+  for tests that need their own initialization or that kill ranks.
+
+Functions must be importable module-level functions (they are sent to spawned processes).
+The pipes carry pickles between this test process and its own children only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 120.0  # a whole call on every rank
+COMM_TIMEOUT_S = 20.0  # each blocking wait inside a collective
+
+
+class RankFailure(AssertionError):
+    """A rank raised (or died, or timed out); the message names it."""
+
+
+def _init_torch(rank: int, world_size: int, store: str, comm_timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=comm_timeout_s),
+    )
+
+
+def _pool_worker(rank: int, world_size: int, store: str, conn: Any, comm_timeout_s: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        _init_torch(rank, world_size, store, comm_timeout_s)
+        from disttrain.comm import CommConfig, Communicator
+
+        comm = Communicator.from_torch(config=CommConfig(timeout_s=comm_timeout_s))
+        conn.send(("ready", None))
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(comm, *args, **kwargs)))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+class DistPool:
+    """``world_size`` live ranks; ``run(fn, *args)`` → list of per-rank results."""
+
+    def __init__(self, world_size: int, comm_timeout_s: float = COMM_TIMEOUT_S) -> None:
+        self.world_size = world_size
+        self.comm_timeout_s = comm_timeout_s
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="disttrain-test-")
+        store = os.path.join(self._tmp.name, "store")
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_pool_worker, daemon=True,
+                               args=(rank, self.world_size, store, child, self.comm_timeout_s))
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._collect("start-up", DEFAULT_TIMEOUT_S)
+
+    def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready = mpc.wait([*waiting, *sentinels], timeout=min(left, 1.0))
+            for item in ready:
+                if item in waiting:
+                    rank = waiting.pop(item)
+                    try:
+                        status, value = item.recv()
+                    except EOFError:
+                        errors[rank] = "process exited without answering"
+                        continue
+                    if status == "err":
+                        errors[rank] = value
+                    else:
+                        results[rank] = value
+                elif item in sentinels:
+                    rank = sentinels.pop(item)
+                    conn = self._conns[rank]
+                    if conn in waiting and not conn.poll(0.2):
+                        waiting.pop(conn)
+                        errors[rank] = f"process died (exit code {self._procs[rank].exitcode})"
+            if errors:  # others are likely stuck waiting for the failed rank
+                break
+        if errors or waiting:
+            self.close()
+            first = min(errors) if errors else None
+            missing = sorted(waiting.values())
+            message = f"{what} failed on {self.world_size} rank(s)."
+            if first is not None:
+                message += f"\n--- rank {first} (first of ranks {sorted(errors)}) ---\n{errors[first]}"
+            if missing and first is None:
+                message += f"\nranks {missing} did not answer within {timeout_s:g}s"
+            raise RankFailure(message)
+        return [results[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
+            **kwargs: Any) -> list[Any]:
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(f"{getattr(fn, '__name__', fn)}", timeout_s)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self._procs:
+            proc.join(2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
+        self._procs, self._conns = [], []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def _fresh_worker(rank: int, world_size: int, store: str, conn: Any,
+                  fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        conn.send(("ok", fn(rank, world_size, store, *args)))
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+
+
+def run_fresh(fn: Callable[..., Any], world_size: int, *args: Any,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Run ``fn(rank, world_size, store_path, *args)`` in ``world_size`` new processes; the
+    function initializes whatever it needs (``init_gloo`` below is the usual start)."""
+    pool = DistPool(world_size)
+    ctx = mp.get_context("spawn")
+    pool._tmp = tempfile.TemporaryDirectory(prefix="disttrain-test-")
+    store = os.path.join(pool._tmp.name, "store")
+    for rank in range(world_size):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_fresh_worker, daemon=True,
+                           args=(rank, world_size, store, child, fn, args))
+        proc.start()
+        child.close()
+        pool._procs.append(proc)
+        pool._conns.append(parent)
+    try:
+        return pool._collect(getattr(fn, "__name__", "fn"), timeout_s)
+    finally:
+        pool.close()
+
+
+def init_gloo(rank: int, world_size: int, store: str,
+              comm_timeout_s: float = COMM_TIMEOUT_S, **config: Any) -> Any:
+    """Initialize Gloo for a :func:`run_fresh` worker and return a Communicator."""
+    _init_torch(rank, world_size, store, comm_timeout_s)
+    from disttrain.comm import CommConfig, Communicator
+
+    return Communicator.from_torch(config=CommConfig(timeout_s=comm_timeout_s, **config))
