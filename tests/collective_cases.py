@@ -82,7 +82,7 @@ def check_collective(comm: Communicator, op: str, dtypes: list[str] | None = Non
                 what = f"{op}/{algorithm} p={p} rank={r} {dtype} n={n} op={reduce_op}"
                 try:
                     _RUNNERS[op](comm, inputs, algorithm, reduce_op, what, errors)
-                except Exception as exc:  # noqa: BLE001 - reported with the case
+                except Exception as exc:
                     errors.append(f"{what}: raised {type(exc).__name__}: {exc}")
     return errors
 
@@ -128,7 +128,9 @@ def _gather(comm: Communicator, inputs: list[torch.Tensor], algo: str, rop: str,
             what: str, errors: list[str]) -> None:
     root = comm.world_size // 2
     n = inputs[0].numel()
-    out = torch.full((comm.world_size * n,), 99, dtype=inputs[0].dtype) if comm.rank == root else None
+    out = None
+    if comm.rank == root:
+        out = torch.full((comm.world_size * n,), 99, dtype=inputs[0].dtype)
     comm.gather(out, inputs[comm.rank], root, algorithm=algo)
     if out is not None:
         close(out, torch.cat(inputs), what + " vs local", errors)

@@ -135,7 +135,8 @@ class DistPool:
             missing = sorted(waiting.values())
             message = f"{what} failed on {self.world_size} rank(s)."
             if first is not None:
-                message += f"\n--- rank {first} (first of ranks {sorted(errors)}) ---\n{errors[first]}"
+                message += (f"\n--- rank {first} (first of ranks {sorted(errors)}) ---\n"
+                            f"{errors[first]}")
             if missing and first is None:
                 message += f"\nranks {missing} did not answer within {timeout_s:g}s"
             raise RankFailure(message)

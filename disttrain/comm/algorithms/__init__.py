@@ -21,6 +21,7 @@ Adding an algorithm is one entry here; ``auto`` picks among the entries by the c
 from __future__ import annotations
 
 from collections.abc import Callable
+
 from disttrain.comm.algorithms import halving_doubling, naive, native, ring, tree
 
 Algorithm = Callable[..., None]

@@ -65,7 +65,9 @@ def _doubling(ctx: CollectiveContext, buf: torch.Tensor, vbounds: list[tuple[int
         step += 1
 
 
-def _virtual_bounds(bounds: list[tuple[int, int]], members: list[list[int]]) -> list[tuple[int, int]]:
+def _virtual_bounds(
+    bounds: list[tuple[int, int]], members: list[list[int]]
+) -> list[tuple[int, int]]:
     return [(bounds[m[0]][0], bounds[m[-1]][1]) for m in members]
 
 

@@ -91,7 +91,8 @@ def all_gather_inplace(
         recvs.append([(a, b, ctx.irecv(buf[a:b], left, step_offset + step))
                       for a, b in sub_chunks(start, end, per_chunk)])
     start0, end0 = bounds[(r + owned_shift) % p]
-    sends = [ctx.isend(buf[a:b], right, step_offset) for a, b in sub_chunks(start0, end0, per_chunk)]
+    sends = [ctx.isend(buf[a:b], right, step_offset)
+             for a, b in sub_chunks(start0, end0, per_chunk)]
     for step in range(p - 1):
         for a, b, pending in recvs[step]:
             ctx.wait(pending)
