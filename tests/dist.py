@@ -156,8 +156,10 @@ class DistPool:
                 conn.send(None)
             except (OSError, BrokenPipeError):
                 pass
+        deadline = time.monotonic() + 1.0  # a short grace period, then no ceremony:
+        for proc in self._procs:  # pool workers hold nothing that needs a clean exit
+            proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
-            proc.join(2)
             if proc.is_alive():
                 proc.kill()
                 proc.join(2)

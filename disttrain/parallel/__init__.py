@@ -1,0 +1,72 @@
+"""disttrain.parallel: training strategies built on the Communicator: data parallel, model and
+pipeline parallel, ZeRO (the parameter server lives in ``parameter_server``)."""
+
+from disttrain.parallel.buckets import Bucket, plan_buckets
+from disttrain.parallel.compression import (
+    COMPRESSORS,
+    CastCompressor,
+    Compressor,
+    NoCompression,
+    PowerSGDCompressor,
+    TopKCompressor,
+    make_compressor,
+)
+from disttrain.parallel.data_parallel import DataParallel, DataParallelConfig
+from disttrain.parallel.mixed_precision import LossScaler, LossScalerConfig, autocast
+from disttrain.parallel.model_parallel import ModelParallel, build_model_parallel
+from disttrain.parallel.pipeline import (
+    SCHEDULES,
+    PipelineConfig,
+    PipelineError,
+    PipelineGrid,
+    PipelineParallel,
+    StageFailedError,
+    build_pipeline,
+    format_schedule,
+    gpipe,
+    make_grid,
+    one_f_one_b,
+    simulate,
+)
+from disttrain.parallel.reducer import OverlapReport, SyncTiming, UnusedParametersError
+from disttrain.parallel.zero import STAGES as ZERO_STAGES
+from disttrain.parallel.zero import ZeRO1, ZeRO2, ZeRO3, ZeroConfig
+
+__all__ = [
+    "COMPRESSORS",
+    "SCHEDULES",
+    "ZERO_STAGES",
+    "Bucket",
+    "CastCompressor",
+    "Compressor",
+    "DataParallel",
+    "DataParallelConfig",
+    "LossScaler",
+    "LossScalerConfig",
+    "ModelParallel",
+    "NoCompression",
+    "OverlapReport",
+    "PipelineConfig",
+    "PipelineError",
+    "PipelineGrid",
+    "PipelineParallel",
+    "PowerSGDCompressor",
+    "StageFailedError",
+    "SyncTiming",
+    "TopKCompressor",
+    "UnusedParametersError",
+    "ZeRO1",
+    "ZeRO2",
+    "ZeRO3",
+    "ZeroConfig",
+    "autocast",
+    "build_model_parallel",
+    "build_pipeline",
+    "format_schedule",
+    "gpipe",
+    "make_compressor",
+    "make_grid",
+    "one_f_one_b",
+    "plan_buckets",
+    "simulate",
+]
