@@ -1,0 +1,71 @@
+"""Pipeline parallelism: a sequential model split into stages over ranks, each batch cut into
+micro-batches that flow through the stages under a schedule (GPipe or 1F1B).
+
+* :mod:`.partition`: which layers go to which stage (explicit, by parameters, by time);
+* :mod:`.schedules`: each stage's ordered actions, pure data; :mod:`.simulate` checks them
+  and prints them as a grid;
+* :mod:`.link`, :mod:`.stage`, :mod:`.step`, :mod:`.runtime`: the engine that executes a
+  schedule over :mod:`disttrain.comm`; :mod:`.grid`: pipelines × data-parallel replicas.
+
+See docs/pipeline.md.
+"""
+
+from disttrain.parallel.pipeline.config import PipelineConfig, PipelineTotals, StepStats
+from disttrain.parallel.pipeline.grid import PipelineGrid, make_grid
+from disttrain.parallel.pipeline.link import PipelineError, StageFailedError
+from disttrain.parallel.pipeline.partition import (
+    PartitionError,
+    balance_by_cost,
+    layers_of,
+    param_costs,
+    time_costs,
+)
+from disttrain.parallel.pipeline.runtime import PipelineParallel, build_pipeline
+from disttrain.parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    Backward,
+    Forward,
+    RecvAct,
+    RecvGrad,
+    Schedule,
+    SendAct,
+    SendGrad,
+    get_schedule,
+    gpipe,
+    one_f_one_b,
+)
+from disttrain.parallel.pipeline.simulate import ScheduleError, SimResult, format_schedule, simulate
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Backward",
+    "Forward",
+    "PartitionError",
+    "PipelineConfig",
+    "PipelineError",
+    "PipelineGrid",
+    "PipelineParallel",
+    "PipelineTotals",
+    "RecvAct",
+    "RecvGrad",
+    "Schedule",
+    "ScheduleError",
+    "SendAct",
+    "SendGrad",
+    "SimResult",
+    "StageFailedError",
+    "StepStats",
+    "balance_by_cost",
+    "build_pipeline",
+    "format_schedule",
+    "get_schedule",
+    "gpipe",
+    "layers_of",
+    "make_grid",
+    "one_f_one_b",
+    "param_costs",
+    "simulate",
+    "time_costs",
+]

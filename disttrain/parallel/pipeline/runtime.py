@@ -1,0 +1,231 @@
+"""The pipeline runtime: this rank's stage, executing its schedule's actions one by one.
+
+``train_step`` on every rank::
+
+    split the batch into m micro-batches        (inputs on stage 0, targets on the last)
+    for action in schedule.actions(stage):      RecvAct / Forward / SendAct /
+        run it                                  RecvGrad / Backward / SendGrad
+    return the loss                             (it came back with the gradients)
+    average gradients over the dp group         (pp × dp grid; nothing when dp = 1)
+
+then the caller runs an ordinary ``optimizer.step()`` on the stage's own parameters.
+
+The last stage computes ``loss_fn(output, target)`` per micro-batch, scaled by the
+micro-batch's share of the batch (1/m for equal pieces), and backward accumulates into
+``.grad``: the summed gradients equal the full-batch gradient of the mean loss, so a
+pipeline step is the same update as one step on the whole batch (the equivalence tests
+check this for every schedule). ``loss_fn`` must return the mean over its micro-batch.
+Layers whose output depends on the rest of the batch (BatchNorm) or on random numbers
+(dropout) differ from the unsplit model, as in every micro-batching pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from disttrain.comm import Communicator
+from disttrain.parallel.pipeline import partition as part
+from disttrain.parallel.pipeline.config import (
+    PipelineConfig,
+    PipelineTotals,
+    StepStats,
+    split_batch,
+)
+from disttrain.parallel.pipeline.grid import (
+    PipelineGrid,
+    agreed_balance,
+    all_reduce_gradients,
+    make_grid,
+)
+from disttrain.parallel.pipeline.link import EVAL, Direction, PipelineError, StageLink
+from disttrain.parallel.pipeline.schedules import SCHEDULES, get_schedule
+from disttrain.parallel.pipeline.stage import Stage
+from disttrain.parallel.pipeline.step import StepRun
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PipelineParallel:
+    """One stage of a pipeline (and, in a pp × dp grid, one replica of that stage).
+
+    Build it with :func:`build_pipeline`. On every rank call
+    ``loss = pipe.train_step(inputs, targets, loss_fn)`` (stage 0 needs ``inputs``, the last
+    stage ``targets``; others may pass None), then ``optimizer.step()`` over
+    ``pipe.parameters()``. Gradients accumulate like ordinary backward: zero them between
+    steps.
+    """
+
+    def __init__(self, module: nn.Sequential, grid: PipelineGrid, config: PipelineConfig,
+                 balance: Sequence[int] | None = None) -> None:
+        self.grid = grid
+        self.config = config
+        self.balance = tuple(balance) if balance is not None else None
+        self.stage = Stage(module, grid.stage, grid.pp_size)
+        self.link = StageLink(grid.pp_comm, grid.stage) if grid.pp_comm is not None else None
+        self.schedule = get_schedule(config.schedule, grid.pp_size, config.microbatches)
+        self.last_step: StepStats | None = None
+        self.totals = PipelineTotals()
+        self._call = 0
+        self._failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def module(self) -> nn.Sequential:
+        return self.stage.module
+
+    @property
+    def stage_index(self) -> int:
+        return self.grid.stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.grid.pp_size
+
+    @property
+    def is_first(self) -> bool:
+        return self.grid.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.grid.stage == self.grid.pp_size - 1
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Names as in the unsplit ``nn.Sequential`` (``"3.weight"``)."""
+        return self.module.named_parameters()
+
+    def __repr__(self) -> str:
+        return (f"PipelineParallel(stage={self.stage_index}/{self.num_stages}, "
+                f"dp_rank={self.grid.dp_rank}/{self.grid.dp_size}, "
+                f"schedule={self.config.schedule!r}, microbatches={self.config.microbatches})")
+
+    # ------------------------------------------------------------------ steps
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise PipelineError(f"this pipeline failed in an earlier step and its stages are "
+                                f"out of step: {self._failure}; build a new one") from None
+
+    def _abort(self, exc: BaseException) -> None:
+        self._failure = exc
+        self.stage.clear()
+        if self.link is not None:
+            self.link.report_failure(exc)
+
+    def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
+                   loss_fn: LossFn) -> float:
+        """One step over the batch; returns the batch's mean loss on every rank (averaged
+        over the dp replicas). Gradients are left in ``.grad`` for the optimizer."""
+        self._check_usable()
+        self._call += 1
+        start = time.perf_counter()
+        self.stage.reset_counters()
+        m = self.config.microbatches
+        try:
+            xs = split_batch(inputs, m, "inputs") if self.is_first else None
+            ys = split_batch(targets, m, "targets") if self.is_last else None
+            run = StepRun(self.stage, self.link, self._call, xs, ys, loss_fn)
+            run.execute(self.schedule.actions(self.stage_index))
+            loss = run.loss()
+            if self.link is not None:
+                self.link.flush()
+        except BaseException as exc:
+            self._abort(exc)
+            raise
+        reduce_start = time.perf_counter()
+        if self.grid.dp_comm is not None:
+            all_reduce_gradients(self.parameters(), self.grid.dp_comm)
+            loss = self._average_over_replicas(loss)
+        end = time.perf_counter()
+        self.last_step = StepStats(end - start, self.stage.busy_s, end - reduce_start,
+                                   self.stage.peak_stashed, self.stage.peak_bytes)
+        self.totals.add(self.last_step)
+        return loss
+
+    def share_from_last(self, value: float) -> float:
+        """The last stage's ``value`` (e.g. an accuracy computed from ``eval_forward``) on
+        every rank, averaged over the dp replicas. A collective: every rank calls it."""
+        t = torch.tensor([value if self.is_last else 0.0], dtype=torch.float64)
+        if self.grid.pp_comm is not None:
+            self.grid.pp_comm.broadcast(t, root=self.num_stages - 1)
+        return self._average_over_replicas(float(t[0])) if self.grid.dp_comm else float(t[0])
+
+    def _average_over_replicas(self, loss: float) -> float:
+        assert self.grid.dp_comm is not None
+        value = torch.tensor([loss], dtype=torch.float64)
+        self.grid.dp_comm.all_reduce(value, "avg")
+        return float(value[0])
+
+    def eval_forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward only, micro-batch by micro-batch; the last stage returns the whole batch's
+        output, the other stages None."""
+        self._check_usable()
+        self._call += 1
+        try:
+            xs = split_batch(inputs, self.config.microbatches, "inputs") if self.is_first else None
+            outputs = []
+            if self.link is not None and not self.is_first:
+                self.link.expect(Direction.ACTIVATION, self.config.microbatches)
+            for mb in range(self.config.microbatches):
+                x, source = self._eval_input(mb, xs)
+                out = self.stage.forward_only(x, source)
+                if self.link is not None and not self.is_last:
+                    self.link.send(Direction.ACTIVATION, out, call=self._call, mode=EVAL,
+                                   microbatch=mb, rows=x.shape[0] if x.dim() else 0)
+                if self.is_last:
+                    outputs.append(out)
+            if self.link is not None:
+                self.link.flush()
+        except BaseException as exc:
+            self._abort(exc)
+            raise
+        return torch.cat(outputs) if self.is_last else None
+
+    def _eval_input(self, mb: int,
+                    xs: list[torch.Tensor] | None) -> tuple[torch.Tensor, str | None]:
+        if xs is not None:
+            return xs[mb], None
+        assert self.link is not None
+        message = self.link.recv(Direction.ACTIVATION, call=self._call, mode=EVAL, microbatch=mb)
+        return message.tensor, self.link.describe(self.stage_index - 1)
+
+
+def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
+                   microbatches: int = 8, partition: str | Sequence[int] = "params",
+                   pp_size: int | None = None, sample: torch.Tensor | None = None,
+                   ) -> PipelineParallel:
+    """Split ``model`` (an ``nn.Sequential``, or a model with a ``layers()`` method) over
+    the ranks of ``comm`` and return this rank's stage, ready for ``train_step``.
+
+    ``partition``: ``"params"`` (balance parameter counts), ``"time"`` (balance measured
+    forward + backward time on ``sample``), or the number of layers of each stage.
+    ``pp_size``: stages per pipeline; the world is then ``world_size / pp_size`` data
+    parallel replicas of the pipeline. Every rank must build the same model (same seed):
+    each keeps only its own stage's layers.
+    """
+    config = PipelineConfig(schedule, microbatches,
+                            partition if isinstance(partition, str) else tuple(partition),
+                            pp_size)
+    grid = make_grid(comm, config.pp_size)
+    layers = part.layers_of(model)
+    settings = [grid.pp_size, config.microbatches, sorted(SCHEDULES).index(config.schedule)]
+    balance = agreed_balance(comm, layers, grid.pp_size, config.partition, sample, settings,
+                             "the pipeline")
+    if config.microbatches < grid.pp_size and comm.rank == 0:
+        log.warning("pipeline with %d micro-batches on %d stages: stages idle %.0f%% of each "
+                    "step; use at least as many micro-batches as stages",
+                    config.microbatches, grid.pp_size,
+                    100 * (grid.pp_size - 1) / (config.microbatches + grid.pp_size - 1))
+    if comm.rank == 0:
+        log.info("pipeline: %d stages × %d replicas, balance %s, schedule %s, %d micro-batches",
+                 grid.pp_size, grid.dp_size, list(balance), config.schedule, config.microbatches)
+    return PipelineParallel(part.stage_module(layers, balance, grid.stage), grid, config, balance)
