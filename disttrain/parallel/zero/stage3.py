@@ -1,0 +1,289 @@
+"""ZeRO stage 3: shard the parameters too; gather each layer just before it runs, then free it.
+
+Rajbhandari et al. 2020 (P_os+g+p). Every rank keeps 1/N of each unit's parameters
+(see :mod:`~disttrain.parallel.zero.units`), of its gradients and of its optimizer state:
+16Ψ/N bytes with bf16 and Adam. The full parameters of a unit exist only while it runs::
+
+    forward   unit i:  wait all_gather(i) ─▶ start all_gather(i+1) (prefetch) ─▶ run ─▶ free(i)
+    backward  unit i:  all_gather(i) (prefetched by unit i+1) ─▶ start all_gather(i−1)
+                       ─▶ run backward ─▶ reduce_scatter(grads of i), async ─▶ free(i)
+    step()             optimizer.step() on the shards; nothing to gather: the next forward does
+
+Per step each rank moves (N−1)/N·Ψ twice by all-gather and once by reduce-scatter: 1.5×
+the all-reduce of DDP. The gather before backward is triggered by a hook on the unit's
+outputs (it fires when their gradient is ready); the reduction by the parameters'
+post-accumulate-grad hooks (they fire when the unit's backward is complete).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from disttrain.comm import Communicator, Work
+from disttrain.parallel.zero.config import OptimizerFactory, ZeroConfig
+from disttrain.parallel.zero.flat import (
+    ShardGroup,
+    common_dtype,
+    master_copy,
+    param_views,
+    shard_of,
+    to_dtype,
+    trainable,
+)
+from disttrain.parallel.zero.memory import optimizer_tensors
+from disttrain.parallel.zero.sharding import shard_layout
+from disttrain.parallel.zero.units import Unit, assign_units, output_tensors
+
+log = logging.getLogger(__name__)
+
+
+class ZeRO3(nn.Module):
+    """Stage 3: wraps ``model``; call it like the model, then :meth:`step`, :meth:`zero_grad`.
+
+    ``units``: the modules gathered as one (default: every module that directly owns
+    parameters). Outside a forward/backward the model's parameters are empty placeholders;
+    this rank's values are in the shards (``shard_groups()``, checkpoints).
+    """
+
+    stage = 3
+
+    def __init__(self, model: nn.Module, comm: Communicator, optimizer_factory: OptimizerFactory,
+                 config: ZeroConfig | None = None,
+                 units: list[nn.Module] | None = None) -> None:
+        super().__init__()
+        self.module, self.comm, self.config = model, comm, config or ZeroConfig()
+        named = trainable(model)
+        self.param_dtype = common_dtype(named)
+        self.reduce_dtype = self.config.reduce_dtype or self.param_dtype
+        self._empty = torch.empty(0, dtype=self.param_dtype, device=named[0][1].device)
+        self.units = [self._make_unit(k, module, [named[i] for i in indices])
+                      for k, (module, indices) in enumerate(assign_units(model, named, units))]
+        self.optimizer = optimizer_factory([u.master for u in self.units])
+        self._pending: list[tuple[Unit, Work | None, torch.Tensor, torch.Tensor]] = []
+        self._order: list[int] = []  # units in the order this forward ran them
+        self._position: dict[int, int] = {}  # unit index → place in _order
+        self._next_forward: dict[int, int] = {}  # prefetch plan, from the previous forward
+        self._hooks: list[Any] = []
+        for u in self.units:
+            self._hooks.append(u.module.register_forward_pre_hook(self._pre_forward(u)))
+            self._hooks.append(u.module.register_forward_hook(self._post_forward(u)))
+            self._hooks += [p.register_post_accumulate_grad_hook(self._grad_ready(u, i))
+                            for i, p in enumerate(u.params)]
+        log.info("ZeRO-3: %d parameters in %d unit(s)", self.numel, len(self.units))
+
+    def _make_unit(self, index: int, module: nn.Module,
+                   named: list[tuple[str, nn.Parameter]]) -> Unit:
+        params = [p for _, p in named]
+        layout = shard_layout([p.numel() for p in params], self.comm.world_size)
+        full = torch.zeros(layout.padded_total, dtype=self.param_dtype, device=params[0].device)
+        views = param_views(full, params, layout)
+        with torch.no_grad():
+            for p, view in zip(params, views):
+                view.copy_(p.detach())
+        if self.config.broadcast_from_rank0 and self.comm.world_size > 1:
+            self.comm.broadcast(full, 0, algorithm=self.config.algorithm)
+        shard = shard_of(full, layout, self.comm.rank).clone()
+        unit = Unit(index, module, tuple(n for n, _ in named), params, layout, full, views,
+                    shard, master_copy(shard, self.config.master_dtype), gathered=True)
+        self._free(unit)
+        return unit
+
+    @property
+    def numel(self) -> int:
+        return sum(u.layout.total for u in self.units)
+
+    # ---------------------------------------------------------------- gather / free
+    def _gather(self, u: Unit, wait: bool = True) -> None:
+        """Start all-gathering ``u`` (if it is not already); with ``wait``, finish it and
+        point the parameters at the full buffer."""
+        if not u.gathered:
+            u.full.untyped_storage().resize_(u.full_nbytes)
+            u.gather_work = self.comm.all_gather(u.full, u.shard, async_op=True,
+                                                 algorithm=self.config.algorithm)
+            u.gathered = True
+        if wait and u.gather_work is not None:
+            u.gather_work.wait()
+            u.gather_work = None
+            for p, view in zip(u.params, u.views):
+                p.data = view
+
+    def _free(self, u: Unit) -> None:
+        if u.gather_work is not None:  # never free memory a collective is writing into
+            u.gather_work.wait()
+            u.gather_work = None
+        for p in u.params:
+            p.data = self._empty
+        u.full.untyped_storage().resize_(0)
+        u.gathered = False
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._order, self._position = [], {}
+        output = self.module(*args, **kwargs)
+        for u in self.units:  # prefetched but not run (a branch not taken): free
+            if u.gathered:
+                self._free(u)
+        self._next_forward = dict(zip(self._order, self._order[1:]))
+        return output
+
+    def _pre_forward(self, u: Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._gather(u)
+            if u.index not in self._position:
+                self._position[u.index] = len(self._order)
+                self._order.append(u.index)
+            if self.config.prefetch:
+                nxt = self._next_forward.get(u.index, u.index + 1)
+                if nxt < len(self.units):
+                    self._gather(self.units[nxt], wait=False)
+        return hook
+
+    def _post_forward(self, u: Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.is_grad_enabled():
+                for t in output_tensors(output):
+                    t.register_hook(self._pre_backward(u))
+            self._free(u)
+        return hook
+
+    # ---------------------------------------------------------------- backward
+    def _pre_backward(self, u: Unit) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self._gather(u)
+            if self.config.prefetch and u.index in self._position:
+                position = self._position[u.index]
+                if position > 0:
+                    self._gather(self.units[self._order[position - 1]], wait=False)
+        return hook
+
+    def _grad_ready(self, u: Unit, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            u.ready.add(i)
+            if len(u.ready) == len(u.params):
+                self._reduce(u)
+        return hook
+
+    def _reduce(self, u: Unit) -> None:
+        """Move the unit's gradients to a staging buffer, free them and the full parameters,
+        and reduce-scatter asynchronously into this rank's gradient shard."""
+        u.ready.clear()
+        staging = torch.empty(u.layout.padded_total, dtype=self.reduce_dtype,
+                              device=u.full.device)
+        staging[u.layout.total:].zero_()
+        with torch.no_grad():
+            for p, view in zip(u.params, param_views(staging, u.params, u.layout)):
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                    p.grad = None
+        self._free(u)
+        out = staging.new_empty(u.layout.shard_size)
+        work = self.comm.reduce_scatter(out, staging, "avg", algorithm=self.config.algorithm,
+                                        async_op=True)
+        self._pending.append((u, work, out, staging))
+        while len(self._pending) >= self.config.inflight_buckets or (
+                self._pending and _done(self._pending[0][1])):  # bound the staging memory
+            self._accumulate(self._pending.pop(0))
+
+    def _accumulate(self, item: tuple[Unit, Work | None, torch.Tensor, torch.Tensor]) -> None:
+        u, work, out, _staging = item
+        if work is not None:
+            work.wait()
+        u.grad_shard = out if u.grad_shard is None else u.grad_shard.add_(out)
+
+    def _flush(self) -> None:
+        """Reduce units whose backward did not complete (unused parameters), in unit order;
+        finish every reduction; free anything still gathered."""
+        for u in self.units:
+            if any(p.grad is not None for p in u.params):
+                self._reduce(u)
+        while self._pending:
+            self._accumulate(self._pending.pop(0))
+        for u in self.units:
+            u.ready.clear()
+            if u.gathered:
+                self._free(u)
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> None:
+        """Finish gradient reductions and update this rank's shards."""
+        self._flush()
+        for u in self.units:
+            u.master.grad = None if u.grad_shard is None else to_dtype(u.grad_shard,
+                                                                      u.master.dtype)
+        self.optimizer.step()
+        for u in self.units:
+            u.master.grad = None
+        self.reload_from_masters()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the gradient shards and any gradient not yet reduced (locally:
+        no collective runs here)."""
+        while self._pending:
+            self._accumulate(self._pending.pop(0))
+        for u in self.units:
+            u.ready.clear()
+            for p in u.params:
+                p.grad = None
+            if u.gathered:
+                self._free(u)
+            if set_to_none or u.grad_shard is None:
+                u.grad_shard = None
+            else:
+                u.grad_shard.zero_()
+
+    @contextmanager
+    def gathered(self) -> Iterator[nn.Module]:
+        """All parameters full inside the block (export, inspection): needs the whole model's
+        memory on this rank, so it is for small models and tests, not for training."""
+        for u in self.units:
+            self._gather(u, wait=False)
+        for u in self.units:
+            self._gather(u)
+        try:
+            yield self.module
+        finally:
+            for u in self.units:
+                self._free(u)
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Stage 3 keeps no full gradient to accumulate into: micro-batches are reduced as
+        they come (correct, one reduce-scatter per micro-batch)."""
+        return nullcontext()
+
+    # ---------------------------------------------------------------- checkpoints, memory
+    def shard_groups(self) -> list[ShardGroup]:
+        return [ShardGroup(u.names, tuple(tuple(v.shape) for v in u.views), u.layout, u.master)
+                for u in self.units]
+
+    def reload_from_masters(self) -> None:
+        """Copy the master shards into the parameter shards (when they are separate)."""
+        with torch.no_grad():
+            for u in self.units:
+                if u.master is not u.shard:
+                    u.shard.copy_(u.master)
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "params": [t for u in self.units for t in (u.shard, u.full)]
+            + list(self.module.parameters()),
+            "grads": [u.grad_shard for u in self.units if u.grad_shard is not None]
+            + [p.grad for p in self.module.parameters() if p.grad is not None],
+            "optimizer": optimizer_tensors(self.optimizer),
+        }
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def _done(work: Work | None) -> bool:
+    return work is None or work.is_completed()
