@@ -1,7 +1,17 @@
-"""disttrain: distributed deep-learning training for PyTorch, every strategy measured side by side."""
+"""disttrain: distributed deep-learning training for PyTorch, every strategy measured."""
 
 from disttrain.comm import CommConfig, Communicator, ReduceOp
+from disttrain.comm.monitored_barrier import monitored_barrier
+from disttrain.launch import init, shutdown
 
 __version__ = "0.1.0"
 
-__all__ = ["CommConfig", "Communicator", "ReduceOp", "__version__"]
+__all__ = [
+    "CommConfig",
+    "Communicator",
+    "ReduceOp",
+    "__version__",
+    "init",
+    "monitored_barrier",
+    "shutdown",
+]

@@ -1,0 +1,247 @@
+"""Where a worker stands: the torchrun contract, Slurm's variables, or explicit arguments.
+
+Pure functions over a mapping of environment variables, so every rule is tested without
+processes. Two directions:
+
+* :func:`worker_env` is what ``disttrain launch`` gives each worker: exactly torchrun's
+  variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+  the GROUP_/ROLE_ companions), so a script runs unchanged under either launcher.
+* :func:`resolve_placement` is what ``disttrain.init()`` reads back, in this order: explicit
+  arguments, then the torchrun contract, then Slurm (``srun``), else a single process.
+  Every error names the variable (or argument) to set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from disttrain.launch import slurm
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 300.0  # init_process_group and every blocking wait of the communicator
+BACKENDS = ("gloo", "nccl", "mpi")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class PlacementError(ValueError):
+    """The environment does not say (consistently) where this process stands."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int | None  # None: a single process, which needs no rendezvous port
+    source: str  # "explicit", "torchrun", "slurm" or "single"
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise PlacementError(f"world size must be ≥ 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise PlacementError(f"rank {self.rank} is out of range for world size "
+                                 f"{self.world_size}; ranks are 0..{self.world_size - 1}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise PlacementError(f"local rank {self.local_rank} is out of range for "
+                                 f"{self.local_world_size} process(es) on this node")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise PlacementError(f"master port {self.master_port} is not in 1..65535")
+
+
+def parse_int(name: str, value: str | int, fix: str) -> int:
+    """``int(value)``, or a PlacementError naming variable ``name`` and how to fix it."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise PlacementError(f"{name}={value!r} is not an integer; {fix}") from None
+
+
+@dataclass
+class PartialPlacement:
+    """What one source (environment or arguments) says; ``None`` where it says nothing."""
+
+    source: str
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def resolve_placement(env: Mapping[str, str], *, rank: int | None = None,
+                      world_size: int | None = None, local_rank: int | None = None,
+                      master_addr: str | None = None,
+                      master_port: int | None = None) -> Placement:
+    """Combine explicit arguments (which win) with what the environment says."""
+    if "RANK" in env or "WORLD_SIZE" in env:
+        part = _from_torchrun(env)
+    elif "SLURM_PROCID" in env:
+        task = slurm.task_from_env(env)
+        part = PartialPlacement("slurm", task.rank, task.world_size, task.local_rank,
+                                task.local_world_size, task.master_addr, task.master_port)
+    elif rank is None and world_size is None:
+        part = PartialPlacement("single", 0, 1)
+    else:
+        part = PartialPlacement("explicit")
+        if rank is None or world_size is None:
+            missing = "world_size" if world_size is None else "rank"
+            raise PlacementError(f"init() got only one of rank/world_size; pass {missing}= "
+                                 "too (or set RANK and WORLD_SIZE, or launch with disttrain "
+                                 "launch, torchrun or srun)")
+    for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank),
+                        ("master_addr", master_addr), ("master_port", master_port)):
+        if value is not None:
+            setattr(part, name, value)
+    return _complete(part, env)
+
+
+def _from_torchrun(env: Mapping[str, str]) -> PartialPlacement:
+    for name in ("RANK", "WORLD_SIZE"):
+        if name not in env:
+            other = "WORLD_SIZE" if name == "RANK" else "RANK"
+            raise PlacementError(f"{other} is set but {name} is not; set both (disttrain "
+                                 "launch and torchrun do), or neither")
+    part = PartialPlacement(
+        "torchrun",
+        parse_int("RANK", env["RANK"], "set it to this process's rank, 0..WORLD_SIZE-1"),
+        parse_int("WORLD_SIZE", env["WORLD_SIZE"], "set it to the number of processes"))
+    if env.get("LOCAL_RANK"):
+        part.local_rank = parse_int("LOCAL_RANK", env["LOCAL_RANK"],
+                                    "set it to this process's index on its node")
+    if env.get("LOCAL_WORLD_SIZE"):
+        part.local_world_size = parse_int("LOCAL_WORLD_SIZE", env["LOCAL_WORLD_SIZE"],
+                                          "set it to the number of processes on this node")
+    return part
+
+
+def _complete(part: PartialPlacement, env: Mapping[str, str]) -> Placement:
+    """Fill local rank, master address and port; check ranges with the variables' names."""
+    assert part.rank is not None and part.world_size is not None
+    rank, world = part.rank, part.world_size
+    if world < 1:
+        raise PlacementError(f"WORLD_SIZE={world} must be ≥ 1 (the number of processes)")
+    if not 0 <= rank < world:
+        raise PlacementError(f"RANK={rank} is out of range for WORLD_SIZE={world}: RANK must "
+                             f"be in 0..{world - 1}; set RANK and WORLD_SIZE consistently")
+    local_world = part.local_world_size
+    local_rank = part.local_rank
+    if local_rank is None:
+        local_rank = rank if local_world is None else rank % local_world
+    locality_known = local_world is not None
+    if local_world is None:
+        local_world = max(world, local_rank + 1)
+    if not 0 <= local_rank < local_world:
+        raise PlacementError(f"LOCAL_RANK={local_rank} is out of range for LOCAL_WORLD_SIZE="
+                             f"{local_world}; set them consistently")
+    addr = (part.master_addr or env.get("MASTER_ADDR")
+            or _default_master_addr(world, local_world if locality_known else None))
+    port: int | None = part.master_port
+    if port is None and env.get("MASTER_PORT"):
+        port = parse_int("MASTER_PORT", env["MASTER_PORT"],
+                         "set it to a free TCP port on the master node")
+    if port is None and world > 1:
+        raise PlacementError(f"MASTER_PORT is not set but {world} processes must meet; set "
+                             "MASTER_PORT (a free TCP port on the node of rank 0) or pass "
+                             "master_port=")
+    return Placement(rank, world, local_rank, local_world, addr, port, part.source)
+
+
+def _default_master_addr(world: int, local_world: int | None) -> str:
+    if world == 1 or (local_world is not None and local_world >= world):
+        return LOOPBACK  # every rank runs on this machine
+    spans = ("spans several nodes" if local_world is not None else
+             "may span several nodes (LOCAL_WORLD_SIZE is not set either)")
+    raise PlacementError(
+        f"MASTER_ADDR is not set, and WORLD_SIZE={world} {spans}; set MASTER_ADDR to the "
+        "address of the node running rank 0, e.g. 127.0.0.1 when every rank runs on this "
+        "machine (or pass master_addr=)")
+
+
+def resolve_timeout(timeout_s: float | None, env: Mapping[str, str]) -> float:
+    """Explicit argument, else $DISTTRAIN_TIMEOUT, else :data:`DEFAULT_TIMEOUT_S`."""
+    if timeout_s is None:
+        text = env.get("DISTTRAIN_TIMEOUT")
+        if not text:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout_s = float(text)
+        except ValueError:
+            raise PlacementError(f"DISTTRAIN_TIMEOUT={text!r} is not a number of seconds") from None
+    if not 0 < timeout_s < float("inf"):
+        raise PlacementError(f"the timeout must be a positive number of seconds, got "
+                             f"{timeout_s!r} (DISTTRAIN_TIMEOUT or timeout_s=)")
+    return float(timeout_s)
+
+
+def resolve_init_timeout(init_timeout_s: float | None, timeout_s: float,
+                         env: Mapping[str, str]) -> float:
+    """How long ranks wait for each other to *start* (the rendezvous): explicit argument,
+    else $DISTTRAIN_INIT_TIMEOUT, else the larger of ``timeout_s`` and
+    :data:`DEFAULT_TIMEOUT_S`. Starting N Python processes on a busy machine can take far
+    longer than one collective should, so a short operation timeout does not shorten it."""
+    if init_timeout_s is None and env.get("DISTTRAIN_INIT_TIMEOUT"):
+        text = env["DISTTRAIN_INIT_TIMEOUT"]
+        try:
+            init_timeout_s = float(text)
+        except ValueError:
+            raise PlacementError(f"DISTTRAIN_INIT_TIMEOUT={text!r} is not a number of "
+                                 "seconds") from None
+    if init_timeout_s is None:
+        return max(timeout_s, DEFAULT_TIMEOUT_S)
+    if not 0 < init_timeout_s < float("inf"):
+        raise PlacementError(f"the start-up timeout must be a positive number of seconds, got "
+                             f"{init_timeout_s!r} (DISTTRAIN_INIT_TIMEOUT or init_timeout_s=)")
+    return float(init_timeout_s)
+
+
+def resolve_debug(debug: bool | None, env: Mapping[str, str]) -> bool:
+    """Explicit argument, else DISTTRAIN_DEBUG=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    if debug is not None:
+        return bool(debug)
+    return (env.get("DISTTRAIN_DEBUG", "").strip().lower() in _TRUE
+            or env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL")
+
+
+def choose_backend(requested: str | None, env: Mapping[str, str], cuda_available: bool) -> str:
+    """NCCL when CUDA is available, else Gloo; ``requested`` or $DISTTRAIN_BACKEND wins."""
+    name = (requested or env.get("DISTTRAIN_BACKEND") or "").strip().lower()
+    if not name:
+        return "nccl" if cuda_available else "gloo"
+    if name not in BACKENDS:
+        raise PlacementError(f"backend {name!r} is unknown; choose one of {', '.join(BACKENDS)} "
+                             "(argument backend= or DISTTRAIN_BACKEND)")
+    if name == "nccl" and not cuda_available:
+        raise PlacementError("backend 'nccl' needs CUDA, which is not available here; use "
+                             "'gloo' (or leave the backend unset to choose automatically)")
+    return name
+
+
+def worker_env(base: Mapping[str, str], *, local_rank: int, nproc_per_node: int,
+               nnodes: int, node_rank: int, master_addr: str, master_port: int,
+               extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of one worker: ``base`` plus torchrun's variables (and ``extra``)."""
+    world = nnodes * nproc_per_node
+    rank = node_rank * nproc_per_node + local_rank
+    env = dict(base)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default",
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        # like torchrun: rank 0 does not host the rendezvous store, the launcher does
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    })
+    env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the rank prefixer as they happen
+    if nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: N workers share the cores
+    env.update(extra or {})
+    return env

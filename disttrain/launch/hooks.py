@@ -1,0 +1,246 @@
+"""Worker-side failure reporting, installed by ``disttrain.init()``: no rank dies silently.
+
+* An uncaught exception writes the rank's **error record** (traceback, root cause) and its
+  communicators' **flight-recorder dumps**, then prints as usual.
+* SIGTERM (the launcher stopping survivors after another rank failed, or Slurm) raises
+  :class:`WorkerTerminated`, a ``SystemExit`` with status 128+15 whose message names the rank
+  that failed first, read from the launcher's failure notice. The record and dumps are
+  written first.
+* A rank blocked inside a C call (a Gloo wait) runs Python signal handlers only when the
+  call returns. A watcher thread, woken through ``signal.set_wakeup_fd``, writes the record
+  (with the main thread's stack) and the dumps the moment SIGTERM or SIGINT arrives, so even
+  a rank that is then SIGKILLed leaves a diagnosis behind.
+* At exit, communicators with unfinished or failed collectives are dumped too.
+
+Hooks are process-wide by nature (``sys.excepthook``, signal handlers), so this module keeps
+the one process-wide registry of communicators to dump; nothing else reads it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import FrameType, TracebackType
+from typing import Any
+
+from disttrain.launch import records
+
+log = logging.getLogger(__name__)
+
+_NOTICE_WAIT_S = 1.0  # how long a rank that lost a peer waits for the launcher's notice
+
+
+class WorkerTerminated(SystemExit):
+    """A signal stopped this rank. Exit status 128 + signal, like a process killed by it;
+    ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
+class _State:
+    rank: int
+    env: Mapping[str, str]
+    host: str = field(default_factory=socket.gethostname)
+    comms: list[weakref.ref[Any]] = field(default_factory=list)
+    failing: bool = False
+    dumped: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_state: _State | None = None
+
+
+def install(comm: Any, rank: int, env: Mapping[str, str] | None = None) -> None:
+    """Report failures of this process (rank ``rank``) and dump ``comm``'s flight recorder."""
+    global _state
+    if _state is None:
+        _state = _State(rank, os.environ if env is None else env)
+        _chain_excepthook()
+        atexit.register(_at_exit)
+        _install_signal_handlers()
+    _state.rank = rank
+    register(comm)
+
+
+def register(comm: Any) -> None:
+    """Also dump ``comm`` (e.g. a sub-communicator from ``new_group``) when this rank fails."""
+    if _state is not None and all(ref() is not comm for ref in _state.comms):
+        _state.comms.append(weakref.ref(comm))
+
+
+def dump_flight_recorders(reason: str) -> list[str]:
+    """Write every registered communicator's flight recorder; returns the paths."""
+    if _state is None:
+        return []
+    paths = []
+    comms = [c for c in (ref() for ref in _state.comms) if c is not None]
+    for index, comm in enumerate(comms):
+        path = records.flight_file(_state.rank, _state.env, index)
+        try:
+            comm.flight_recorder.write(path, rank=_state.rank, host=_state.host, pid=os.getpid(),
+                                       reason=reason, time=time.time())
+            paths.append(str(path))
+        except OSError as exc:
+            log.warning("could not write the flight recorder to %s: %s", path, exc)
+    _state.dumped = _state.dumped or bool(paths)
+    return paths
+
+
+def record_failure(exc: BaseException, *, kind: str = "exception",
+                   stack: str | None = None) -> records.ErrorRecord | None:
+    """Dump the flight recorders and write this rank's error record; never raises."""
+    state = _state
+    if state is None:
+        return None
+    try:
+        with state.lock:
+            already = state.dumped
+            flights = dump_flight_recorders(f"{type(exc).__name__}: {exc}")
+            root = _root_cause(exc)
+            if root and root not in str(exc) and hasattr(exc, "add_note"):
+                exc.add_note(f"root cause (from disttrain launch): {root}")  # shown below it
+            text = stack if stack is not None else "".join(
+                traceback.format_exception(type(exc), exc, exc.__traceback__))
+            record = records.ErrorRecord(
+                f"{type(exc).__name__}: {exc}", text, time.time(), kind, state.rank,
+                state.host, os.getpid(), flights[0] if flights else None, root)
+            for path in _error_files(kind):
+                records.write_json(path, record.to_json())
+            if flights and not already:
+                log.error("rank %d: flight recorder written to %s", state.rank,
+                          ", ".join(flights))
+            return record
+    except Exception as err:  # reporting must never hide the original error
+        log.warning("could not record the failure of rank %d: %s", state.rank, err)
+        return None
+
+
+def _error_files(kind: str) -> list[str]:
+    assert _state is not None
+    names = [records.ERROR_FILE_VAR]
+    if kind == "exception":  # torchrun picks its root cause by these files' timestamps:
+        names.append(records.TORCH_ERROR_FILE_VAR)  # a terminated survivor must not compete
+    return sorted({_state.env[n] for n in names if _state.env.get(n)})
+
+
+def _root_cause(exc: BaseException) -> str | None:
+    """The launcher's notice when another rank failed first (waiting briefly for it when
+    this error says a peer died, since the launcher may not have noticed yet)."""
+    assert _state is not None
+    from disttrain.comm.errors import PeerFailedError
+
+    run_dir = _state.env.get(records.RUN_DIR_VAR)
+    wait = _NOTICE_WAIT_S if isinstance(exc, PeerFailedError) else 0.0
+    notice = records.wait_for_failure_notice(run_dir, wait)
+    if notice is None or notice.rank == _state.rank:
+        return None
+    return notice.describe()
+
+
+# ------------------------------------------------------------------- uncaught exceptions
+def _chain_excepthook() -> None:
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException,
+             tb: TracebackType | None) -> None:
+        if _state is not None:
+            _state.failing = True
+            record_failure(exc)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+def _at_exit() -> None:
+    """Dump communicators that still have unfinished or failed collectives."""
+    if _state is None or _state.dumped:
+        return
+    for comm in (ref() for ref in _state.comms):
+        if comm is not None and any(r["state"] != "completed"
+                                    for r in comm.flight_recorder.dump()):
+            dump_flight_recorders("exit with unfinished or failed collectives")
+            return
+
+
+# ------------------------------------------------------------------- signals
+def _install_signal_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # Python only lets the main thread install handlers
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    _start_watcher()
+
+
+def termination_message(signum: int) -> str:
+    assert _state is not None
+    name = signal.Signals(signum).name
+    notice = records.read_failure_notice(_state.env.get(records.RUN_DIR_VAR))
+    if notice is not None and notice.rank != _state.rank:
+        return f"rank {_state.rank} was stopped ({name}) because {notice.describe()}"
+    return f"rank {_state.rank} received {name} (from its launcher, the scheduler or a user)"
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    if _state is None or _state.failing:
+        return  # already reporting an error: let it finish (the launcher's grace is bounded)
+    _state.failing = True
+    error = WorkerTerminated(signum, termination_message(signum))
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+    record_failure(error, kind="terminated", stack=f"{stack}{type(error).__name__}: {error}\n")
+    log.error("%s", error)
+    raise error
+
+
+def _start_watcher() -> None:
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        previous = None
+    if previous != -1:  # someone else (e.g. asyncio) owns the wakeup fd: leave it to them
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    threading.Thread(target=_watch, args=(read_fd,), name="disttrain-signal-watch",
+                     daemon=True).start()
+
+
+def _watch(read_fd: int) -> None:
+    """Record where the main thread is the moment SIGTERM/SIGINT arrives (it may be blocked
+    in C and run its handler only much later, or be SIGKILLed first)."""
+    while True:
+        try:
+            data = os.read(read_fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            if signum in (signal.SIGTERM, signal.SIGINT) and _state is not None \
+                    and not _state.failing:
+                frame = sys._current_frames().get(threading.main_thread().ident or -1)
+                stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+                error = WorkerTerminated(signum, termination_message(signum))
+                record_failure(error, kind="terminated",
+                               stack=f"{stack}(main thread when {signal.Signals(signum).name} "
+                                     f"arrived)\n{type(error).__name__}: {error}\n")

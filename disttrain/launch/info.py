@@ -1,0 +1,188 @@
+"""``disttrain info``: what to check first when a distributed run misbehaves.
+
+Versions, which torch.distributed backends this build has (Gloo, NCCL, MPI), CPU cores and
+NUMA nodes, GPUs and how they are connected (peer access and ``nvidia-smi topo -m``), the
+calibrated transport costs that ``algorithm="auto"`` uses, and where this process would
+stand in a job (the launch variables it sees). ``--json`` prints the same as one object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+_NODE_DIR = Path("/sys/devices/system/node")
+_LAUNCH_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|"
+                          r"MASTER_PORT|GROUP_RANK|DISTTRAIN_\w+|SLURM_(PROCID|LOCALID|NTASKS|"
+                          r"JOB_ID|NODELIST|JOB_NODELIST|STEP_NODELIST)|GLOO_SOCKET_IFNAME|"
+                          r"NCCL_SOCKET_IFNAME|TORCH_DISTRIBUTED_DEBUG)$")
+
+
+def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("info", help="show versions, backends, CPUs/NUMA, GPUs and "
+                              "calibrated transport costs",
+                              description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    facts = collect()
+    print(json.dumps(facts, indent=2) if args.json else render(facts))
+    return 0
+
+
+def collect() -> dict[str, Any]:
+    """Everything ``disttrain info`` shows, as plain data."""
+    import torch
+
+    import disttrain
+
+    return {
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "disttrain": disttrain.__version__,
+        "torch": torch.__version__,
+        "backends": backends(),
+        "cpu": cpu(),
+        "gpus": gpus(),
+        "gpu_topology": nvidia_topology(),
+        "calibration": calibration(),
+        "launch": launch_environment(),
+    }
+
+
+def backends() -> dict[str, bool]:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return {"gloo": False, "nccl": False, "mpi": False}
+    return {"gloo": bool(dist.is_gloo_available()), "nccl": bool(dist.is_nccl_available()),
+            "mpi": bool(dist.is_mpi_available())}
+
+
+def numa_nodes(root: Path = _NODE_DIR) -> list[dict[str, Any]]:
+    """NUMA nodes with their CPU lists, from sysfs (empty where sysfs has none)."""
+    nodes = []
+    for path in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        try:
+            cpulist = (path / "cpulist").read_text().strip()
+        except OSError:
+            cpulist = ""
+        nodes.append({"node": int(path.name[4:]), "cpus": cpulist})
+    return nodes
+
+
+def cpu() -> dict[str, Any]:
+    import torch
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"logical_cores": os.cpu_count(), "usable_cores": usable,
+            "torch_threads": torch.get_num_threads(), "numa_nodes": numa_nodes()}
+
+
+def gpus() -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"cuda_available": False, "count": 0, "devices": [], "peer_access": []}
+    count = torch.cuda.device_count()
+    devices = []
+    for i in range(count):
+        props = torch.cuda.get_device_properties(i)
+        devices.append({"index": i, "name": props.name, "memory_bytes": props.total_memory,
+                        "capability": f"{props.major}.{props.minor}"})
+    peer = [[i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(count)]
+            for i in range(count)]
+    return {"cuda_available": True, "cuda": torch.version.cuda, "count": count,
+            "devices": devices, "peer_access": peer}
+
+
+def nvidia_topology() -> str | None:
+    """``nvidia-smi topo -m`` (links between GPUs, NICs and CPUs), when the tool exists."""
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return None
+    try:
+        done = subprocess.run([tool, "topo", "-m"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(nvidia-smi topo -m failed: {exc})"
+    return done.stdout.rstrip() if done.returncode == 0 else f"(nvidia-smi: {done.stderr.strip()})"
+
+
+def calibration() -> dict[str, Any]:
+    """The stored α-β costs per transport (see ``disttrain bench comm --calibrate``)."""
+    from disttrain.comm.cost_model import calibration_path, load_costs
+
+    path = calibration_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"path": str(path), "stored": False, "transports": {}}
+    if not isinstance(data, dict):
+        data = {}
+    names = sorted(k for k, v in data.items() if isinstance(v, dict))
+    return {"path": str(path), "stored": bool(names),
+            "transports": {name: asdict(load_costs(name, path)) for name in names}}
+
+
+def launch_environment() -> dict[str, Any]:
+    """The launch variables this process sees, and the placement init() would derive."""
+    from disttrain.launch.env import PlacementError, resolve_placement
+
+    variables = {k: v for k, v in sorted(os.environ.items()) if _LAUNCH_VARS.match(k)}
+    try:
+        placement: Any = asdict(resolve_placement(os.environ))
+    except (PlacementError, ValueError) as exc:
+        placement = f"error: {exc}"
+    return {"variables": variables, "placement": placement}
+
+
+def render(facts: dict[str, Any]) -> str:
+    """The human-readable form."""
+    b, c, g, cal = facts["backends"], facts["cpu"], facts["gpus"], facts["calibration"]
+    lines = [
+        f"disttrain {facts['disttrain']}  torch {facts['torch']}  python {facts['python']}",
+        f"host       {facts['host']} ({facts['platform']})",
+        "backends   " + "  ".join(f"{k}: {'yes' if v else 'no'}" for k, v in b.items()),
+        f"cpu        {c['logical_cores']} logical cores, {c['usable_cores']} usable, torch "
+        f"threads {c['torch_threads']}",
+        f"numa       {len(c['numa_nodes'])} node(s)" + "".join(
+            f"\n             node {n['node']}: cpus {n['cpus']}" for n in c["numa_nodes"]),
+    ]
+    if g["count"]:
+        lines.append(f"gpus       {g['count']} (CUDA {g.get('cuda')})")
+        lines += [f"             {d['index']}: {d['name']}, {d['memory_bytes'] / 2**30:.1f} GiB, "
+                  f"sm {d['capability']}" for d in g["devices"]]
+        lines.append("peer access " + "; ".join(
+            f"{i}→{[j for j, ok in enumerate(row) if ok and j != i]}"
+            for i, row in enumerate(g["peer_access"])))
+    else:
+        lines.append("gpus       none (CUDA not available)")
+    if facts["gpu_topology"]:
+        lines += ["topology (nvidia-smi topo -m):", facts["gpu_topology"]]
+    lines.append(f"costs      {cal['path']}" + ("" if cal["stored"] else " (none stored: "
+                 "defaults; run `disttrain bench comm --calibrate`)"))
+    for name, costs in cal["transports"].items():
+        lines.append(f"             {name}: alpha {costs['alpha'] * 1e6:.1f} µs, beta "
+                     f"{1 / costs['beta'] / 1e9 if costs['beta'] else float('inf'):.2f} GB/s, "
+                     f"native alpha {costs['native_alpha'] * 1e6:.1f} µs")
+    launch = facts["launch"]
+    place = launch["placement"]
+    if isinstance(place, dict):
+        place = (f"rank {place['rank']} of {place['world_size']} (local {place['local_rank']} "
+                 f"of {place['local_world_size']}), master {place['master_addr']}:"
+                 f"{place['master_port'] or '-'}, from {place['source']}")
+    lines.append(f"placement  {place}")
+    lines += [f"             {k}={v}" for k, v in launch["variables"].items()]
+    return "\n".join(lines)

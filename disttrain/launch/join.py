@@ -1,0 +1,114 @@
+"""``disttrain.init()``: join the job this process was started in and return its Communicator.
+
+One call works under ``disttrain launch``, ``torchrun``, Slurm's ``srun``, with explicit
+arguments, or in a plain ``python train.py`` (a world of one)::
+
+    comm = disttrain.init()          # reads RANK/WORLD_SIZE/MASTER_* or SLURM_* variables
+    comm.all_reduce(grad)
+    disttrain.shutdown(comm)
+
+It picks NCCL when CUDA is available (else Gloo), bounds the rendezvous and every later
+wait by a timeout (``timeout_s``, else $DISTTRAIN_TIMEOUT, else 5 minutes; the start-up by
+``init_timeout_s``, else $DISTTRAIN_INIT_TIMEOUT, else the larger of the two), turns on desync
+checks with ``debug=True`` or DISTTRAIN_DEBUG=1, and installs the failure hooks of
+:mod:`disttrain.launch.hooks` (error record, flight-recorder dump, named root cause).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from disttrain.comm import CommConfig, Communicator
+from disttrain.launch import env as envmod
+from disttrain.launch import hooks, netif
+
+log = logging.getLogger(__name__)
+
+
+class InitError(RuntimeError):
+    """This process could not join the job (its peers or the master are unreachable)."""
+
+
+def init(backend: str | None = None, *, rank: int | None = None,
+         world_size: int | None = None, local_rank: int | None = None,
+         master_addr: str | None = None, master_port: int | None = None,
+         timeout_s: float | None = None, init_timeout_s: float | None = None,
+         debug: bool | None = None) -> Communicator:
+    """Initialize torch.distributed for this process's place in the job; return the
+    Communicator over all ranks. Arguments override what the environment says.
+
+    ``timeout_s`` bounds every blocking wait of the communicator; ``init_timeout_s`` how
+    long ranks wait for each other to start."""
+    environ = os.environ
+    place = envmod.resolve_placement(environ, rank=rank, world_size=world_size,
+                                     local_rank=local_rank, master_addr=master_addr,
+                                     master_port=master_port)
+    timeout = envmod.resolve_timeout(timeout_s, environ)
+    start_timeout = envmod.resolve_init_timeout(init_timeout_s, timeout, environ)
+    debug_checks = envmod.resolve_debug(debug, environ)
+    name = envmod.choose_backend(backend, environ, torch.cuda.is_available())
+    if name == "nccl":
+        torch.cuda.set_device(place.local_rank % torch.cuda.device_count())
+    if dist.is_initialized():
+        _check_existing(place)
+    else:
+        _init_process_group(name, place, start_timeout)
+    comm = Communicator.from_torch(config=CommConfig(timeout_s=timeout,
+                                                     debug_checks=debug_checks))
+    hooks.install(comm, place.rank)
+    if place.rank == 0:
+        log.info("disttrain.init: %d rank(s) over %s (placement from %s, timeout %gs%s)",
+                 place.world_size, name, place.source, timeout,
+                 ", desync checks on" if debug_checks else "")
+    return comm
+
+
+def shutdown(comm: Communicator | None = None) -> None:
+    """Close ``comm`` (finishing its queued work) and leave the process group."""
+    if comm is not None:
+        comm.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _check_existing(place: envmod.Placement) -> None:
+    """torch.distributed is already up (e.g. the script called init_process_group): reuse it
+    when it agrees with the environment."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if (rank, world) != (place.rank, place.world_size) and place.source != "single":
+        raise InitError(f"torch.distributed is already initialized as rank {rank} of {world}, "
+                        f"but the {place.source} placement says rank {place.rank} of "
+                        f"{place.world_size}; call disttrain.init() instead of "
+                        "init_process_group, or pass matching rank=/world_size=")
+
+
+def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if place.master_port is None:  # a world of one needs no rendezvous
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
+    if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME") and place.world_size > 1:
+        interface = netif.gloo_interface_for(place.master_addr)
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+            log.debug("rank %d: Gloo uses interface %s (the route to %s)", place.rank,
+                      interface, place.master_addr)
+    host = f"[{place.master_addr}]" if ":" in place.master_addr else place.master_addr
+    # tcp:// and env:// both honour TORCHELASTIC_USE_AGENT_STORE: under disttrain launch and
+    # torchrun the launcher hosts the store, otherwise rank 0 does.
+    url = f"tcp://{host}:{place.master_port}"
+    try:
+        dist.init_process_group(backend, init_method=url, rank=place.rank,
+                                world_size=place.world_size, timeout=timeout)
+    except Exception as exc:
+        raise InitError(
+            f"rank {place.rank} of {place.world_size} could not join the process group at "
+            f"{place.master_addr}:{place.master_port} within {timeout_s:g}s ({exc}). Check that "
+            f"all {place.world_size} ranks were started, that MASTER_ADDR/MASTER_PORT name "
+            "the node of rank 0 and that its port is reachable from here") from exc

@@ -1,0 +1,199 @@
+"""``disttrain launch``: start the workers of one node, watch them, stop them all together.
+
+    rendezvous store ─┐ (node rank 0 only, like torchrun's agent store)
+                      ▼
+    spawn N workers ──► watch every 50 ms ──► all exited 0 ─────────────► exit 0
+      (torchrun env)      │                ──► a worker failed ──┐
+                          │                                      ▼
+                          └─ SIGINT/SIGTERM ─► forward ──► failure notice, SIGTERM the
+                                                           others, SIGKILL after the grace
+                                                           period, report the root cause,
+                                                           exit with its code
+
+The store lives in the launcher rather than in rank 0, so it outlives any worker: when a
+rank dies, the survivors can still check in through it and name the dead one. Every worker
+and whatever it started is killed through its process group before the launcher returns.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from disttrain.launch import records, summary
+from disttrain.launch.config import LaunchConfig, LaunchError, check_port_free
+from disttrain.launch.env import LOOPBACK, worker_env
+from disttrain.launch.process import Worker
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass
+class _Outcome:
+    kind: str  # "success", "failure" or "signal"
+    root: summary.Failure | None = None
+    signum: int | None = None
+
+
+class _Signals:
+    """Catches SIGINT/SIGTERM/SIGHUP for the launcher's main loop."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.event = threading.Event()
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+        self.event.set()
+
+    def wait(self, timeout_s: float) -> None:
+        self.event.wait(timeout_s)
+
+
+@contextmanager
+def _catching_signals() -> Iterator[_Signals]:
+    caught = _Signals()
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in _FORWARDED:
+            previous[signum] = signal.signal(signum, caught.handler)
+    try:
+        yield caught
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)
+
+
+def _host_store(config: LaunchConfig, timeout_s: float) -> tuple[Any | None, int]:
+    """Node rank 0 hosts the rendezvous store; returns (store, port)."""
+    if not config.hosts_store:
+        assert config.master_port is not None
+        return None, config.master_port
+    if config.master_port is not None:
+        check_port_free(config.master_port)
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore("0.0.0.0", config.master_port or 0, None, True,
+                              timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+    except Exception as exc:
+        raise LaunchError(f"could not open the rendezvous store on port "
+                          f"{config.master_port or '(any)'}: {exc}") from exc
+    return store, int(store.port)
+
+
+def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker]) -> None:
+    """Start every worker, appending each to ``workers`` as it starts (so a failure half way
+    still lets the caller stop the ones already running)."""
+    addr = config.master_addr or LOOPBACK
+    for local_rank in range(config.nproc_per_node):
+        rank = config.node_rank * config.nproc_per_node + local_rank
+        error_file = os.path.join(run_dir, f"error-rank{rank}.json")
+        extra = {records.RUN_DIR_VAR: run_dir, records.ERROR_FILE_VAR: error_file,
+                 records.TORCH_ERROR_FILE_VAR: error_file}
+        if not os.environ.get(records.FLIGHT_DIR_VAR):
+            extra[records.FLIGHT_DIR_VAR] = run_dir
+        env = worker_env(os.environ, local_rank=local_rank,
+                         nproc_per_node=config.nproc_per_node, nnodes=config.nnodes,
+                         node_rank=config.node_rank, master_addr=addr, master_port=port,
+                         extra=extra)
+        workers.append(Worker(rank, local_rank, config.command(), env))
+
+
+def _watch(workers: list[Worker], caught: _Signals, run_dir: str, host: str) -> _Outcome:
+    while True:
+        if caught.received:
+            return _Outcome("signal", signum=caught.received[0])
+        for worker in workers:
+            worker.poll()
+        failed = summary.failures(workers)
+        if failed:
+            root = summary.first_failure(failed)
+            # Written before the others are signalled, so their last words can name it.
+            records.write_failure_notice(run_dir, summary.notice_for(root, host))
+            return _Outcome("failure", root=root)
+        if all(w.returncode is not None for w in workers):
+            return _Outcome("success")
+        caught.wait(_POLL_S)
+
+
+def _stop(workers: list[Worker], signum: int, grace_s: float, caught: _Signals) -> None:
+    """``signum`` to every live worker's group, SIGKILL after ``grace_s`` (or at a second
+    signal to the launcher), then SIGKILL every group so no descendant survives."""
+    alive = [w for w in workers if w.alive()]
+    for worker in alive:
+        worker.signal_group(signum)
+    already = len(caught.received)
+    deadline = time.monotonic() + grace_s
+    while any(w.alive() for w in alive) and time.monotonic() < deadline:
+        if len(caught.received) > already:
+            break  # asked (again) to stop: do not wait any longer
+        caught.event.clear()
+        caught.wait(_POLL_S)
+    for worker in workers:
+        worker.signal_group(signal.SIGKILL)
+    for worker in workers:
+        worker.wait()
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run the job's workers on this node; return the launcher's exit code."""
+    host = socket.gethostname()
+    store, port = _host_store(config, timeout_s=600.0)
+    own_dir = config.run_dir is None
+    run_dir = tempfile.mkdtemp(prefix="disttrain-run-") if own_dir else str(config.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    lock = threading.Lock()
+    workers: list[Worker] = []
+    with _catching_signals() as caught:
+        try:
+            _spawn(config, port, run_dir, workers)
+            for worker in workers:
+                worker.start_output(lock, config.prefix_output)
+            outcome = _watch(workers, caught, run_dir, host)
+        finally:  # also when spawning or watching raised: nothing may outlive the launcher
+            _stop(workers, (caught.received or [signal.SIGTERM])[0], config.grace_s, caught)
+    for worker in workers:
+        worker.join_output(2.0)
+    code, report = _conclude(outcome, workers, host, run_dir)
+    if report:
+        with lock:
+            print(report, file=sys.stderr, flush=True)
+    if code == 0 and own_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    del store  # the store outlived every worker
+    return code
+
+
+def _conclude(outcome: _Outcome, workers: list[Worker], host: str,
+              run_dir: str) -> tuple[int, str]:
+    if outcome.kind == "success":
+        return 0, ""
+    if outcome.kind == "signal":
+        assert outcome.signum is not None
+        name = signal.Signals(outcome.signum).name
+        return 128 + outcome.signum, (f"disttrain launch: received {name}; forwarded it to "
+                                      f"{len(workers)} worker(s) and stopped them (files: "
+                                      f"{run_dir})")
+    assert outcome.root is not None and outcome.root.worker.returncode is not None
+    root = summary.Failure(outcome.root.worker,  # re-read: the record may be complete now
+                           records.read_error_record(outcome.root.worker.error_file))
+    return (summary.exit_code(outcome.root.worker.returncode),
+            summary.format_report(root, workers, host, run_dir))

@@ -1,0 +1,150 @@
+"""The launcher's report when a run fails: who failed first, how, and where each rank was.
+
+The root cause is the first worker the launcher saw exit with an error; among workers seen
+in the same poll, one that failed on its own beats one that only reports a dead peer or was
+terminated, then the earliest error record. The report shows its host, exit code or signal,
+the tail of its traceback (from its error record, else its stderr), and, per rank, the last
+collective in its flight recorder, which shows at a glance which rank fell behind.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from disttrain.launch import records
+from disttrain.launch.process import Worker
+
+_TAIL = 15
+_CONSEQUENCES = ("PeerFailedError", "WorkerTerminated", "CommTimeoutError")
+
+
+def exit_code(returncode: int) -> int:
+    """A process's status as a shell reports it: 128 + signal for a killed process."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    if returncode > 128:
+        try:
+            return f"exited with code {returncode} ({signal.Signals(returncode - 128).name})"
+        except ValueError:
+            pass
+    return f"exited with code {returncode}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the launcher knows about a worker that ended with an error."""
+
+    worker: Worker
+    record: records.ErrorRecord | None
+
+    @property
+    def rank(self) -> int:
+        return self.worker.rank
+
+    def is_consequence(self) -> bool:
+        """Did it fail because another rank did (a dead peer, a termination)?"""
+        return self.record is not None and (
+            self.record.kind == "terminated" or self.record.message.startswith(_CONSEQUENCES))
+
+    def sort_key(self) -> tuple[bool, float]:
+        seen = self.worker.exited_at or 0.0
+        when = self.record.timestamp if self.record and self.record.timestamp else seen
+        return (self.is_consequence(), when)
+
+
+def failures(workers: Sequence[Worker]) -> list[Failure]:
+    """Workers that exited with an error, with their error records."""
+    out = []
+    for worker in workers:
+        if worker.returncode not in (None, 0):
+            record = records.read_error_record(worker.error_file) if worker.error_file else None
+            out.append(Failure(worker, record))
+    return out
+
+
+def first_failure(candidates: Sequence[Failure]) -> Failure:
+    return min(candidates, key=Failure.sort_key)
+
+
+def notice_for(failure: Failure, host: str) -> records.FailureNotice:
+    worker = failure.worker
+    assert worker.returncode is not None
+    message = failure.record.message if failure.record else ""
+    return records.FailureNotice(worker.rank, host, worker.pid, describe_exit(worker.returncode),
+                                 message)
+
+
+def format_report(root: Failure, workers: Sequence[Worker], host: str, run_dir: str) -> str:
+    worker = root.worker
+    assert worker.returncode is not None
+    others = [w for w in workers if w is not worker]
+    lines = [
+        f"disttrain launch: rank {root.rank} failed first; it {describe_exit(worker.returncode)}"
+        f"{'' if not others else f' and the other {len(others)} local worker(s) were stopped'}.",
+        f"===== root cause: rank {root.rank} =====",
+        f"  host       : {host} (local rank {worker.local_rank}, pid {worker.pid})",
+        f"  exit       : {describe_exit(worker.returncode)}",
+    ]
+    if root.record is not None:
+        lines += [f"  error      : {_one_line(root.record.message)}",
+                  f"  error file : {worker.error_file}"]
+        if root.record.flight_file:
+            lines.append(f"  flight rec.: {root.record.flight_file}")
+        tail = root.record.traceback.rstrip("\n").splitlines()[-_TAIL:]
+        source = "traceback"
+    else:
+        lines.append("  error file : <none: the process ended before writing one "
+                     "(killed by a signal, or it does not call disttrain.init())>")
+        tail = [line.rstrip("\n") for line in worker.stderr_tail][-_TAIL:]
+        source = "stderr"
+    if tail:
+        lines.append(f"  {source} (last {len(tail)} lines):")
+        lines += [f"    {line}" for line in tail]
+    lines += _other_ranks(others)
+    lines += _collectives(workers, run_dir)
+    lines.append(f"error records and flight-recorder dumps: {run_dir}")
+    return "\n".join(lines)
+
+
+def _other_ranks(others: Sequence[Worker]) -> list[str]:
+    if not others:
+        return []
+    lines = ["===== other ranks on this node ====="]
+    for worker in others:
+        code = worker.returncode
+        status = "still running?" if code is None else describe_exit(code)
+        record = records.read_error_record(worker.error_file) if worker.error_file else None
+        detail = f": {_one_line(record.message)}" if record is not None else ""
+        lines.append(f"  rank {worker.rank}: {status}{detail}")
+    return lines
+
+
+def _collectives(workers: Sequence[Worker], run_dir: str) -> list[str]:
+    """The last flight-recorder entry of each rank that left a dump."""
+    rows = []
+    for worker in workers:
+        record = records.read_error_record(worker.error_file) if worker.error_file else None
+        path = record.flight_file if record and record.flight_file else None
+        default = Path(run_dir) / f"flight-rank{worker.rank}.json"
+        last = records.last_collective(path or (default if default.exists() else None))
+        if last is not None:
+            rows.append(f"  rank {worker.rank}: {last.get('op')} #{last.get('seq')} "
+                        f"({last.get('algorithm')}, {last.get('nbytes')} bytes) "
+                        f"{last.get('state')}")
+    return ["===== last collective per rank (flight recorder) =====", *rows] if rows else []
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"

@@ -1,0 +1,91 @@
+"""The command lines: bad input to ``disttrain launch`` gets a clear message and a non-zero
+exit before anything is spawned; ``disttrain info`` reports this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain.cli import main
+from disttrain.comm.cost_model import LinkCosts, save_costs
+from disttrain.launch.config import free_port
+from tests.launch_scripts.harness import SCRIPTS, run_cli
+
+SCRIPT = str(SCRIPTS / "plain.py")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-n", "0", SCRIPT], "-n/--nproc-per-node must be a positive integer"),
+    (["-n", "2", "missing_script.py"], "script 'missing_script.py' does not exist"),
+    (["-n", "2"], "nothing to run: give a script"),
+    (["--node-rank", "1", SCRIPT], "--node-rank 1 needs --nnodes > 1"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "29500",
+      SCRIPT], "--node-rank 2 is out of range for --nnodes 2"),
+    (["--nnodes", "2", "--node-rank", "-1", "--master-addr", "h", "--master-port", "29500",
+      SCRIPT], "out of range"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-port", "29500", SCRIPT],
+     "--nnodes 2 needs --master-addr"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", SCRIPT],
+     "--nnodes 2 needs --master-port"),
+    (["--nnodes", "1:4", SCRIPT], "elastic ranges like 1:4 are not supported"),
+    (["-m", SCRIPT], "-m expects a module name like 'pkg.train'"),
+    (["--master-port", "99999", SCRIPT], "is not a TCP port"),
+])
+def test_bad_launch_input_is_refused_with_a_message(capsys, argv, needle):
+    assert main(["launch", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("disttrain launch: error: ") and needle in err, err
+
+
+def test_port_in_use_is_refused(capsys, tmp_path):
+    port = free_port()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        code = main(["launch", "--master-port", str(port), SCRIPT, "ok", str(tmp_path)])
+    assert code == 2
+    assert f"--master-port {port} is already in use" in capsys.readouterr().err
+    assert not list(tmp_path.glob("pid-*"))  # nothing was started
+
+
+def test_missing_script_from_the_real_command():
+    done = run_cli("launch", "-n", "2", "no/such/train.py", timeout=60)
+    assert done.returncode == 2
+    assert "script 'no/such/train.py' does not exist" in done.stderr
+
+
+def test_info_reports_this_machine(tmp_path):
+    calibration = tmp_path / "costs.json"
+    save_costs("torch", LinkCosts(alpha=42e-6, source="test"), calibration)
+    done = run_cli("info", "--json", env={"DISTTRAIN_CALIBRATION": str(calibration),
+                                          "RANK": "1", "WORLD_SIZE": "2",
+                                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"},
+                   timeout=60)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout)
+    assert facts["torch"] == torch.__version__
+    assert facts["backends"]["gloo"] is True
+    assert facts["backends"]["nccl"] == torch.distributed.is_nccl_available()
+    assert facts["cpu"]["logical_cores"] == os.cpu_count()
+    numa = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    assert len(facts["cpu"]["numa_nodes"]) == len(numa)
+    assert facts["gpus"]["count"] == (torch.cuda.device_count() if torch.cuda.is_available()
+                                      else 0)
+    assert facts["calibration"]["stored"] is True
+    assert facts["calibration"]["transports"]["torch"]["alpha"] == pytest.approx(42e-6)
+    assert facts["launch"]["placement"]["rank"] == 1
+    assert facts["launch"]["variables"]["WORLD_SIZE"] == "2"
+
+
+def test_info_text_names_each_section(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("DISTTRAIN_CALIBRATION", str(tmp_path / "none.json"))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for needle in (f"torch {torch.__version__}", "backends   gloo: yes", "numa", "gpus",
+                   "none stored", "placement  rank 0 of 1"):
+        assert needle in out, out
