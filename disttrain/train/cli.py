@@ -1,0 +1,172 @@
+"""``disttrain run``: train one model with one strategy and report its accuracy.
+
+    disttrain run --strategy ddp -n 2 --model lenet --dataset digits --epochs 3
+    disttrain run --strategy single --model lenet --dataset digits --epochs 3   # the reference
+
+With ``-n N > 1`` it starts N local ranks itself; inside a launched job (``RANK`` and
+``WORLD_SIZE`` set by torchrun, ``disttrain launch`` or Slurm) it runs as that rank.
+Exit codes: 0 done, 1 a rank failed (named on stderr), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from disttrain.comm import CommConfig
+from disttrain.train.config import OPTIMIZERS, PRECISIONS, ParallelOptions, TrainConfig
+from disttrain.train.data import DATASETS, DataOptions
+from disttrain.train.models import MODELS
+from disttrain.train.registry import resolve
+from disttrain.train.result import TrainResult
+from disttrain.train.strategies import STRATEGIES
+
+
+def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("run", help="train a model with one strategy",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategy", default="single", help=f"one of: {', '.join(STRATEGIES)}")
+    p.add_argument("-n", "--nproc", type=int, default=None,
+                   help="ranks to start on this machine (default 1; in a launched job: "
+                        "WORLD_SIZE)")
+    p.add_argument("--model", default="lenet",
+                   help=f"one of: {', '.join(MODELS)}, or package.module:factory")
+    p.add_argument("--dataset", default="digits",
+                   help=f"one of: {', '.join(DATASETS)}, or package.module:factory")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, help="passes over the training split (default 1)")
+    length.add_argument("--steps", type=int, help="optimizer steps in total")
+    defaults = TrainConfig()
+    p.add_argument("--global-batch", "--batch", type=int, default=defaults.global_batch,
+                   help="samples per step over all ranks (default %(default)s)")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step per rank")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--momentum", type=float, default=defaults.momentum)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    _loop_arguments(p)
+    _data_and_parallel_arguments(p)
+    p.add_argument("--transport", choices=("torch", "shm", "auto"), default="torch",
+                   help="how disttrain.comm moves bytes between local ranks (default torch)")
+    p.add_argument("--comm-timeout", type=float, default=120.0,
+                   help="seconds any collective may wait (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds the whole run may take (default: no limit)")
+    p.add_argument("--json", metavar="FILE", help="write rank 0's result summary as JSON")
+    p.set_defaults(func=run)
+
+
+def _loop_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="evaluate every N steps (default: after each epoch; 0: at the end)")
+    p.add_argument("--log-every", type=int, default=TrainConfig().log_every)
+    p.add_argument("--checkpoint-dir", help="write checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--tensorboard", metavar="DIR", help="TensorBoard log dir (if installed)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: when stderr is a terminal)")
+
+
+def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    data = DataOptions()
+    group = p.add_argument_group("synthetic data")
+    group.add_argument("--samples", type=int, default=data.num_samples)
+    group.add_argument("--input-shape", default="1,8,8", help="e.g. 3,32,32 or 20")
+    group.add_argument("--num-classes", type=int, default=data.num_classes)
+    group.add_argument("--seq-len", type=int, default=data.seq_len)
+    group.add_argument("--vocab-size", type=int, default=data.vocab_size)
+    group.add_argument("--data-seed", type=int, default=data.seed)
+    ddp = p.add_argument_group("data parallel")
+    ddp.add_argument("--bucket-cap-mb", type=float, default=ParallelOptions().bucket_cap_mb)
+    ddp.add_argument("--compression", default=None, help="gradient compression ('ddp' only)")
+    ddp.add_argument("--find-unused-parameters", action="store_true")
+    ddp.add_argument("--algorithm", default=None,
+                     help="gradient all-reduce algorithm of disttrain.comm ('ddp' only: ring, "
+                          "tree, halving_doubling, naive, native; default: auto). 'native' "
+                          "traffic runs inside torch and is not counted in comm_MB")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Map the flags onto TrainConfig (raises ValueError with the fix on bad values)."""
+    try:
+        shape = tuple(int(d) for d in args.input_shape.split(","))
+    except ValueError:
+        raise ValueError(f"--input-shape must be comma-separated ints like 1,8,8, got "
+                         f"{args.input_shape!r}") from None
+    data = DataOptions(num_samples=args.samples, input_shape=shape, num_classes=args.num_classes,
+                       seq_len=args.seq_len, vocab_size=args.vocab_size, seed=args.data_seed)
+    parallel = ParallelOptions(bucket_cap_mb=args.bucket_cap_mb, compression=args.compression,
+                               find_unused_parameters=args.find_unused_parameters,
+                               algorithm=args.algorithm)
+    return TrainConfig(
+        model=args.model, dataset=args.dataset, strategy=args.strategy, data=data,
+        parallel=parallel, epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
+        accumulate=args.accumulate, optimizer=args.optimizer, lr=args.lr,
+        momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
+        precision=args.precision, eval_every=args.eval_every, log_every=args.log_every,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, tensorboard_dir=args.tensorboard, progress=args.progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    from disttrain.train import spawn
+    from disttrain.train.loop import checked_setup, train
+
+    try:
+        config = config_from_args(args)
+        in_job = spawn.in_launched_job()
+        world_size = _world_size(args.nproc, in_job)
+        checked_setup(config, world_size)
+        resolve(MODELS, config.model, "model")
+        resolve(DATASETS, config.dataset, "dataset")
+        comm_config = CommConfig(timeout_s=args.comm_timeout)
+        if in_job:
+            result: TrainResult | None = spawn.run_in_job(config, comm_config)
+            if result is not None and result.rank != 0:
+                result = None
+        elif world_size == 1 and not STRATEGIES[config.strategy].needs_comm:
+            result = train(config)
+        else:
+            result = spawn.run_local(config, world_size, comm_config, args.timeout,
+                                     args.transport)[0]
+    except (ValueError, ImportError) as exc:  # bad settings, or a missing optional package
+        print(f"disttrain run: error: {exc}", file=sys.stderr)
+        return 2
+    except spawn.RankFailedError as exc:
+        print(f"disttrain run: {exc}", file=sys.stderr)
+        return 1
+    if result is not None:
+        _report(result, args.json)
+    return 0
+
+
+def _world_size(nproc: int | None, in_job: bool) -> int:
+    if in_job:
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc is not None and nproc != world:
+            raise ValueError(f"-n {nproc} disagrees with WORLD_SIZE={world} set by the "
+                             f"launcher; drop -n inside a launched job")
+        return world
+    nproc = 1 if nproc is None else nproc
+    if nproc < 1:
+        raise ValueError(f"-n must be ≥ 1, got {nproc}")
+    return nproc
+
+
+def _report(result: TrainResult, json_path: str | None) -> None:
+    accuracy = "-" if result.accuracy is None else f"{result.accuracy:.4f}"
+    eval_loss = "-" if result.eval_loss is None else f"{result.eval_loss:.4f}"
+    print(f"result strategy={result.strategy} world_size={result.world_size} "
+          f"global_batch={result.global_batch} steps={result.steps} "
+          f"samples/s={result.samples_per_s:.1f} "
+          f"peak_mem_MB={result.peak_mem_bytes_max / 1e6:.1f}")
+    print(f"accuracy={accuracy} eval_loss={eval_loss} final_loss={result.final_loss:.4f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result.summary(), f, indent=2)

@@ -1,0 +1,106 @@
+"""TrainConfig: everything one training run needs, validated on creation.
+
+The CLI maps its flags onto these fields; the benchmark builds them directly. Checks that
+need the world size (the global batch must split evenly over the data-parallel ranks) run
+in :func:`check_world` once the communicator is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disttrain.train.data import DataOptions
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """Options of the data-parallel strategies (later strategies add their fields here)."""
+
+    bucket_cap_mb: float = 25.0  # gradient bucket size for "ddp" and "torch-ddp"
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    compression: str | None = None  # "ddp" only: a name disttrain.parallel understands
+    algorithm: str | None = None  # "ddp" only: all-reduce algorithm for gradients (None: auto)
+
+    def __post_init__(self) -> None:
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+
+
+def _positive(name: str, value: object, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int ≥ {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Give ``epochs`` or ``steps`` (neither: one epoch).
+
+    ``dataclasses.replace`` works as usual; to switch from epochs to steps, set the other to
+    None (``replace(config, epochs=None, steps=100)``).
+    """
+
+    model: str = "lenet"  # registry name or "package.module:factory"
+    dataset: str = "digits"  # registry name or "package.module:factory"
+    strategy: str = "single"
+    data: DataOptions = field(default_factory=DataOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    epochs: int | None = None
+    steps: int | None = None  # optimizer steps in total (overrides epochs)
+    global_batch: int = 32  # samples per optimizer step over all data-parallel ranks
+    accumulate: int = 1  # micro-batches per step on each rank (gradient accumulation)
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.0
+    seed: int = 0  # model init (same on every rank) and data order
+    precision: str = "fp32"
+    eval_every: int | None = None  # None: after each epoch; 0: only at the end; N: every N steps
+    log_every: int = 10  # steps between metrics lines (0: none)
+    warmup_steps: int = 1  # first steps left out of samples/s
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
+    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
+    tensorboard_dir: str | None = None  # written by rank 0 when tensorboard is installed
+    progress: bool | None = None  # progress bar on rank 0 (None: when stderr is a terminal)
+
+    def __post_init__(self) -> None:
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError("give epochs or steps, not both")
+        if self.epochs is not None:
+            _positive("epochs", self.epochs)
+        if self.steps is not None:
+            _positive("steps", self.steps)
+        _positive("global_batch", self.global_batch)
+        _positive("accumulate", self.accumulate)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
+                             f"got {self.optimizer!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {self.precision!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1 or self.weight_decay < 0:
+            raise ValueError(f"momentum must be in [0, 1) and weight_decay ≥ 0, got "
+                             f"{self.momentum}, {self.weight_decay}")
+        if self.eval_every is not None:
+            _positive("eval_every", self.eval_every, allow_zero=True)
+        for name in ("log_every", "warmup_steps", "checkpoint_every"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume=True needs checkpoint_dir (where to find the checkpoint)")
+
+    def micro_batch(self, dp_size: int) -> int:
+        """Samples per forward pass on one data-parallel rank."""
+        per_step = dp_size * self.accumulate
+        if self.global_batch % per_step:
+            raise ValueError(
+                f"global batch {self.global_batch} does not split evenly over {dp_size} "
+                f"data-parallel rank(s) × {self.accumulate} micro-batch(es); use a multiple "
+                f"of {per_step}, e.g. {max(1, round(self.global_batch / per_step)) * per_step}")
+        return self.global_batch // per_step

@@ -1,0 +1,263 @@
+"""The training loop every strategy shares: ``train(config, comm) -> TrainResult``.
+
+One call on every rank (all ranks must call it with the same config)::
+
+    seed(config.seed) → build model (identical on every rank) → strategy wraps it
+    for each step:   this rank's shard of the global batch (DistributedSampler)
+                     → strategy.train_step (forward, backward, gradient sync, update)
+                     → metrics line / progress bar / evaluation / checkpoint when due
+    gather final loss and peak memory over ranks → TrainResult
+
+The global batch is split evenly over the data-parallel ranks (and ``accumulate``
+micro-batches each), so N ranks × b samples see exactly the samples one process sees with
+batch N·b: that is what makes every strategy comparable with the single-process reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from disttrain.comm import Communicator
+from disttrain.train import checkpoint
+from disttrain.train.config import TrainConfig
+from disttrain.train.data import DatasetSplits, build_dataset, fetch, size
+from disttrain.train.evaluate import evaluate
+from disttrain.train.metrics import (
+    ProgressBar,
+    StepRecord,
+    TensorBoard,
+    format_line,
+    log,
+    peak_memory_bytes,
+)
+from disttrain.train.models import build_model
+from disttrain.train.precision import autocast_factory
+from disttrain.train.result import EvalPoint, TrainResult
+from disttrain.train.sampler import DistributedSampler
+from disttrain.train.strategies import Strategy, get_strategy, optimizer_factory
+
+Hook = Callable[[StepRecord], None]
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy; works for classes (B, C)/(B,) and tokens (B, T, V)/(B, T)."""
+    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+
+def train(config: TrainConfig, comm: Communicator | None = None, *,
+          hooks: Sequence[Hook] = ()) -> TrainResult:
+    """Run ``config`` on this rank (every rank of ``comm`` calls it) and return the result."""
+    run = _Run(config, comm)
+    try:
+        return run.execute(hooks)
+    finally:
+        run.close()
+
+
+def checked_setup(config: TrainConfig, world_size: int) -> int:
+    """Validate what can be checked before starting ranks; returns the micro-batch size."""
+    spec = get_strategy(config.strategy)
+    spec.check_world(world_size, config.strategy)
+    return config.micro_batch(spec.data_parallel_size(world_size))
+
+
+class _Run:
+    """The state of one run; ``execute`` is the loop."""
+
+    def __init__(self, config: TrainConfig, comm: Communicator | None) -> None:
+        self.config, self.comm = config, comm
+        self.rank = comm.rank if comm is not None else 0
+        self.world_size = comm.world_size if comm is not None else 1
+        spec = get_strategy(config.strategy)
+        self.micro = checked_setup(config, self.world_size)
+        if spec.needs_comm and comm is None:
+            raise ValueError(f"strategy {config.strategy!r} needs a communicator")
+        self.data: DatasetSplits = build_dataset(config.dataset, config.data)
+        torch.manual_seed(config.seed)  # identical initial parameters on every rank
+        module = build_model(config.model, self.data.info)
+        self.strategy: Strategy = spec.build(module, comm, optimizer_factory(config), config)
+        try:
+            self._setup()
+        except BaseException:
+            self.strategy.close()
+            raise
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        config = self.config
+        torch.manual_seed(config.seed + 1 + self.rank)  # per-rank stream (e.g. dropout)
+        self.sampler = DistributedSampler(size(self.data.train), self.strategy.dp_size,
+                                          self.strategy.dp_rank, shuffle=True,
+                                          seed=config.seed, drop_last=True)
+        self.per_step = self.micro * config.accumulate
+        self.steps_per_epoch = len(self.sampler) // self.per_step
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"global batch {config.global_batch} is larger than the training "
+                             f"split ({len(self.sampler) * self.strategy.dp_size} samples); "
+                             f"use a smaller global_batch")
+        self.total_steps = config.steps or (config.epochs or 1) * self.steps_per_epoch
+        self.autocast = autocast_factory(config.precision)
+        self.meta = {"model": config.model, "dataset": config.dataset,
+                     "data": dataclasses.asdict(config.data), "global_batch": config.global_batch,
+                     "seed": config.seed, "world_size": self.world_size}
+        self.step, self.start_step = 0, 0
+        self.step_times: list[float] = []
+        self.losses: list[float] = []
+        self.bytes_sent: list[int] = []
+        self.bytes_unobserved = 0
+        self.evaluations: list[EvalPoint] = []
+        show = config.progress if config.progress is not None else sys.stderr.isatty()
+        self.progress = ProgressBar(self.total_steps, enabled=show and self.rank == 0)
+        self.tensorboard = TensorBoard(config.tensorboard_dir if self.rank == 0 else None)
+        self._resume()
+
+    def _resume(self) -> None:
+        directory = self.config.checkpoint_dir
+        if not self.config.resume or directory is None:
+            return
+        path = checkpoint.latest(directory)
+        if path is None:
+            log.info("no checkpoint in %s yet: starting from step 0", directory)
+            return
+        resumed = checkpoint.load(path, self.strategy, self.rank, self.meta)
+        self.step = self.start_step = resumed.step
+        if resumed.sampler is not None:
+            self.sampler.load_state_dict(resumed.sampler)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def _position(self) -> dict[str, int]:
+        """The sampler position of the next step (epoch, index in this rank's shard)."""
+        epoch, offset = divmod(self.step, self.steps_per_epoch)
+        return {"epoch": epoch, "start": offset * self.per_step}
+
+    # ------------------------------------------------------------------ the loop
+    def execute(self, hooks: Sequence[Hook]) -> TrainResult:
+        log.debug("training steps %d..%d, %d per epoch, micro-batch %d on rank %d",
+                  self.step + 1, self.total_steps, self.steps_per_epoch, self.micro, self.rank)
+        while self.step < self.total_steps:
+            position = self._position()
+            if self.sampler.state_dict() != position:
+                self.sampler.load_state_dict(position)
+            indices = self.sampler.indices()
+            for k in range(len(indices) // self.per_step):
+                if self.step >= self.total_steps:
+                    break
+                record = self._one_step(position["epoch"],
+                                        indices[k * self.per_step:(k + 1) * self.per_step])
+                for hook in hooks:
+                    hook(record)
+                self.sampler.load_state_dict(self._position())
+                self._after_step(record, end_of_epoch=self.step % self.steps_per_epoch == 0)
+        if not self.evaluations or self.evaluations[-1].step != self.step:
+            self._evaluate()
+        self._checkpoint(final=True)
+        self.progress.close()
+        return self._result()
+
+    def _one_step(self, epoch: int, indices: torch.Tensor) -> StepRecord:
+        start_time = time.perf_counter()
+        sent_before = self._bytes_sent()
+        hidden_before = self.comm.stats.bytes_unobserved if self.comm is not None else 0
+        micro = [fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro])
+                 for m in range(self.config.accumulate)]
+        loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
+        seconds = time.perf_counter() - start_time
+        sent_after = self._bytes_sent()
+        if self.comm is not None:
+            self.bytes_unobserved += self.comm.stats.bytes_unobserved - hidden_before
+        self.step += 1
+        sent = None if sent_after is None or sent_before is None else sent_after - sent_before
+        self.step_times.append(seconds)
+        self.losses.append(loss)
+        if sent is not None:
+            self.bytes_sent.append(sent)
+        return StepRecord(self.step, epoch, loss, seconds, sent)
+
+    def _bytes_sent(self) -> int | None:
+        if self.comm is None or not self.strategy.counts_bytes:
+            return None
+        return self.comm.stats.bytes_sent
+
+    def _after_step(self, record: StepRecord, end_of_epoch: bool) -> None:
+        config = self.config
+        self.progress.update(record.step, record.loss)
+        if config.log_every and record.step % config.log_every == 0:
+            self._log(record)
+        every = config.eval_every
+        if (every is None and end_of_epoch) or (every and record.step % every == 0):
+            self._evaluate()
+        if config.checkpoint_every and record.step % config.checkpoint_every == 0:
+            self._checkpoint()
+
+    def _log(self, record: StepRecord) -> None:
+        window = self.step_times[-self.config.log_every:]
+        samples_per_s = self.config.global_batch * len(window) / max(sum(window), 1e-12)
+        line = format_line(record.step, record.epoch, record.loss, samples_per_s,
+                           self._bytes_sent(), peak_memory_bytes())
+        log.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s", line)
+        self.tensorboard.scalars(record.step, {"train/loss": record.loss,
+                                               "train/samples_per_s": samples_per_s})
+
+    def _evaluate(self) -> None:
+        accuracy, loss = evaluate(self.strategy, self.data.test, loss_fn, self.autocast,
+                                  batch_size=max(self.micro, 256))
+        epoch = max(self.step - 1, 0) // self.steps_per_epoch
+        self.evaluations.append(EvalPoint(self.step, epoch, accuracy, loss))
+        if self.rank == 0:
+            log.info("eval step=%d epoch=%d accuracy=%.4f eval_loss=%.4f",
+                     self.step, epoch, accuracy, loss)
+        self.tensorboard.scalars(self.step, {"eval/accuracy": accuracy, "eval/loss": loss})
+
+    def _checkpoint(self, final: bool = False) -> None:
+        directory = self.config.checkpoint_dir
+        if directory is None or self.step == 0:
+            return
+        if final and self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
+            return  # already written after the last step
+        if final and self.step == self.start_step:
+            return  # nothing new since the checkpoint we resumed from
+        checkpoint.save(directory, self.step, self.strategy, self.comm, self.meta,
+                        self._position())
+
+    # ------------------------------------------------------------------ the result
+    def _gathered(self) -> tuple[float, int]:
+        """Mean of the last step's loss over data-parallel ranks; max peak memory over ranks."""
+        peak = peak_memory_bytes()
+        last = self.losses[-1] if self.losses else float("nan")
+        if self.comm is None or self.world_size == 1:
+            return last, peak
+        loss = torch.tensor([last], dtype=torch.float64)
+        self.comm.all_reduce(loss)
+        most = torch.tensor([peak], dtype=torch.int64)
+        self.comm.all_reduce(most, op="max")
+        return float(loss) / self.world_size, int(most)
+
+    def _result(self) -> TrainResult:
+        final_loss, peak_max = self._gathered()
+        warm = self.config.warmup_steps
+        timed = self.step_times[warm:] if len(self.step_times) > warm else self.step_times
+        samples_per_s = self.config.global_batch * len(timed) / sum(timed) if timed else 0.0
+        last_eval = self.evaluations[-1] if self.evaluations else None
+        return TrainResult(
+            strategy=self.config.strategy, rank=self.rank, world_size=self.world_size,
+            dp_size=self.strategy.dp_size, global_batch=self.config.global_batch,
+            start_step=self.start_step, steps=self.step, steps_per_epoch=self.steps_per_epoch,
+            final_loss=final_loss, accuracy=last_eval.accuracy if last_eval else None,
+            eval_loss=last_eval.loss if last_eval else None, samples_per_s=samples_per_s,
+            step_times=self.step_times, losses=self.losses,
+            bytes_sent_per_step=self.bytes_sent if self._bytes_sent() is not None else None,
+            bytes_unobserved=self.bytes_unobserved,
+            peak_mem_bytes=peak_memory_bytes(), peak_mem_bytes_max=peak_max,
+            evaluations=self.evaluations, model=self.strategy.module)
+
+    def close(self) -> None:
+        self.tensorboard.close()
+        self.strategy.close()
+

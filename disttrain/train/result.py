@@ -1,0 +1,63 @@
+"""TrainResult: what one rank's run of the training loop returns (the benchmark's raw row)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    """One evaluation on the held-out split, gathered over all data-parallel ranks."""
+
+    step: int
+    epoch: int
+    accuracy: float  # correct / count (for a language model: next-token accuracy)
+    loss: float  # mean cross-entropy per target
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One rank's view of a finished run. Fields ending in ``_max`` or ``final_loss`` and the
+    evaluations are the same on every rank (gathered); the rest are this rank's."""
+
+    strategy: str
+    rank: int
+    world_size: int
+    dp_size: int  # data-parallel ranks the global batch was split over
+    global_batch: int
+    start_step: int  # > 0 when resumed from a checkpoint
+    steps: int  # optimizer steps done in total (including those before a resume)
+    steps_per_epoch: int
+    final_loss: float  # last step's training loss, averaged over data-parallel ranks
+    accuracy: float | None  # last evaluation (None if the run did no step and no evaluation)
+    eval_loss: float | None
+    samples_per_s: float  # global samples / step time, after the warm-up steps
+    step_times: list[float]  # seconds per step on this rank (steps run in this call)
+    losses: list[float]  # this rank's training loss per step
+    bytes_sent_per_step: list[int] | None  # this rank, via disttrain.comm; None: not observable
+    bytes_unobserved: int  # payload of 'native' collectives during the steps (not in the above)
+    peak_mem_bytes: int  # this rank (see disttrain.train.metrics)
+    peak_mem_bytes_max: int  # the maximum over all ranks
+    evaluations: list[EvalPoint] = field(default_factory=list)
+    model: nn.Module | None = field(default=None, repr=False, compare=False)  # trained, bare
+
+    @property
+    def mean_bytes_sent_per_step(self) -> float | None:
+        sent = self.bytes_sent_per_step
+        return None if sent is None or not sent else sum(sent) / len(sent)
+
+    def without_model(self) -> TrainResult:
+        """A copy without the model, small enough to send between processes."""
+        return dataclasses.replace(self, model=None)
+
+    def summary(self) -> dict[str, Any]:
+        """The scalar fields, for JSON output."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("model", "step_times", "losses", "bytes_sent_per_step",
+                                 "evaluations")}
+        out["mean_bytes_sent_per_step"] = self.mean_bytes_sent_per_step
+        return out

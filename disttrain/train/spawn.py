@@ -1,0 +1,200 @@
+"""Run the training loop on ranks: local processes started here, or the ranks of a launched job.
+
+``run_local`` spawns ``world_size`` processes on this machine. They meet through a ``file://``
+store in a fresh temporary directory (no port to clash with other jobs), use Gloo, and send
+their :class:`TrainResult` back through a pipe to this process (their parent). A rank that
+raises or dies is named, the others are stopped, and :class:`RankFailedError` says which.
+
+``run_in_job`` is for processes started by ``torchrun``, ``disttrain launch`` or Slurm, where
+``RANK``/``WORLD_SIZE`` are already in the environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+from disttrain.comm import CommConfig, Communicator
+from disttrain.train.config import TrainConfig
+from disttrain.train.loop import train
+from disttrain.train.result import TrainResult
+
+log = logging.getLogger(__name__)
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised, died or timed out; ``rank`` and ``kind`` say which and how."""
+
+    def __init__(self, rank: int, kind: str, detail: str) -> None:
+        super().__init__(f"rank {rank} {kind}: {detail}")
+        self.rank, self.kind, self.detail = rank, kind, detail
+
+
+def _threads_per_rank(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def make_comm(transport: str, comm_config: CommConfig) -> Communicator:
+    """A Communicator over the initialized default group, moving bytes by ``transport``
+    ("torch": torch.distributed point-to-point; "shm": shared memory; "auto")."""
+    if transport == "torch":
+        return Communicator.from_torch(config=comm_config)
+    try:
+        from disttrain.comm.transports import make_transport
+    except ImportError as exc:
+        raise ValueError(f"transport {transport!r} is not available here ({exc}); use "
+                         f"'torch'") from exc
+    return Communicator(make_transport(transport, timeout_s=comm_config.timeout_s), comm_config)
+
+
+def _worker(rank: int, world_size: int, store: str, config: TrainConfig,
+            comm_config: CommConfig, transport: str, log_level: int, conn: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(_threads_per_rank(world_size))
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=comm_config.timeout_s))
+        comm = make_comm(transport, comm_config)
+        try:
+            result = train(config, comm)
+        finally:
+            comm.close()
+        conn.send(("ok", result.without_model()))
+    except (ValueError, ImportError) as exc:  # bad input or a missing package (exit 2 in the CLI)
+        conn.send(("invalid", str(exc)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | None = None,
+              timeout_s: float | None = None, transport: str = "torch") -> list[TrainResult]:
+    """Train on ``world_size`` new local processes; returns every rank's result (rank order).
+
+    ``timeout_s`` bounds the whole run (None: no limit; every collective is still bounded by
+    ``comm_config.timeout_s``); ``transport`` is how disttrain.comm moves bytes."""
+    comm_config = comm_config or CommConfig()
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="disttrain-run-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs, conns = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker, name=f"disttrain-rank{rank}", daemon=True,
+                               args=(rank, world_size, store, config, comm_config, transport,
+                                     logging.getLogger().getEffectiveLevel(), child))
+            proc.start()
+            child.close()
+            procs.append(proc)
+            conns.append(parent)
+        finished = False
+        try:
+            results = _collect(procs, conns, timeout_s)
+            finished = True
+            log.debug("results from all %d ranks received", world_size)
+            return results
+        finally:
+            _stop(procs, grace_s=30.0 if finished else 0.0)
+            log.debug("all %d ranks stopped (exit codes %s)", world_size,
+                      [proc.exitcode for proc in procs])
+
+
+def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None) -> list[TrainResult]:
+    results: dict[int, TrainResult] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    waiting = {conn: rank for rank, conn in enumerate(conns)}
+    sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+    while waiting:
+        if deadline is not None and time.monotonic() > deadline:
+            raise RankFailedError(min(waiting.values()), "timed out",
+                                  f"no result within {timeout_s:g}s (ranks still running: "
+                                  f"{sorted(waiting.values())})")
+        for item in mpc.wait([*waiting, *sentinels], timeout=1.0):
+            if item in waiting:
+                rank = waiting.pop(item)
+                _receive(item, rank, results)
+            elif item in sentinels:
+                rank = sentinels.pop(item)
+                conn = conns[rank]
+                if conn in waiting and not conn.poll(0.5):
+                    raise RankFailedError(rank, "died",
+                                          f"process exited with code {procs[rank].exitcode}")
+    return [results[rank] for rank in range(len(procs))]
+
+
+def _receive(conn: Any, rank: int, results: dict[int, TrainResult]) -> None:
+    try:
+        status, value = conn.recv()
+    except EOFError:
+        raise RankFailedError(rank, "died", "process exited without a result") from None
+    if status == "invalid":
+        raise ValueError(f"{value} (reported by rank {rank})")
+    if status == "error":
+        log.error("rank %d failed:\n%s", rank, value)
+        last = value.strip().splitlines()[-1] if value.strip() else "unknown error"
+        raise RankFailedError(rank, "failed", last)
+    results[rank] = value
+
+
+def _stop(procs: list[Any], grace_s: float) -> None:
+    """Let finished ranks exit (they destroy their process group); stop the rest. After a
+    failure the survivors are usually blocked on the failed rank, so they go at once."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def in_launched_job() -> bool:
+    """True when a launcher (torchrun, disttrain launch, srun wrapper) set RANK/WORLD_SIZE."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_in_job(config: TrainConfig, comm_config: CommConfig | None = None) -> TrainResult:
+    """Train as one rank of an already launched job (environment variables set)."""
+    import torch.distributed as dist
+
+    comm_config = comm_config or CommConfig()
+    comm = _init_from_environment(comm_config)
+    try:
+        return train(config, comm)
+    finally:
+        comm.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _init_from_environment(comm_config: CommConfig) -> Communicator:
+    import torch.distributed as dist
+
+    try:
+        from disttrain.launch import init  # reads torchrun's and Slurm's contracts
+    except ImportError:  # an installation without disttrain.launch: plain env:// below
+        pass
+    else:
+        return init(timeout_s=comm_config.timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://",
+                                timeout=datetime.timedelta(seconds=comm_config.timeout_s))
+    return Communicator.from_torch(config=comm_config)
