@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm import ALGORITHMS, Communicator
+from disttrain.comm.algorithms import shm as shm_algorithms
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
@@ -78,7 +79,7 @@ def check_collective(comm: Communicator, op: str, dtypes: list[str] | None = Non
             case += 1
             inputs = [make(k, n if op not in _BLOCKED else n * p, dtype, case, reduce_op)
                       for k in range(p)]
-            for algorithm in algorithms or list(ALGORITHMS[op]):
+            for algorithm in algorithms or runnable(comm, op):
                 what = f"{op}/{algorithm} p={p} rank={r} {dtype} n={n} op={reduce_op}"
                 try:
                     _RUNNERS[op](comm, inputs, algorithm, reduce_op, what, errors)
@@ -88,6 +89,11 @@ def check_collective(comm: Communicator, op: str, dtypes: list[str] | None = Non
 
 
 _BLOCKED = {"reduce_scatter", "scatter", "all_to_all"}  # inputs are p blocks
+
+
+def runnable(comm: Communicator, op: str) -> list[str]:
+    """Every registered algorithm for ``op`` that this communicator's transport can run."""
+    return [a for a in ALGORITHMS[op] if a != "shm" or shm_algorithms.supports(comm.transport)]
 
 
 def _all_reduce(comm: Communicator, inputs: list[torch.Tensor], algo: str, rop: str,

@@ -16,12 +16,13 @@ import math
 import threading
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from disttrain.comm import algorithms, checks
+from disttrain.comm.algorithms import shm as shm_algorithms
+from disttrain.comm.config import CommConfig
 from disttrain.comm.context import COLLECTIVE_TAG_BASE, MAX_USER_TAG, CollectiveContext, Pending
 from disttrain.comm.cost_model import LinkCosts, choose, load_costs
 from disttrain.comm.errors import CommError
@@ -30,43 +31,26 @@ from disttrain.comm.ops import ReduceOp, check_dtype, finish_, parse_op
 from disttrain.comm.signature import verify_signature
 from disttrain.comm.stats import TrafficStats
 from disttrain.comm.transport import Transport
-from disttrain.comm.work import CollectiveWork, CompletedWork, ProgressThread, Work
+from disttrain.comm.work import CollectiveWork, ProgressThread, Work
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class CommConfig:
-    """How a Communicator behaves. Validated on creation."""
-
-    timeout_s: float = 120.0  # every blocking wait gives up after this long
-    algorithm: str = "auto"  # default algorithm for every collective
-    chunk_bytes: int | None = None  # ring streaming sub-chunk; None: from the cost model
-    debug_checks: bool = False  # compare op/shape/dtype across ranks before each collective
-    flight_recorder_size: int = 256
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
-        if self.chunk_bytes is not None and self.chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive (or None), got {self.chunk_bytes}")
-        if self.flight_recorder_size < 1:
-            raise ValueError("flight_recorder_size must be ≥ 1")
-        known = {name for table in algorithms.ALGORITHMS.values() for name in table}
-        if self.algorithm != "auto" and self.algorithm not in known:
-            raise ValueError(f"algorithm={self.algorithm!r} is unknown; choose 'auto' or one of: "
-                             f"{', '.join(sorted(known))}")
-
-
 class _P2PWork(Work):
-    def __init__(self, ctx: CollectiveContext, pending: Pending) -> None:
+    def __init__(self, ctx: CollectiveContext, pending: Pending,
+                 on_error: Callable[[BaseException], None]) -> None:
         self._ctx, self._pending, self._done = ctx, pending, False
+        self._on_error = on_error
 
     def wait(self, timeout: float | None = None) -> None:
         if not self._done:
             if timeout is not None:
                 self._ctx.timeout_s = timeout
-            self._ctx.wait(self._pending)
+            try:
+                self._ctx.wait(self._pending)
+            except CommError as exc:  # the message may still arrive later: never reuse tags
+                self._on_error(exc)
+                raise
             self._done = True
 
     def is_completed(self) -> bool:
@@ -81,8 +65,10 @@ class Communicator:
     """Collectives among ``world_size`` ranks over a :class:`Transport`."""
 
     def __init__(self, transport: Transport, config: CommConfig | None = None,
-                 costs: LinkCosts | None = None) -> None:
+                 costs: LinkCosts | None = None, *, owns_transport: bool = True) -> None:
         self.transport = transport
+        # False when the transport is shared with another communicator: close() leaves it open
+        self._owns_transport = owns_transport
         self.config = config or CommConfig()
         self.costs = costs or load_costs(transport.name)
         self.stats = TrafficStats()
@@ -91,7 +77,8 @@ class Communicator:
         self._p2p_seq = 0
         self._failure: BaseException | None = None
         self._progress = ProgressThread(f"disttrain-comm-r{transport.rank}")
-        group_key = id(transport.native_group) if transport.native_group is not None else id(transport)
+        native = transport.native_group
+        group_key = id(native) if native is not None else id(transport)
         with _instances_lock:  # two communicators on one group must not share tags
             index = _instances.get(group_key, 0)
             _instances[group_key] = index + 1
@@ -102,7 +89,8 @@ class Communicator:
         """A communicator over an initialized torch.distributed group (default: WORLD)."""
         from disttrain.comm.transports.torch_p2p import TorchTransport
 
-        return cls(TorchTransport(group), config)
+        config = config or CommConfig()
+        return cls(TorchTransport(group, timeout_s=config.timeout_s), config)
 
     # ----------------------------------------------------------------- identity
     @property
@@ -123,20 +111,37 @@ class Communicator:
 
     # ----------------------------------------------------------------- machinery
     def _algorithm(self, op: str, algorithm: str | None, nbytes: int) -> str:
-        name = algorithm or self.config.algorithm
+        """The algorithm to run: an explicit name always wins; the configured default applies
+        where the collective has it (``CommConfig(algorithm="ring")`` still broadcasts);
+        otherwise ``auto``: ``shm`` on the shared-memory transport, else the cost model."""
+        runnable = [a for a in algorithms.names(op) if self._can_run(a)]
+        name = algorithm
+        if name is None:
+            default = self.config.algorithm
+            name = default if default in runnable else "auto"
         if name == "auto":
-            candidates = [a for a in algorithms.names(op)
-                          if a != "native" or self.transport.native_group is not None]
-            return choose(op, self.world_size, nbytes, self.costs, candidates)
+            if "shm" in runnable:
+                return "shm"
+            return choose(op, self.world_size, nbytes, self.costs, runnable)
         algorithms.get(op, name)  # raises a ValueError listing the choices
+        if name not in runnable:
+            raise ValueError(f"algorithm={name!r} cannot run on the {self.transport.name!r} "
+                             f"transport; choose one of: {', '.join(['auto', *runnable])}")
         return name
+
+    def _can_run(self, name: str) -> bool:
+        if name == "native":
+            return self.transport.native_group is not None
+        if name == "shm":
+            return shm_algorithms.supports(self.transport)
+        return True
 
     def _context(self, op: str, seq: int, algorithm: str) -> CollectiveContext:
         return CollectiveContext(
             self.transport, self.stats, op=op, seq=seq, algorithm=algorithm,
             timeout_s=self.config.timeout_s,
             chunk_bytes=self.config.chunk_bytes or self.costs.chunk_bytes,
-            tag_base=self._tag_base,
+            tag_base=self._tag_base, on_progress=self._progress.beat,
         )
 
     def _check_usable(self) -> None:
@@ -145,9 +150,12 @@ class Communicator:
                             f"{self._failure}") from self._failure
 
     def _collective(self, op: str, algorithm: str | None, nbytes: int, signature: Sequence[int],
-                    body: Callable[[CollectiveContext, str], None], async_op: bool) -> Work | None:
+                    body: Callable[[CollectiveContext, str], None], async_op: bool,
+                    choice_bytes: int | None = None) -> Work | None:
+        """Run ``body`` as collective ``op``. ``auto`` picks by ``choice_bytes`` (default
+        ``nbytes``), which must be the same on every rank or ranks pick different algorithms."""
         self._check_usable()
-        name = self._algorithm(op, algorithm, nbytes)
+        name = self._algorithm(op, algorithm, nbytes if choice_bytes is None else choice_bytes)
         self._seq += 1
         seq = self._seq
         record = self.flight_recorder.queued(seq, op, name, nbytes)
@@ -158,26 +166,27 @@ class Communicator:
         def task() -> None:
             self.flight_recorder.started(record)
             try:
+                self._check_usable()  # work queued behind a failure fails at once
                 if self.config.debug_checks:
                     verify_signature(self._context("debug_check", seq, "naive"), op, seq,
                                      signature)
                 body(self._context(op, seq, name), name)
             except BaseException as exc:
                 self.flight_recorder.ended(record, exc)
-                if not isinstance(exc, (ValueError, TypeError)):
+                if not isinstance(exc, (ValueError, TypeError)) and self._failure is None:
                     self._failure = exc
                 raise
             self.flight_recorder.ended(record)
 
-        description = f"{op} #{seq} ({name})"
-        if async_op:
-            future = self._progress.submit(task, description)
-            return CollectiveWork(future, description, self._progress, self.config.timeout_s)
-        if self._progress.idle():
+        if not async_op and self._progress.idle():
             task()
-        else:
-            future = self._progress.submit(task, description)
-            CollectiveWork(future, description, self._progress, self.config.timeout_s).wait()
+            return None
+        description = f"{op} #{seq} ({name})"
+        work = CollectiveWork(self._progress.submit(task, description), description,
+                              self._progress, self.config.timeout_s, op=op, seq=seq)
+        if async_op:
+            return work
+        work.wait()  # queued behind pending async work, so the order is kept
         return None
 
     def _tensor(self, name: str, tensor: Any) -> torch.Tensor:
@@ -325,7 +334,12 @@ class Communicator:
             else:
                 fn(ctx, fo, ft, out_el, in_el)
 
-        return self._collective("all_to_all", algorithm, _nbytes(t), _sig(t), body, async_op)
+        # Explicit splits may differ per rank: only the row size and dtype are common to all
+        # ranks, so they are all that is compared and all that ``auto`` may choose by.
+        uneven = input_split_sizes is not None or output_split_sizes is not None
+        choice = row * t.element_size() if uneven else _nbytes(t)
+        return self._collective("all_to_all", algorithm, _nbytes(t), (row, *_sig(t)[1:]), body,
+                                async_op, choice_bytes=choice)
 
     def barrier(self, *, algorithm: str | None = None, async_op: bool = False) -> Work | None:
         """Return only when every rank has entered the barrier."""
@@ -350,7 +364,11 @@ class Communicator:
         flat = t.view(-1)
         pending = ctx.isend(flat, peer) if kind == "send" else ctx.irecv(flat, peer)
         self.stats.count_call(kind)
-        return _P2PWork(ctx, pending)
+        return _P2PWork(ctx, pending, self._fail)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to rank ``dst``; returns a handle with ``wait()``."""
@@ -371,20 +389,23 @@ class Communicator:
         """A sub-communicator over ``ranks`` (ranks of this communicator). Members must call it
         with the same list; non-members get ``None``. Rank i of the new communicator is
         ``ranks[i]`` here."""
+        self._check_usable()
         ranks = list(ranks)
         if not ranks:
             raise ValueError("new_group needs at least one rank")
-        for r in ranks:
-            checks.rank_arg("ranks[...]", r, self.world_size)
+        for i, r in enumerate(ranks):
+            checks.rank_arg(f"ranks[{i}]", r, self.world_size)
         if len(set(ranks)) != len(ranks):
-            raise ValueError(f"new_group ranks contain duplicates: {ranks}")
+            raise ValueError(f"new_group ranks contain duplicates: {ranks}; list each rank once")
         sub = self.transport.subgroup(ranks)
         return None if sub is None else Communicator(sub, self.config, self.costs)
 
     def close(self) -> None:
-        """Finish queued work and stop the progress thread."""
+        """Finish queued work, stop the progress thread, and close the transport unless it
+        was passed in with ``owns_transport=False`` (shared with another communicator)."""
         self._progress.close(self.config.timeout_s)
-        self.transport.close()
+        if self._owns_transport:
+            self.transport.close()
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -6,12 +6,13 @@ Every message an algorithm sends goes through :class:`CollectiveContext`, which
 * tags messages by algorithm step, so messages of different steps never mix,
 * counts bytes and messages per collective in the transport's :class:`TrafficStats`,
 * turns a transport's ``TimeoutError``/``ConnectionError`` into an error that names the
-  operation, its sequence number and the peer being waited for.
+  operation, its sequence number, the peer being waited for and, when the transport can
+  tell (:meth:`CollectiveContext.unresponsive`), the ranks that are really to blame.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from disttrain.comm.transport import DoneWork, RawWork, Transport
 COLLECTIVE_TAG_BASE = 1 << 24
 MAX_USER_TAG = COLLECTIVE_TAG_BASE - 1
 _STEP_TAGS = 1 << 12
+_MAX_GRACE_S = 30.0  # longest wait for the other survivors of a failure to check in
 
 
 @dataclass
@@ -50,6 +52,7 @@ class CollectiveContext:
         timeout_s: float,
         chunk_bytes: int,
         tag_base: int = COLLECTIVE_TAG_BASE,
+        on_progress: Callable[[], None] | None = None,
     ) -> None:
         self.transport = transport
         self.stats = stats
@@ -59,6 +62,7 @@ class CollectiveContext:
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self._tag_base = tag_base
+        self._on_progress = on_progress  # told of every completed message (async backstop)
         self.rank = transport.rank
         self.world_size = transport.world_size
 
@@ -86,20 +90,65 @@ class CollectiveContext:
         try:
             pending.raw.wait(self.timeout_s)
         except TimeoutError as exc:
-            raise CommTimeoutError(
-                f"{self.op} #{self.seq} ({self.algorithm}) on rank {self.rank}: timed out after "
-                f"{self.timeout_s:g}s waiting to {pending.kind} "
-                f"{'to' if pending.kind == 'send' else 'from'} rank {pending.peer}; that rank "
-                f"is stuck, dead, or called a different collective ({exc})",
-                op=self.op, seq=self.seq, peer=pending.peer,
-            ) from exc
+            raise self.failure(self._doing(pending), exc, pending.peer, timed_out=True) from exc
         except ConnectionError as exc:
-            raise PeerFailedError(
-                f"{self.op} #{self.seq} ({self.algorithm}) on rank {self.rank}: rank "
-                f"{pending.peer} closed the connection during a {pending.kind} "
-                f"(it probably died; see its log) ({exc})",
-                op=self.op, seq=self.seq, peer=pending.peer,
-            ) from exc
+            raise self.failure(self._doing(pending), exc, pending.peer, timed_out=False) from exc
+        if self._on_progress is not None:
+            self._on_progress()
+
+    def progressed(self) -> None:
+        """Tell the async backstop that this collective is moving (for algorithms that make
+        progress without messages, e.g. shared-memory barriers)."""
+        if self._on_progress is not None:
+            self._on_progress()
+
+    @staticmethod
+    def _doing(pending: Pending) -> str:
+        to_from = "to" if pending.kind == "send" else "from"
+        return f"waiting to {pending.kind} {to_from} rank {pending.peer}"
+
+    def unresponsive(self) -> list[int] | None:
+        """Ranks that did not check in after this failure, or None when unknown.
+
+        The peer a rank waits for is often not the culprit: it may itself be waiting for a
+        stuck or dead rank. Survivors notice a failure within about one timeout of each
+        other, so each checks in with the transport and waits that long for the others;
+        whoever never checks in is dead or stuck outside this collective."""
+        probe = getattr(self.transport, "unresponsive_ranks", None)
+        if probe is None or self.world_size == 1:
+            return None
+        result: list[int] | None = probe(min(self.timeout_s, _MAX_GRACE_S) + 0.5)
+        return result
+
+    def failure(self, doing: str, exc: BaseException, waited: int | None, *,
+                timed_out: bool) -> CommTimeoutError | PeerFailedError:
+        """The error for a wait that timed out or whose connection broke.
+
+        Gloo treats an expired wait as fatal and closes all of that rank's connections, so
+        a broken connection often means a live peer gave up, not that it died: if the peer
+        waited for checks in afterwards, the failure is reported as the timeout it is."""
+        missing = self.unresponsive()
+        where = f"{self.op} #{self.seq} ({self.algorithm}) on rank {self.rank}"
+        suspects = tuple(missing or ())
+        if missing:
+            blame = (f"rank(s) {missing} did not check in afterwards: they are stuck outside "
+                     f"this collective, called a different one, or died")
+        elif missing is None:
+            blame = "which rank is to blame is not known"
+        else:
+            blame = "every rank checked in afterwards: none died"
+        if timed_out or (missing is not None and waited is not None and waited not in missing):
+            what = (f"timed out after {self.timeout_s:g}s {doing}" if timed_out else
+                    f"rank {waited} gave up (it timed out and closed its connections) while "
+                    f"this rank was {doing}")
+            return CommTimeoutError(f"{where}: {what}; {blame} ({exc})", op=self.op,
+                                    seq=self.seq, peer=waited, suspects=suspects)
+        text = (f"{where}: a connection broke while {doing}; {blame}. If a dead rank's log "
+                f"shows Gloo's 'Received data size doesn't match expected size', ranks called "
+                f"{self.op} with different sizes or dtypes, and CommConfig(debug_checks=True) "
+                f"names them ({exc})")
+        return PeerFailedError(text, op=self.op, seq=self.seq,
+                               peer=missing[0] if missing else waited, suspects=suspects)
 
     def wait_all(self, pendings: Iterable[Pending]) -> None:
         for pending in pendings:

@@ -30,7 +30,8 @@ def parse_op(op: str | ReduceOp) -> ReduceOp:
 
 
 def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
-    """acc ← acc ⊕ other, in place. ``avg`` combines as ``sum``; the caller divides once at the end."""
+    """acc ← acc ⊕ other, in place. ``avg`` combines as ``sum``; the caller divides once at
+    the end."""
     if op in (ReduceOp.SUM, ReduceOp.AVG):
         acc.add_(other)
     elif op is ReduceOp.PROD:
@@ -55,7 +56,8 @@ def check_dtype(tensor: torch.Tensor, op: ReduceOp) -> None:
             "use op='sum' and divide, or cast the tensor to a float dtype"
         )
     if tensor.dtype == torch.bool and op in (ReduceOp.SUM, ReduceOp.PROD):
-        raise ValueError("op='sum'/'prod' on a bool tensor is ambiguous; use 'max' (or) / 'min' (and)")
+        raise ValueError("op='sum'/'prod' on a bool tensor is ambiguous; "
+                         "use 'max' (or) / 'min' (and)")
 
 
 def to_torch(op: ReduceOp) -> dist.ReduceOp.RedOpType:

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
+from disttrain.comm.algorithms import COLLECTIVES
 from disttrain.comm.context import CollectiveContext
+from disttrain.comm.ops import ReduceOp
 
 _FIELDS = ("sequence number", "operation", "element count", "dtype", "reduce op", "root")
 
@@ -23,8 +25,9 @@ class CollectiveMismatchError(ValueError):
 
 
 def verify_signature(ctx: CollectiveContext, op: str, seq: int, signature: Sequence[int]) -> None:
-    mine = [seq, zlib.crc32(op.encode()), *signature]
-    width = len(mine)
+    # a fixed width: ranks calling different collectives must still exchange equal sizes
+    mine = [seq, _crc(op), *signature, *[-1] * (len(_FIELDS) - 2 - len(signature))]
+    width = len(_FIELDS)
     p, me = ctx.world_size, ctx.rank
     table = torch.zeros(p, width, dtype=torch.int64)
     table[me] = torch.tensor(mine, dtype=torch.int64)
@@ -32,19 +35,37 @@ def verify_signature(ctx: CollectiveContext, op: str, seq: int, signature: Seque
     pending += [ctx.isend(table[me], r) for r in range(p) if r != me]
     ctx.wait_all(pending)
     rows = table.tolist()
-    reference = rows[0]
-    differing = [r for r in range(p) if rows[r] != reference]
-    if not differing:
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in range(p):
+        groups.setdefault(tuple(rows[r]), []).append(r)
+    if len(groups) == 1:
         return
-    fields = sorted({_FIELDS[i] if i < len(_FIELDS) else f"field {i}"
-                     for r in differing for i in range(width) if rows[r][i] != reference[i]})
-    detail = "; ".join(f"rank {r}: {_describe(rows[r])}" for r in range(p))
+    fields = sorted({_FIELDS[i] for i in range(width) if len({row[i] for row in rows}) > 1})
+    detail = "; ".join(f"{_ranks(ranks)}: {_describe(list(row))}" for row, ranks in groups.items())
     raise CollectiveMismatchError(
-        f"collective mismatch at {op} #{seq} on rank {me}: ranks {differing} differ from rank 0 "
-        f"in {', '.join(fields)}. Every rank must call the same collectives in the same order "
-        f"with the same sizes and dtypes. Per rank: {detail}")
+        f"collective mismatch at {op} #{seq} on rank {me}: the ranks differ in "
+        f"{', '.join(fields)} ({detail}). Every rank must call the same collectives in the "
+        f"same order with the same sizes, dtypes, reduce op and root.")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def _describe(row: list[int]) -> str:
-    seq, _op, numel, _dtype, reduce_op, root = (row + [0] * 6)[:6]
-    return f"#{seq} numel={numel} reduce_op={reduce_op} root={root}"
+    seq, op, numel, dtype, reduce_op, root = row
+    text = f"{_OP_NAMES.get(op, 'op?')} #{seq}"
+    if dtype in _DTYPE_NAMES:
+        text += f", {numel} elements of {_DTYPE_NAMES[dtype]}"
+    if reduce_op >= 0:
+        text += f", op={list(ReduceOp)[reduce_op].value}"
+    return text + (f", root={root}" if root >= 0 else "")
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+_OP_NAMES = {_crc(name): name for name in (*COLLECTIVES, "send", "recv")}
+_DTYPE_NAMES = {_crc(str(d)): str(d).removeprefix("torch.")
+                for d in vars(torch).values() if isinstance(d, torch.dtype)}

@@ -40,30 +40,35 @@ class CompletedWork(Work):
 
 class CollectiveWork(Work):
     """A queued collective. ``wait`` gives up only if the progress thread makes no progress
-    for ``timeout`` seconds (each message inside has its own timeout, so this is a backstop)."""
+    (no message and no collective completes) for ``timeout`` seconds, by default a few times
+    the communicator's timeout: each message inside has its own timeout and raises a precise
+    error first, so this is a backstop, and a long collective whose messages keep flowing
+    never trips it."""
 
     def __init__(self, future: Future[None], description: str, executor: ProgressThread,
-                 timeout_s: float) -> None:
+                 timeout_s: float, *, op: str = "", seq: int = -1) -> None:
         self._future = future
         self._description = description
         self._executor = executor
         self._timeout_s = timeout_s
+        self._op, self._seq = op, seq
 
     def wait(self, timeout: float | None = None) -> None:
-        limit = self._timeout_s if timeout is None else timeout
-        seen = self._executor.completed
+        limit = 3 * self._timeout_s + 1 if timeout is None else timeout
+        seen = self._executor.progress()
         while True:
             try:
                 self._future.result(timeout=limit)
                 return
             except FutureTimeout:
-                if self._executor.completed == seen:
+                if self._executor.progress() == seen:
                     raise CommTimeoutError(
-                        f"{self._description}: no collective finished in {limit:g}s while "
-                        f"waiting for it (running: {self._executor.current or 'nothing'})",
-                        op=self._description,
+                        f"{self._description}: no message of any collective completed in "
+                        f"{limit:g}s while waiting for it (running: "
+                        f"{self._executor.current or 'nothing'})",
+                        op=self._op, seq=self._seq,
                     ) from None
-                seen = self._executor.completed
+                seen = self._executor.progress()
 
     def is_completed(self) -> bool:
         return self._future.done()
@@ -80,7 +85,15 @@ class ProgressThread:
         self._lock = threading.Lock()
         self.pending = 0
         self.completed = 0
+        self.beats = 0  # messages completed by the running collective (see ``beat``)
         self.current = ""
+
+    def beat(self) -> None:
+        """Called by a running collective whenever one of its messages completes."""
+        self.beats += 1
+
+    def progress(self) -> tuple[int, int]:
+        return self.completed, self.beats
 
     def idle(self) -> bool:
         with self._lock:

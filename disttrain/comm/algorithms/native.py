@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm.context import CollectiveContext
-from disttrain.comm.errors import CommTimeoutError, PeerFailedError
 from disttrain.comm.ops import ReduceOp, to_torch
 from disttrain.comm.transports.torch_p2p import translate_error
 
@@ -26,15 +25,9 @@ def _wait(ctx: CollectiveContext, work: Any) -> None:
         work.wait(timeout=datetime.timedelta(seconds=ctx.timeout_s))
     except RuntimeError as exc:
         err = translate_error(exc)
-        where = f"{ctx.op} #{ctx.seq} (native) on rank {ctx.rank}"
-        if isinstance(err, TimeoutError):
-            raise CommTimeoutError(
-                f"{where}: timed out after {ctx.timeout_s:g}s inside torch.distributed, which "
-                f"does not say which peer is late; run with another algorithm or with "
-                f"debug checks to find it ({exc})", op=ctx.op, seq=ctx.seq) from exc
-        if isinstance(err, ConnectionError):
-            raise PeerFailedError(f"{where}: a peer closed its connection ({exc})",
-                                  op=ctx.op, seq=ctx.seq) from exc
+        if isinstance(err, (TimeoutError, ConnectionError)):  # torch does not say who failed
+            raise ctx.failure("inside torch.distributed", exc, None,
+                              timed_out=isinstance(err, TimeoutError)) from exc
         raise
 
 
@@ -46,6 +39,12 @@ def _group(ctx: CollectiveContext) -> Any:
             f"{ctx.transport.name!r} has none. Pick another algorithm."
         )
     return group
+
+
+# torch 2.13 renamed the flat-buffer collectives (the old names warn on every call).
+_ALL_GATHER: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER: Any = (getattr(dist, "reduce_scatter_single", None)
+                        or dist.reduce_scatter_tensor)
 
 
 def _global(ctx: CollectiveContext, rank: int) -> int:
@@ -86,15 +85,14 @@ def scatter(
 
 
 def all_gather(ctx: CollectiveContext, output: torch.Tensor, tensor: torch.Tensor) -> None:
-    work = dist.all_gather_into_tensor(output, tensor, group=_group(ctx), async_op=True)
+    work = _ALL_GATHER(output, tensor, group=_group(ctx), async_op=True)
     _wait(ctx, work)
 
 
 def reduce_scatter(
     ctx: CollectiveContext, output: torch.Tensor, tensor: torch.Tensor, op: ReduceOp
 ) -> None:
-    work = dist.reduce_scatter_tensor(output, tensor, to_torch(op), group=_group(ctx),
-                                      async_op=True)
+    work = _REDUCE_SCATTER(output, tensor, to_torch(op), group=_group(ctx), async_op=True)
     _wait(ctx, work)
 
 

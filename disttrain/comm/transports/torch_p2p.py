@@ -3,11 +3,24 @@
 Gloo moves CPU tensors over TCP; NCCL moves CUDA tensors. Each message is one
 ``dist.isend``/``dist.irecv``; ``wait(timeout_s)`` maps Gloo's timeout and closed-connection
 errors onto the transport contract (``TimeoutError`` / ``ConnectionError``).
+
+Two torch.distributed pitfalls are handled here:
+
+* ``dist.new_group(..., use_local_synchronization=True)`` names a group after its ranks and
+  the number of groups the *calling process* already has; ranks with different histories
+  (e.g. rank 1 in groups [0, 1] and [1, 2], rank 2 only in the second) compute different
+  names and wait for each other forever. Members first agree on that count (padding with
+  one-rank groups), so overlapping and nested groups work.
+* When one rank dies, Gloo fails *every* pending transfer of its peers with the same error,
+  so the peer a rank was waiting for is not necessarily the one that died.
+  :meth:`TorchTransport.unresponsive_ranks` asks the rendezvous store who is still there.
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +31,8 @@ from disttrain.comm.transport import RawWork, Transport
 
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "closed by peer",
               "connection refused", "eof", "socket closed")
+_SETUP_TAG = (1 << 30) + 1  # above every collective and user tag: group set-up messages
+_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
 def translate_error(exc: BaseException) -> BaseException:
@@ -45,23 +60,26 @@ class _TorchWork:
 
 
 class TorchTransport(Transport):
-    """Point-to-point over a torch.distributed process group (the default group if none)."""
+    """Point-to-point over a torch.distributed process group (the default group if none).
+
+    ``timeout_s`` bounds group creation and the set-up messages of :meth:`subgroup`."""
 
     name = "torch"
 
-    def __init__(self, group: Any | None = None) -> None:
+    def __init__(self, group: Any | None = None, timeout_s: float = 1800.0) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialized: call disttrain.init() or "
                 "torch.distributed.init_process_group() before creating a Communicator"
             )
-        self._group = group if group is not None else dist.group.WORLD
+        self._group: Any = group if group is not None else dist.group.WORLD
         self._global_ranks = tuple(dist.get_process_group_ranks(self._group))
         self._rank = dist.get_rank(self._group)
         if self._rank < 0:
             raise ValueError("this process is not a member of the given process group")
         backend = str(dist.get_backend(self._group)).lower()
         self._device_type = "cuda" if "nccl" in backend else "cpu"
+        self.timeout_s = timeout_s
 
     @property
     def rank(self) -> int:
@@ -92,9 +110,58 @@ class TorchTransport(Transport):
         return _TorchWork(work)
 
     def subgroup(self, ranks: Sequence[int]) -> TorchTransport | None:
+        """Members only: group rank i is ``ranks[i]`` (torch would sort them otherwise)."""
         if self._rank not in ranks:
             return None
         members = [self._global_ranks[r] for r in ranks]
+        order: dict[str, Any] = {}
+        if _SORT_RANKS:
+            order["sort_ranks"] = False
+        elif members != sorted(members):
+            raise ValueError(f"this torch version orders group ranks by number; pass ranks in "
+                             f"increasing order (got {list(ranks)}) or upgrade torch")
+        self._agree_on_group_count(ranks)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         # Only members synchronise, so groups can be created by the ranks that need them.
-        group = dist.new_group(members, use_local_synchronization=True)
-        return TorchTransport(group)
+        group = dist.new_group(members, timeout=timeout, use_local_synchronization=True,
+                               **order)
+        return TorchTransport(group, self.timeout_s)
+
+    def _agree_on_group_count(self, ranks: Sequence[int]) -> None:
+        """Pad this process's process-group count to the members' maximum (see module doc)."""
+        names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+        if names is None or len(ranks) == 1:
+            return
+        mine = torch.tensor([len(names)], dtype=torch.int64)
+        theirs = {r: torch.zeros(1, dtype=torch.int64) for r in ranks if r != self._rank}
+        pending = [self.irecv(t, r, _SETUP_TAG) for r, t in theirs.items()]
+        pending += [self.isend(mine, r, _SETUP_TAG) for r in theirs]
+        for work in pending:
+            work.wait(self.timeout_s)
+        target = max(int(t) for t in [mine, *theirs.values()])
+        me = self._global_ranks[self._rank]
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        while len(names) < target:  # a one-rank group needs no peer: it only takes a name
+            dist.new_group([me], timeout=timeout, use_local_synchronization=True)
+
+    def unresponsive_ranks(self, grace_s: float) -> list[int] | None:
+        """After a broken connection, check in through the rendezvous store and return the
+        group ranks that did not check in within ``grace_s`` (dead, or stuck elsewhere).
+
+        Gloo breaks every survivor's transfers at once when a rank dies, so survivors check
+        in within milliseconds and the missing ranks are the dead ones. ``None`` when the
+        store cannot tell (e.g. it lived in the dead rank)."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            prefix = f"disttrain/failure/{self._group.group_name}/"
+            store.set(prefix + str(self._global_ranks[self._rank]), "1")
+            missing = [r for r in range(self.world_size) if r != self._rank]
+            deadline = time.monotonic() + grace_s
+            while True:
+                missing = [r for r in missing
+                           if not store.check([prefix + str(self._global_ranks[r])])]
+                if not missing or time.monotonic() >= deadline:
+                    return missing
+                time.sleep(0.05)
+        except Exception:  # a diagnosis aid: it must never mask the real error
+            return None
