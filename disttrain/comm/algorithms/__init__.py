@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from disttrain.comm.algorithms import halving_doubling, naive, native, ring, tree
+from disttrain.comm.algorithms import halving_doubling, naive, native, ring, shm, tree
 
 Algorithm = Callable[..., None]
 
@@ -33,25 +33,34 @@ ALGORITHMS: dict[str, dict[str, Algorithm]] = {
         "tree": tree.all_reduce,
         "halving_doubling": halving_doubling.all_reduce,
         "native": native.all_reduce,
+        "shm": shm.all_reduce,
     },
-    "broadcast": {"naive": naive.broadcast, "tree": tree.broadcast, "native": native.broadcast},
-    "reduce": {"naive": naive.reduce, "tree": tree.reduce, "native": native.reduce},
-    "gather": {"naive": naive.gather, "tree": tree.gather, "native": native.gather},
-    "scatter": {"naive": naive.scatter, "tree": tree.scatter, "native": native.scatter},
+    "broadcast": {"naive": naive.broadcast, "tree": tree.broadcast, "native": native.broadcast,
+                  "shm": shm.broadcast},
+    "reduce": {"naive": naive.reduce, "tree": tree.reduce, "native": native.reduce,
+               "shm": shm.reduce},
+    "gather": {"naive": naive.gather, "tree": tree.gather, "native": native.gather,
+               "shm": shm.gather},
+    "scatter": {"naive": naive.scatter, "tree": tree.scatter, "native": native.scatter,
+                "shm": shm.scatter},
     "all_gather": {
         "naive": naive.all_gather,
         "ring": ring.all_gather,
         "halving_doubling": halving_doubling.all_gather,
         "native": native.all_gather,
+        "shm": shm.all_gather,
     },
     "reduce_scatter": {
         "naive": naive.reduce_scatter,
         "ring": ring.reduce_scatter,
         "halving_doubling": halving_doubling.reduce_scatter,
         "native": native.reduce_scatter,
+        "shm": shm.reduce_scatter,
     },
-    "all_to_all": {"naive": naive.all_to_all, "native": native.all_to_all},
-    "barrier": {"naive": naive.barrier, "tree": tree.barrier, "native": native.barrier},
+    "all_to_all": {"naive": naive.all_to_all, "native": native.all_to_all,
+                   "shm": shm.all_to_all},
+    "barrier": {"naive": naive.barrier, "tree": tree.barrier, "native": native.barrier,
+                "shm": shm.barrier},
 }
 
 COLLECTIVES = tuple(ALGORITHMS)

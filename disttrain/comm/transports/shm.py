@@ -1,0 +1,300 @@
+"""The ``shm`` transport: ranks on one machine exchange data through POSIX shared memory.
+
+Loopback TCP (Gloo) costs milliseconds per small message on a busy machine; a copy into
+memory every rank has mapped costs microseconds. This transport keeps torch.distributed
+(Gloo) for what it is good at, the rendezvous, and moves every byte through one segment:
+
+1. every rank all-gathers a hash of (host name, boot id, namespaces); unless all agree, the
+   constructor raises :class:`ShmUnavailableError` on every rank (``make_transport("auto")``
+   then falls back to the ``torch`` transport);
+2. rank 0 creates the segment under a fresh name (``disttrain-shm-<random>``) and
+   broadcasts the name; the others attach; everyone publishes its pid;
+3. after an all-gather of "attached" statuses, rank 0 **unlinks** the name: the mappings
+   live on until the processes exit, so nothing can leak in /dev/shm, even after SIGKILL.
+
+Point-to-point messages (so every algorithm runs here) go through per-pair mailboxes
+(``shm_mailbox.py``); whole collectives (algorithm ``shm``) use the collective area
+(``shm_collectives.py``). Layout and protocol: docs/shm_transport.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from disttrain.comm.transport import DoneWork, RawWork, Transport
+from disttrain.comm.transports.shm_collectives import CollectiveArea
+from disttrain.comm.transports.shm_mailbox import Mailboxes
+from disttrain.comm.transports.shm_segment import (
+    LINE,
+    PAGE,
+    AttachedSegment,
+    ShmLayout,
+    attach_segment,
+    create_segment,
+    destroy,
+    host_key,
+    new_segment_name,
+    release,
+    unlink_name,
+)
+from disttrain.comm.transports.shm_sync import PeerTable
+from disttrain.comm.transports.torch_p2p import TorchTransport
+
+log = logging.getLogger(__name__)
+
+_NAME_BYTES = 48
+
+
+class ShmUnavailableError(RuntimeError):
+    """Shared memory cannot connect these ranks (raised on every rank alike)."""
+
+
+@dataclass(frozen=True)
+class ShmConfig:
+    """Sizes of a shared-memory segment. The segment holds 2·p·slot_bytes of collective
+    slots plus p·(p−1)·mailbox_slots·mailbox_slot_bytes of mailboxes, whatever the sizes of
+    the messages (they stream through in rounds). Every rank must pass the same values.
+
+    ``slot_bytes=None`` keeps the collective area at 16 MiB: 8 MiB / p per rank, between
+    1 and 4 MiB (4 MiB for 2 ranks, 2 MiB for 4). Large rounds mean few barriers, which
+    matters most when ranks share cores; the defaults need 17 MiB of /dev/shm for 2 ranks,
+    22 MiB for 4 and 44 MiB for 8 (Docker's default /dev/shm is 64 MiB)."""
+
+    slot_bytes: int | None = None  # per rank and buffer set: the bytes a round moves
+    mailbox_slots: int = 4  # pieces in flight per (src, dst) pair
+    mailbox_slot_bytes: int = 128 << 10  # one piece, including its 64-byte header
+    one_shot_max_bytes: int = 256 << 10  # all_reduce up to this (and ≤ slot): one barrier
+
+    def __post_init__(self) -> None:
+        for name in ("slot_bytes", "mailbox_slot_bytes"):
+            value = getattr(self, name)
+            if name == "slot_bytes" and value is None:
+                continue
+            if not isinstance(value, int) or value < 4096 or value % LINE:
+                raise ValueError(f"ShmConfig.{name} must be an int ≥ 4096 and a multiple of "
+                                 f"{LINE} bytes, got {value!r}")
+        if not isinstance(self.mailbox_slots, int) or self.mailbox_slots < 2:
+            raise ValueError(f"ShmConfig.mailbox_slots must be ≥ 2 (one being filled while "
+                             f"one is read), got {self.mailbox_slots!r}")
+        if not isinstance(self.one_shot_max_bytes, int) or self.one_shot_max_bytes < 0:
+            raise ValueError(f"ShmConfig.one_shot_max_bytes must be an int ≥ 0 (0: always "
+                             f"stream), got {self.one_shot_max_bytes!r}")
+
+    def slot_bytes_for(self, world_size: int) -> int:
+        """The collective slot size for ``world_size`` ranks (see the class doc)."""
+        if self.slot_bytes is not None:
+            return self.slot_bytes
+        per_rank = (8 << 20) // max(1, world_size)
+        return min(4 << 20, max(1 << 20, per_rank // PAGE * PAGE))
+
+    def layout(self, world_size: int) -> ShmLayout:
+        slot = self.slot_bytes_for(world_size)
+        if slot < 64 * (2 * world_size + 1):
+            raise ValueError(f"ShmConfig.slot_bytes={slot} is too small for {world_size} "
+                             f"ranks; use at least {64 * (2 * world_size + 1)}")
+        return ShmLayout(world_size, slot, self.mailbox_slots, self.mailbox_slot_bytes)
+
+
+class SharedMemoryTransport(Transport):
+    """Point-to-point and whole collectives among the ranks of a torch.distributed group
+    (default: WORLD) that all run on this machine. Create it on every rank of the group."""
+
+    name = "shm"
+
+    def __init__(self, group: Any | None = None, config: ShmConfig | None = None, *,
+                 order: Sequence[int] | None = None, timeout_s: float = 1800.0) -> None:
+        """``order``: the group's global ranks in the order that defines this transport's
+        ranks (default: the group's order). ``timeout_s`` bounds sub-group creation."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: the shared-memory transport uses it "
+                "for the rendezvous; call torch.distributed.init_process_group('gloo') first")
+        self._group: Any = group if group is not None else dist.group.WORLD
+        members = tuple(dist.get_process_group_ranks(self._group))
+        if order is not None and sorted(order) != sorted(members):
+            raise ValueError(f"order={list(order)} must list the group's ranks {members}")
+        self._global_ranks = tuple(order) if order is not None else members
+        self._sorted = self._global_ranks == members  # group rank i is transport rank i
+        if dist.get_rank() not in self._global_ranks:
+            raise ValueError("this process is not a member of the given process group")
+        self._rank = self._global_ranks.index(dist.get_rank())
+        self.timeout_s = timeout_s
+        self.config = config or ShmConfig()
+        self._layout = self.config.layout(len(self._global_ranks))
+        _check_same_host(self._group)
+        self._shm, self.segment_name = _rendezvous(self._group, self._global_ranks,
+                                                   self._rank, self._layout)
+        buf = _buffer(self._shm)
+        self._u8 = torch.frombuffer(buf, dtype=torch.uint8)
+        self._i64 = np.frombuffer(buf, dtype=np.int64)
+        self._peers = PeerTable(self._i64, self._layout, self._rank)
+        self.mailboxes = Mailboxes(self._u8, self._i64, self._layout, self._rank, self._peers)
+        self._collectives = CollectiveArea(self._u8, buf, self._layout, self._rank, self._peers,
+                                          min(self.config.one_shot_max_bytes,
+                                              self._layout.slot_bytes))
+        self._closed = False
+        log.debug("rank %d: shared-memory segment %s, %.1f MiB", self._rank, self.segment_name,
+                  self._layout.size / 2**20)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self._global_ranks)
+
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        return self._global_ranks
+
+    @property
+    def native_group(self) -> Any | None:
+        """The Gloo group of the rendezvous: ``native`` (torch's own collectives) stays
+        available, so a benchmark can compare both in one run. None when this transport
+        orders its ranks differently from the group (torch's results would be permuted)."""
+        return self._group if self._sorted else None
+
+    @property
+    def layout(self) -> ShmLayout:
+        return self._layout
+
+    @property
+    def collectives(self) -> CollectiveArea:
+        """The collective slots and barrier that algorithm ``shm`` works on."""
+        if self._closed:
+            raise RuntimeError("the shared-memory transport is closed")
+        return self._collectives
+
+    # ------------------------------------------------------------------ messages
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RawWork:
+        data = self._bytes(tensor, "dst", dst)
+        return DoneWork() if data.numel() == 0 else self.mailboxes.isend(data, dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> RawWork:
+        data = self._bytes(tensor, "src", src)
+        return DoneWork() if data.numel() == 0 else self.mailboxes.irecv(data, src, tag)
+
+    def _bytes(self, tensor: torch.Tensor, what: str, peer: int) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("the shared-memory transport is closed")
+        if not 0 <= peer < self.world_size or peer == self._rank:
+            raise ValueError(f"{what}={peer} must be another rank in 0..{self.world_size - 1}")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("the shared-memory transport moves contiguous CPU tensors only")
+        return tensor.detach().reshape(-1).view(torch.uint8)
+
+    def subgroup(self, ranks: Sequence[int]) -> SharedMemoryTransport | None:
+        """A transport with its own segment over ranks ``ranks`` (members only; rank i of
+        the new transport is ``ranks[i]`` here). The Gloo group for its rendezvous is made
+        by :meth:`TorchTransport.subgroup`, which handles torch's group-naming pitfalls."""
+        if self._rank not in ranks:
+            return None
+        group_ranks = [dist.get_group_rank(self._group, self._global_ranks[r]) for r in ranks]
+        sub = TorchTransport(self._group, self.timeout_s).subgroup(group_ranks)
+        assert sub is not None  # this rank is a member
+        return SharedMemoryTransport(sub.native_group, self.config,
+                                     order=[self._global_ranks[r] for r in ranks],
+                                     timeout_s=self.timeout_s)
+
+    def unresponsive_ranks(self, grace_s: float) -> list[int] | None:
+        """Ranks known to be dead or closed (checked at once: the pids are in the segment),
+        or None when all look alive (then a late rank is stuck, not dead)."""
+        gone = [r for r in range(self.world_size) if not self._peers.responsive(r)]
+        return gone or None
+
+    def close(self) -> None:
+        """Tell peers this rank is gone (they stop waiting for it) and unmap the segment."""
+        if self._closed:
+            return
+        self._closed = True
+        self._peers.mark_closed()
+        self._collectives.close()
+        del self._u8, self._i64, self.mailboxes, self._collectives, self._peers
+        if not release(self._shm):
+            log.debug("shared-memory segment still referenced; unmapped at process exit")
+
+
+def _check_same_host(group: Any) -> None:
+    members = dist.get_process_group_ranks(group)  # all_gather's order
+    mine = torch.tensor(list(host_key()), dtype=torch.uint8)
+    keys = [torch.empty_like(mine) for _ in members]
+    dist.all_gather(keys, mine, group=group)
+    first = keys[0]
+    others = [g for g, key in zip(members, keys, strict=True) if not torch.equal(key, first)]
+    if others:
+        raise ShmUnavailableError(
+            f"ranks {others} (global) are not on the same host (or mount/pid/network "
+            f"namespace) as global rank {members[0]}; shared memory cannot connect them: use "
+            "the 'torch' transport (or 'auto', which picks it)")
+
+
+def _rendezvous(group: Any, global_ranks: Sequence[int], rank: int,
+                layout: ShmLayout) -> tuple[AttachedSegment, str]:
+    """Rank 0 creates, everyone attaches, rank 0 unlinks once all have attached."""
+    msg = torch.zeros(2 + _NAME_BYTES, dtype=torch.int64)  # [ok, len(name), name bytes...]
+    creator, error = _create(layout, msg) if rank == 0 else (None, "")
+    dist.broadcast(msg, global_ranks[0], group=group)
+    if int(msg[0]) != 1:
+        raise ShmUnavailableError(f"rank 0 could not create the shared-memory segment "
+                                  f"{'(' + error + ')' if error else '(see its log)'}")
+    name = bytes(int(b) for b in msg[2 : 2 + int(msg[1])]).decode()
+    shm = None
+    try:  # every rank, the creator included, maps the segment the same way
+        shm = attach_segment(name)
+        _prepare(shm, layout, rank)
+    except (OSError, ValueError) as exc:
+        error = f"rank {rank}: {exc}"
+    statuses = [torch.zeros(1, dtype=torch.int64) for _ in global_ranks]
+    dist.all_gather(statuses, torch.tensor([0 if error else 1]), group=group)
+    # Everyone attached (or gave up): the name is no longer needed. Every rank removes it,
+    # so on every rank it is gone when the constructor returns (rank 0 also tells its
+    # resource tracker, which would otherwise remove it at exit).
+    if creator is not None:
+        destroy(creator)
+    unlink_name(name)
+    members = dist.get_process_group_ranks(group)
+    failed = [g for g, s in zip(members, statuses, strict=True) if int(s) != 1]
+    if failed or shm is None:
+        raise ShmUnavailableError(f"global ranks {failed} could not attach shared-memory segment "
+                                  f"{name}" + (f": {error}" if error else ""))
+    return shm, name
+
+
+def _create(layout: ShmLayout, msg: torch.Tensor) -> tuple[Any, str]:
+    """Rank 0: create the segment, write its header, and put its name into ``msg``."""
+    try:
+        name = new_segment_name()
+        creator = create_segment(name, layout.size)
+        np.frombuffer(_buffer(creator), dtype=np.int64, count=7)[:] = layout.header()
+    except OSError as exc:
+        return None, str(exc)
+    encoded = list(name.encode())
+    msg[:2] = torch.tensor([1, len(encoded)])
+    msg[2 : 2 + len(encoded)] = torch.tensor(encoded)
+    return creator, ""
+
+
+def _prepare(shm: AttachedSegment, layout: ShmLayout, rank: int) -> None:
+    """Check the header rank 0 wrote before sharing the name; publish this rank's pid."""
+    i64 = np.frombuffer(_buffer(shm), dtype=np.int64)
+    header = [int(x) for x in i64[:7]]
+    if header != layout.header():
+        raise ValueError(f"segment header {header} does not match this rank's layout "
+                         f"{layout.header()}: every rank must use the same ShmConfig")
+    PeerTable(i64, layout, rank).register()
+
+
+def _buffer(shm: Any) -> memoryview:
+    buf = shm.buf
+    if buf is None:
+        raise RuntimeError("shared-memory segment is closed")
+    return buf  # type: ignore[no-any-return]
