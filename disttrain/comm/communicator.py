@@ -22,9 +22,16 @@ import torch
 
 from disttrain.comm import algorithms, checks
 from disttrain.comm.algorithms import shm as shm_algorithms
+from disttrain.comm.algorithms import tree
 from disttrain.comm.config import CommConfig
 from disttrain.comm.context import COLLECTIVE_TAG_BASE, MAX_USER_TAG, CollectiveContext, Pending
-from disttrain.comm.cost_model import LinkCosts, choose, load_costs
+from disttrain.comm.cost_model import (
+    LinkCosts,
+    choose,
+    costs_from_bytes,
+    costs_to_bytes,
+    load_costs,
+)
 from disttrain.comm.errors import CommError
 from disttrain.comm.flight_recorder import FlightRecorder
 from disttrain.comm.ops import ReduceOp, check_dtype, finish_, parse_op
@@ -70,7 +77,10 @@ class Communicator:
         # False when the transport is shared with another communicator: close() leaves it open
         self._owns_transport = owns_transport
         self.config = config or CommConfig()
-        self.costs = costs or load_costs(transport.name)
+        # ``auto`` must pick the same algorithm on every rank: all adopt rank 0's costs
+        # (a calibration file may differ between machines, or be missing on some).
+        self.costs = costs or _agreed_costs(transport, load_costs(transport.name),
+                                            self.config.timeout_s)
         self.stats = TrafficStats()
         self.flight_recorder = FlightRecorder(self.config.flight_recorder_size)
         self._seq = 0
@@ -82,7 +92,7 @@ class Communicator:
         with _instances_lock:  # two communicators on one group must not share tags
             index = _instances.get(group_key, 0)
             _instances[group_key] = index + 1
-        self._tag_base = COLLECTIVE_TAG_BASE + (index % 64) * (1 << 13)
+        self._tag_base = COLLECTIVE_TAG_BASE + (index % 64) * _INSTANCE_TAGS
 
     @classmethod
     def from_torch(cls, group: Any | None = None, config: CommConfig | None = None) -> Communicator:
@@ -422,3 +432,30 @@ def _sig(t: torch.Tensor, op: ReduceOp | None = None, root: int = -1) -> tuple[i
     dtype_code = zlib.crc32(str(t.dtype).encode())
     op_code = -1 if op is None else list(ReduceOp).index(op)
     return (t.numel(), dtype_code, op_code, root)
+
+
+_MAX_COSTS_BYTES = 1 << 20
+_INSTANCE_TAGS = 1 << 13  # tags per communicator instance on one group
+_AGREE_TAG = COLLECTIVE_TAG_BASE + 64 * _INSTANCE_TAGS  # past every instance's range
+
+
+def _agreed_costs(transport: Transport, local: LinkCosts, timeout_s: float) -> LinkCosts:
+    """Rank 0's costs on every rank: a binomial-tree broadcast of their JSON encoding
+    (length first), counted apart from the communicator's own traffic."""
+    if transport.world_size == 1:
+        return local
+    ctx = CollectiveContext(transport, TrafficStats(), op="agree_costs", seq=0,
+                            algorithm="tree", timeout_s=timeout_s, chunk_bytes=1 << 20,
+                            tag_base=_AGREE_TAG)
+    payload = costs_to_bytes(local) if transport.rank == 0 else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    tree.broadcast(ctx, length, 0)
+    size = int(length.item())
+    if not 0 < size <= _MAX_COSTS_BYTES:
+        raise CommError(f"rank 0 announced {size} bytes of cost-model data; expected "
+                        f"1..{_MAX_COSTS_BYTES} (are all ranks running the same disttrain?)")
+    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if transport.rank == 0
+           else torch.empty(size, dtype=torch.uint8))
+    tree.broadcast(ctx, buf, 0)
+    return local if transport.rank == 0 else costs_from_bytes(bytes(buf.tolist()))
+

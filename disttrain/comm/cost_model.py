@@ -3,91 +3,159 @@
 A message of n bytes costs α + n·β (latency + inverse bandwidth); reducing n bytes costs
 n·γ. Each algorithm's time is a closed form in p (ranks) and N (the collective's size in the
 nccl-tests convention: the tensor for all_reduce/broadcast/reduce, the whole concatenated
-buffer for all_gather/reduce_scatter/gather/scatter/all_to_all). The formulas are written
-out in docs/cost_model.md. ``native`` (torch.distributed's own kernels, no Python per
-message) gets its own α and β, measured by ``disttrain bench comm --calibrate``.
+buffer for all_gather/reduce_scatter/gather/scatter/all_to_all). Two refinements for ranks
+that share a host's CPUs, where "the network" is the kernel copying bytes:
+
+* a step in which a rank sends *and* receives at once (ring, halving/doubling, pairwise
+  exchange) has its own ``alpha_exchange``/``beta_exchange``: both copies run on the same
+  cores, and more threads wake at once;
+* costs may be calibrated per world size (``by_world_size``): 4 ranks on 2 cores are not
+  2 ranks on 2 cores.
+
+``native`` (torch.distributed's own kernels, no Python per message) has its own α and β.
+Every formula is written out, with its justification, in docs/cost_model.md;
+``disttrain bench comm --calibrate`` measures the constants.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+_FLOATS = ("alpha", "beta", "gamma", "native_alpha", "native_beta")
+_OPTIONAL = ("alpha_exchange", "beta_exchange")
 
 
 @dataclass(frozen=True)
 class LinkCosts:
     """Measured (or default) costs of one transport, in seconds and seconds per byte."""
 
-    alpha: float = 150e-6  # per point-to-point message, including Python overhead
-    beta: float = 1 / 1.5e9  # per byte sent
+    alpha: float = 150e-6  # one-way message, including Python overhead
+    beta: float = 1 / 1.5e9  # per byte of a one-way message
     gamma: float = 1 / 4e9  # per byte reduced
+    alpha_exchange: float | None = None  # step sending and receiving at once; None: alpha
+    beta_exchange: float | None = None  # per byte sent in such a step; None: beta
     native_alpha: float = 60e-6  # per step of torch.distributed's own algorithm
     native_beta: float = 1 / 1.5e9
     chunk_bytes: int = 1 << 20  # ring streaming sub-chunk
     source: str = "defaults"
+    by_world_size: tuple[tuple[int, LinkCosts], ...] = ()  # calibrated at these world sizes
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma", "native_alpha", "native_beta"):
+        for name in (*_FLOATS, *_OPTIONAL):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"LinkCosts.{name} must be a finite non-negative number, got {value}")
-        if self.chunk_bytes <= 0:
-            raise ValueError(f"LinkCosts.chunk_bytes must be positive, got {self.chunk_bytes}")
+            if value is None and name in _OPTIONAL:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value >= 0):
+                raise ValueError(f"LinkCosts.{name} must be a finite number ≥ 0 (seconds or "
+                                 f"seconds per byte), got {value!r}")
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) \
+                or self.chunk_bytes <= 0:
+            raise ValueError(f"LinkCosts.chunk_bytes must be a positive int, got "
+                             f"{self.chunk_bytes!r}")
+        for p, entry in self.by_world_size:
+            if not isinstance(p, int) or p < 1 or not isinstance(entry, LinkCosts) \
+                    or entry.by_world_size:
+                raise ValueError("LinkCosts.by_world_size must hold (world_size ≥ 1, LinkCosts "
+                                 "without by_world_size) pairs")
+
+    @property
+    def ax(self) -> float:
+        return self.alpha if self.alpha_exchange is None else self.alpha_exchange
+
+    @property
+    def bx(self) -> float:
+        return self.beta if self.beta_exchange is None else self.beta_exchange
+
+    def at(self, p: int) -> LinkCosts:
+        """The costs calibrated at world size ``p``, else at the nearest calibrated one
+        (ties: the smaller), else these."""
+        if not self.by_world_size:
+            return self
+        return min(self.by_world_size, key=lambda e: (abs(e[0] - p), e[0]))[1]
 
 
 def _log2(p: int) -> int:
-    return max(0, math.ceil(math.log2(p))) if p > 1 else 0
+    """⌈log₂ p⌉: rounds of a binomial tree."""
+    return (p - 1).bit_length() if p > 1 else 0
 
 
-def _fold(p: int) -> int:
-    """1 when p is not a power of two (recursive halving/doubling pays a fold and unfold)."""
-    return 0 if p & (p - 1) == 0 else 1
+def _pow2_floor(p: int) -> int:
+    return 1 << (p.bit_length() - 1)
 
 
-def predict(op: str, algorithm: str, p: int, nbytes: int, c: LinkCosts) -> float:
-    """Predicted seconds for one collective; raises KeyError for an unknown pair."""
-    if p <= 1:
-        return 0.0
-    a, b, g, n, lg = c.alpha, c.beta, c.gamma, float(nbytes), _log2(p)
-    frac = (p - 1) / p
-    if algorithm == "native":
-        a, b = c.native_alpha, c.native_beta
-        algorithm = _NATIVE_SHAPE[op]
-    if algorithm == "ring" and op == "all_reduce":
-        # Thakur's 2(p−1)α + 2(p−1)/p·nβ + (p−1)/p·nγ, except that streaming in sub-chunks
-        # hides the reduction of all but the last sub-chunk of each of the p−1 steps.
-        hidden_gamma = (p - 1) * min(n / p, c.chunk_bytes) * g
-        return 2 * (p - 1) * a + 2 * frac * n * b + hidden_gamma
-    formulas = {
-        ("all_reduce", "naive"): (p - 1) * a + (p - 1) * n * b + (p - 1) * n * g,
-        ("all_reduce", "tree"): 2 * lg * (a + n * b) + lg * n * g,
-        ("all_reduce", "halving_doubling"): 2 * lg * a + 2 * frac * n * b + frac * n * g
-        + _fold(p) * (2 * (a + n * b) + n * g),
-        ("broadcast", "naive"): (p - 1) * (a + n * b),
-        ("broadcast", "tree"): lg * (a + n * b),
-        ("reduce", "naive"): (p - 1) * (a + n * b) + (p - 1) * n * g,
-        ("reduce", "tree"): lg * (a + n * b + n * g),
-        ("gather", "naive"): (p - 1) * a + frac * n * b,
-        ("gather", "tree"): lg * a + frac * n * b,
-        ("scatter", "naive"): (p - 1) * a + frac * n * b,
-        ("scatter", "tree"): lg * a + frac * n * b,
-        ("all_gather", "naive"): (p - 1) * a + frac * n * b,
-        ("all_gather", "ring"): (p - 1) * a + frac * n * b,
-        ("all_gather", "halving_doubling"): lg * a + frac * n * b
-        + _fold(p) * 2 * (a + n / p * b),
-        ("reduce_scatter", "naive"): (p - 1) * a + frac * n * (b + g),
-        ("reduce_scatter", "ring"): (p - 1) * a + frac * n * (b + g),
-        ("reduce_scatter", "halving_doubling"): lg * a + frac * n * (b + g)
-        + _fold(p) * (2 * a + n * b + n * g),
-        ("all_to_all", "naive"): (p - 1) * a + frac * n * b,
-        ("barrier", "naive"): 2 * (p - 1) * a,
-        ("barrier", "tree"): 2 * lg * a,
-    }
-    return formulas[(op, algorithm)]
+@dataclass(frozen=True)
+class _Terms:
+    """Everything a formula reads: p, N, and the costs (native's when predicting native)."""
 
+    p: int
+    n: float
+    a: float
+    b: float
+    ax: float
+    bx: float
+    g: float
+    chunk: int
+
+    @property
+    def lg(self) -> int:
+        return _log2(self.p)
+
+    @property
+    def frac(self) -> float:
+        return (self.p - 1) / self.p
+
+    @property
+    def q(self) -> int:  # recursive halving/doubling works on the largest power of two ≤ p
+        return _pow2_floor(self.p)
+
+    @property
+    def fold(self) -> int:  # 1 when p is not a power of two: a fold step and an unfold step
+        return 0 if self.q == self.p else 1
+
+
+_Formula = Callable[[_Terms], float]
+_FORMULAS: dict[tuple[str, str], _Formula] = {
+    # all_reduce
+    ("all_reduce", "naive"): lambda t: (t.p - 1) * (t.ax + t.n * t.bx + t.n * t.g),
+    # streaming hides the reduction of all but the last sub-chunk of each reduce-scatter step
+    ("all_reduce", "ring"): lambda t: 2 * (t.p - 1) * t.ax + 2 * t.frac * t.n * t.bx
+    + (t.p - 1) * min(t.n / t.p, t.chunk) * t.g,
+    ("all_reduce", "tree"): lambda t: 2 * t.lg * (t.a + t.n * t.b) + t.lg * t.n * t.g,
+    ("all_reduce", "halving_doubling"): lambda t: 2 * _log2(t.q) * t.ax
+    + 2 * (t.q - 1) / t.q * t.n * t.bx + (t.q - 1) / t.q * t.n * t.g
+    + t.fold * (2 * (t.a + t.n * t.b) + t.n * t.g),
+    # one-to-all and all-to-one (one-way steps)
+    ("broadcast", "naive"): lambda t: (t.p - 1) * (t.a + t.n * t.b),
+    ("broadcast", "tree"): lambda t: t.lg * (t.a + t.n * t.b),
+    ("reduce", "naive"): lambda t: (t.p - 1) * (t.a + t.n * t.b + t.n * t.g),
+    ("reduce", "tree"): lambda t: t.lg * (t.a + t.n * t.b + t.n * t.g),
+    ("gather", "naive"): lambda t: (t.p - 1) * t.a + t.frac * t.n * t.b,
+    ("gather", "tree"): lambda t: t.lg * t.a + t.frac * t.n * t.b,
+    ("scatter", "naive"): lambda t: (t.p - 1) * t.a + t.frac * t.n * t.b,
+    ("scatter", "tree"): lambda t: t.lg * t.a + t.frac * t.n * t.b,
+    # all-to-all patterns (exchange steps)
+    ("all_gather", "naive"): lambda t: (t.p - 1) * t.ax + t.frac * t.n * t.bx,
+    ("all_gather", "ring"): lambda t: (t.p - 1) * t.ax + t.frac * t.n * t.bx,
+    ("all_gather", "halving_doubling"): lambda t: _log2(t.q) * t.ax + t.frac * t.n * t.bx
+    + t.fold * (2 * t.a + (t.n / t.p + t.n) * t.b),
+    ("reduce_scatter", "naive"): lambda t: (t.p - 1) * t.ax + t.frac * t.n * (t.bx + t.g),
+    ("reduce_scatter", "ring"): lambda t: (t.p - 1) * t.ax + t.frac * t.n * t.bx
+    + (t.p - 1) * min(t.n / t.p, t.chunk) * t.g,
+    ("reduce_scatter", "halving_doubling"): lambda t: _log2(t.q) * t.ax
+    + t.frac * t.n * (t.bx + t.g) + t.fold * (2 * t.a + (t.n + t.n / t.p) * t.b + t.n * t.g),
+    ("all_to_all", "naive"): lambda t: (t.p - 1) * t.ax + t.frac * t.n * t.bx,
+    ("barrier", "naive"): lambda t: 2 * (t.p - 1) * t.a,
+    ("barrier", "tree"): lambda t: 2 * t.lg * t.a,
+}
 
 # Which closed form torch.distributed's own algorithm follows, for the ``native`` entry.
 _NATIVE_SHAPE = {
@@ -97,8 +165,25 @@ _NATIVE_SHAPE = {
 }
 
 
+def predict(op: str, algorithm: str, p: int, nbytes: int, costs: LinkCosts) -> float:
+    """Predicted seconds for one collective; raises KeyError for an unknown pair."""
+    if algorithm == "native":
+        formula = _FORMULAS[(op, _NATIVE_SHAPE[op])]
+    else:
+        formula = _FORMULAS[(op, algorithm)]
+    if p <= 1:
+        return 0.0
+    c = costs.at(p)
+    if algorithm == "native":
+        na, nb = c.native_alpha, c.native_beta
+        return formula(_Terms(p, float(nbytes), na, nb, na, nb, c.gamma, c.chunk_bytes))
+    return formula(_Terms(p, float(nbytes), c.alpha, c.beta, c.ax, c.bx, c.gamma,
+                          c.chunk_bytes))
+
+
 def choose(op: str, p: int, nbytes: int, costs: LinkCosts, candidates: list[str]) -> str:
-    """The candidate with the lowest predicted time (ties: the earlier candidate)."""
+    """The candidate with the lowest predicted time (ties: the earlier candidate); candidates
+    without a formula are skipped."""
     best, best_t = candidates[0], math.inf
     for name in candidates:
         try:
@@ -110,6 +195,29 @@ def choose(op: str, p: int, nbytes: int, costs: LinkCosts, candidates: list[str]
     return best
 
 
+def native_fit(p: int, small: tuple[int, float], large: tuple[int, float],
+               gamma: float) -> tuple[float, float]:
+    """(native_alpha, native_beta) such that ``predict("all_reduce", "native", p, n)`` passes
+    through both measured points ``(n, seconds)``; clamped at zero."""
+    def coefficients(n: int) -> list[float]:
+        # predict is linear in (native_alpha, native_beta, gamma): read the coefficients off
+        # unit costs
+        return [predict("all_reduce", "native", p, n, LinkCosts(
+            native_alpha=a, native_beta=b, gamma=g, alpha=0, beta=0))
+            for a, b, g in ((1, 0, 0), (0, 1, 0), (0, 0, 1))]
+
+    (n1, t1), (n2, t2) = small, large
+    (a1, b1, c1), (a2, b2, c2) = coefficients(n1), coefficients(n2)
+    r1, r2 = t1 - c1 * gamma, t2 - c2 * gamma
+    det = a1 * b2 - a2 * b1
+    if p < 2 or det == 0:
+        raise ValueError(f"cannot fit native costs from sizes {n1} and {n2} on {p} ranks; "
+                         f"use two different sizes and at least 2 ranks")
+    beta = max(0.0, (a1 * r2 - a2 * r1) / det)
+    return max(0.0, (r1 - b1 * beta) / a1), beta
+
+
+# ---------------------------------------------------------------------------- storage
 def calibration_path() -> Path:
     """Where calibrated costs live: $DISTTRAIN_CALIBRATION, else ~/.cache/disttrain/."""
     env = os.environ.get("DISTTRAIN_CALIBRATION")
@@ -119,15 +227,39 @@ def calibration_path() -> Path:
     return base / "disttrain" / "calibration.json"
 
 
+def _to_json(costs: LinkCosts) -> dict[str, Any]:
+    data = {f.name: getattr(costs, f.name) for f in fields(costs) if f.name != "by_world_size"}
+    data["by_world_size"] = {str(p): _to_json(entry) for p, entry in costs.by_world_size}
+    return data
+
+
+def _from_json(entry: dict[str, Any]) -> LinkCosts:
+    known = {f.name for f in fields(LinkCosts)} - {"by_world_size"}
+    by_p = entry.get("by_world_size") or {}
+    return LinkCosts(**{k: v for k, v in entry.items() if k in known},
+                     by_world_size=tuple(sorted((int(p), _from_json(e)) for p, e in by_p.items())))
+
+
+def costs_to_bytes(costs: LinkCosts) -> bytes:
+    """JSON encoding of ``costs`` (sent by rank 0 so every rank's ``auto`` agrees)."""
+    return json.dumps(_to_json(costs), sort_keys=True).encode()
+
+
+def costs_from_bytes(data: bytes) -> LinkCosts:
+    """Inverse of :func:`costs_to_bytes`; JSON only, never pickle."""
+    return _from_json(json.loads(data.decode()))
+
+
 def load_costs(transport: str, path: Path | None = None) -> LinkCosts:
     """Stored costs for ``transport``, or the defaults when none are stored (or unreadable)."""
     path = path or calibration_path()
     try:
-        data = json.loads(path.read_text())
-        entry = data[transport]
-        fields = {k: entry[k] for k in LinkCosts.__dataclass_fields__ if k in entry}
-        return LinkCosts(**fields)
-    except (OSError, KeyError, ValueError, TypeError):
+        return _from_json(json.loads(path.read_text())[transport])
+    except FileNotFoundError:
+        return LinkCosts()
+    except (OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("ignoring calibration for %r in %s (%s: %s); using default costs",
+                    transport, path, type(exc).__name__, exc)
         return LinkCosts()
 
 
@@ -141,8 +273,67 @@ def save_costs(transport: str, costs: LinkCosts, path: Path | None = None) -> Pa
             data = {}
     except (OSError, ValueError):
         data = {}
-    data[transport] = asdict(costs)
-    tmp = path.with_suffix(".tmp")
+    data[transport] = _to_json(costs)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def with_world_sizes(base: LinkCosts, entries: dict[int, LinkCosts]) -> LinkCosts:
+    """``base`` carrying per-world-size entries (each stripped of its own entries)."""
+    return replace(base, by_world_size=tuple(sorted(
+        (p, replace(e, by_world_size=())) for p, e in entries.items())))
+
+
+# ---------------------------------------------------------------------------- bytes on the wire
+def _gather_tree_max(p: int) -> int:
+    """Blocks forwarded by the busiest non-root rank of a binomial gather: the top of the
+    largest subtree, min(2^k, p − 2^k) blocks for relative rank 2^k."""
+    return max(min(1 << k, p - (1 << k)) for k in range(_log2(p)))
+
+
+def _hd_all_gather_max(p: int) -> int:
+    """Blocks virtual rank 0 sends in recursive doubling after the non-power-of-two fold: at
+    level k its group of 2^k virtual ranks, min(2^k, p − q) of which hold two blocks."""
+    q = _pow2_floor(p)
+    return sum((1 << k) + min(1 << k, p - q) for k in range(_log2(q)))
+
+
+def theory_bytes_sent(op: str, algorithm: str, p: int, nbytes: int) -> float | None:
+    """Bytes the busiest rank sends in one ``op`` with ``algorithm``: None for ``native``
+    (torch.distributed's traffic is invisible), KeyError for an unknown pair.
+
+    ``nbytes`` is the nccl-tests size (see :func:`predict`). Exact when the buffer splits
+    evenly into the algorithm's blocks, as in the benchmark.
+    """
+    if algorithm == "native":
+        return None
+    if p <= 1:
+        return 0.0
+    v, lg, frac, q = float(nbytes), _log2(p), (p - 1) / p, _pow2_floor(p)
+    fold = 0 if q == p else 1
+    table = {
+        ("all_reduce", "naive"): (p - 1) * v,
+        ("all_reduce", "ring"): 2 * frac * v,
+        ("all_reduce", "tree"): lg * v,  # the root broadcasts to ⌈log₂ p⌉ children
+        ("all_reduce", "halving_doubling"): 2 * (q - 1) / q * v + fold * v,  # + the unfold
+        ("broadcast", "naive"): (p - 1) * v,
+        ("broadcast", "tree"): lg * v,
+        ("reduce", "naive"): v,
+        ("reduce", "tree"): v,
+        ("gather", "naive"): v / p,
+        ("gather", "tree"): _gather_tree_max(p) * v / p,
+        ("scatter", "naive"): frac * v,
+        ("scatter", "tree"): frac * v,
+        ("all_gather", "naive"): frac * v,
+        ("all_gather", "ring"): frac * v,
+        ("all_gather", "halving_doubling"): _hd_all_gather_max(p) * v / p + fold * v,
+        ("reduce_scatter", "naive"): frac * v,
+        ("reduce_scatter", "ring"): frac * v,
+        ("reduce_scatter", "halving_doubling"): v if fold else frac * v,  # folded: all of it
+        ("all_to_all", "naive"): frac * v,
+        ("barrier", "naive"): float(p - 1),
+        ("barrier", "tree"): float(lg),
+    }
+    return table[(op, algorithm)]

@@ -1,0 +1,164 @@
+"""``disttrain bench comm --calibrate``: measure the cost model's constants on this machine.
+
+For each world size p, p local ranks run these, with every rank busy at once (ranks 2i and
+2i+1 are partners), so the costs include the sharing of cores that p ranks cause:
+
+* α, β (one-way): ping-pong of 4 B, 1 MiB and 16 MiB through the
+  :class:`~disttrain.comm.context.CollectiveContext` path every algorithm's messages take
+  (Python overhead included): α = half the 4-byte round trip; β = the slope
+  ``(t(16 MiB) − t(1 MiB)) / 15 MiB`` of the one-way time, so α cancels;
+* alpha_exchange, beta_exchange: the same with both partners sending at once
+  (``ctx.sendrecv``, the step of ring and halving/doubling);
+* γ: ``a.add_(b)`` on 16 MiB float32, per byte (the kernel the reductions run);
+* native_alpha, native_beta: fitted (:func:`~disttrain.comm.cost_model.native_fit`) so that
+  the model's native all_reduce equals torch.distributed's, timed at 4 KiB and 16 MiB.
+
+Latencies on a shared host are bimodal (a message either goes through at once or waits for a
+scheduler tick), so each constant is a mean with the slowest 5% trimmed: the model adds step
+costs, and means add where medians do not.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from disttrain.bench.ranks import RankGroup
+from disttrain.bench.timing import slowest_rank
+from disttrain.comm import Communicator
+from disttrain.comm.context import CollectiveContext
+from disttrain.comm.cost_model import LinkCosts, native_fit, save_costs, with_world_sizes
+
+TINY, LARGE_A, LARGE_B = 4, 1 << 20, 16 << 20
+NATIVE_SMALL, NATIVE_LARGE = 4 << 10, 16 << 20
+Samples = dict[str, list[float]]
+
+
+def trimmed_mean(values: list[float], trim: float = 0.05) -> float:
+    """Mean of ``values`` without the slowest ``trim`` fraction (preemptions)."""
+    if not values:
+        raise ValueError("no samples")
+    ordered = sorted(values)
+    keep = ordered[: max(1, len(ordered) - int(len(ordered) * trim))]
+    return sum(keep) / len(keep)
+
+
+def _times(fn: Callable[[], None], reps: int) -> list[float]:
+    fn()  # warm-up: first-touch pages, connection set-up
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def _pair_traffic(comm: Communicator, nbytes: int, reps: int, exchange: bool) -> list[float]:
+    """Round trips (ping-pong) or exchanges with the partner rank; [] without a partner."""
+    partner = comm.rank ^ 1
+    if partner >= comm.world_size:
+        return []
+    ctx = CollectiveContext(comm.transport, comm.stats, op="calibrate", seq=0,
+                            algorithm="exchange" if exchange else "ping_pong",
+                            timeout_s=comm.config.timeout_s, chunk_bytes=nbytes, tag_base=0)
+    out, into = torch.zeros(max(1, nbytes // 4)), torch.zeros(max(1, nbytes // 4))
+    first = comm.rank % 2 == 0
+
+    def step() -> None:
+        if exchange:
+            ctx.sendrecv(out, partner, into, partner)
+        elif first:
+            ctx.send(out, partner)
+            ctx.recv(into, partner)
+        else:
+            ctx.recv(into, partner)
+            ctx.send(out, partner)
+
+    return _times(step, reps)
+
+
+def _add_times(nbytes: int, reps: int) -> list[float]:
+    a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
+
+    def add() -> None:
+        a.add_(b)
+
+    return _times(add, reps)
+
+
+def _native_times(comm: Communicator, nbytes: int, reps: int) -> list[float]:
+    """Native all_reduce started together (after a barrier), timed like the benchmark."""
+    buf = torch.zeros(nbytes // 4)
+    samples = []
+    for i in range(reps + 1):
+        comm.barrier(algorithm="native")
+        start = time.perf_counter()
+        comm.all_reduce(buf, algorithm="native")
+        if i:  # the first call warms up
+            samples.append(time.perf_counter() - start)
+    return samples
+
+
+def measure(comm: Communicator, emit: Callable[[Any], None], reps: int) -> None:
+    """The job on each rank: emit this rank's raw samples."""
+    samples: Samples = {}
+    for exchange in (False, True):
+        kind = "exchange" if exchange else "ping_pong"
+        comm.barrier(algorithm="native")
+        samples[f"{kind}_tiny"] = _pair_traffic(comm, TINY, reps * 10, exchange)
+        samples[f"{kind}_a"] = _pair_traffic(comm, LARGE_A, reps, exchange)
+        samples[f"{kind}_b"] = _pair_traffic(comm, LARGE_B, reps, exchange)
+    comm.barrier(algorithm="native")
+    samples["add"] = _add_times(LARGE_B, reps)
+    samples["native_small"] = _native_times(comm, NATIVE_SMALL, reps * 5)
+    samples["native_large"] = _native_times(comm, NATIVE_LARGE, reps)
+    emit(samples)
+
+
+def fit(p: int, per_rank: list[Samples], chunk_bytes: int) -> LinkCosts:
+    """Costs for world size ``p`` from every rank's samples (pure; tested on its own)."""
+    paired = [s for s in per_rank if s["ping_pong_tiny"]]
+    if not paired:
+        raise ValueError("no rank had a partner: calibration needs at least 2 ranks")
+
+    def mean_of(key: str, scale: float = 1.0) -> float:
+        return trimmed_mean([t * scale for s in paired for t in s[key]])
+
+    def slope(prefix: str, scale: float) -> float:
+        rise = mean_of(f"{prefix}_b", scale) - mean_of(f"{prefix}_a", scale)
+        return max(0.0, rise / (LARGE_B - LARGE_A))
+
+    # a round trip is two one-way messages; an exchange is one step
+    alpha, beta = mean_of("ping_pong_tiny", 0.5), slope("ping_pong", 0.5)
+    alpha_x, beta_x = mean_of("exchange_tiny"), slope("exchange", 1.0)
+    gamma = trimmed_mean([t for s in per_rank for t in s["add"]]) / LARGE_B
+    native = [trimmed_mean(slowest_rank([s[key] for s in per_rank]))
+              for key in ("native_small", "native_large")]
+    native_alpha, native_beta = native_fit(p, (NATIVE_SMALL, native[0]),
+                                           (NATIVE_LARGE, native[1]), gamma)
+    return LinkCosts(alpha=alpha, beta=beta, gamma=gamma, alpha_exchange=alpha_x,
+                     beta_exchange=beta_x, native_alpha=native_alpha, native_beta=native_beta,
+                     chunk_bytes=chunk_bytes,
+                     source=f"disttrain bench comm --calibrate on {p} ranks")
+
+
+def _describe(p: int, index: int) -> str:
+    return f"calibration on {p} ranks"
+
+
+def calibrate(transport: str, world_sizes: tuple[int, ...], timeout_s: float,
+              reps: int = 20) -> tuple[LinkCosts, str]:
+    """Measure at each world size, store with save_costs; returns (costs, path written).
+    The top-level costs are those of the smallest world size."""
+    entries: dict[int, LinkCosts] = {}
+    for p in sorted(set(world_sizes)):
+        with RankGroup(p, measure, (reps,), transport=transport, timeout_s=timeout_s,
+                       describe=functools.partial(_describe, p)) as group:
+            reports = list(group.reports())
+        entries[p] = fit(p, reports[0], LinkCosts().chunk_bytes)
+    costs = with_world_sizes(entries[min(entries)], entries)
+    return costs, str(save_costs(transport, costs))

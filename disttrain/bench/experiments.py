@@ -1,0 +1,127 @@
+"""The named experiments of ``disttrain bench``: one per registered training strategy.
+
+An experiment is a strategy of :data:`disttrain.train.STRATEGIES` plus how the benchmark runs
+it: which transport (torch's own baselines always run on ``torch``), which collective
+algorithm (``ring`` for disttrain's data-parallel strategies, so their bytes are counted and
+compared with theory; ``native`` would hide them), and which PyTorch implementation of the
+same idea it is compared with (``ddp`` against ``torch-ddp``, ``zero1``/``zero2`` against
+``torch-zero1``, ``gpipe`` against ``torch-gpipe``).
+
+The list is read from the strategy registry at run time, so a strategy registered there is a
+row here with nothing else to do; :data:`TORCH_COUNTERPART` is the one entry to add when a
+new disttrain strategy has a torch equivalent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disttrain.train.strategies import STRATEGIES
+
+REFERENCE = "single"
+TORCH_COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero1", "zero2": "torch-zero1",
+                     "gpipe": "torch-gpipe"}
+DEFAULT_ALGORITHM = "ring"  # counted by comm.stats, and what the theoretical bytes assume
+DEFAULT_WORLD_SIZES = (2,)
+DEFAULT_EPOCHS = 2
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One row kind of the table: a strategy and how the benchmark runs it."""
+
+    name: str
+    description: str
+    is_baseline: bool  # PyTorch's own implementation (runs on the torch transport)
+    compare_to: str | None  # the torch baseline of the same idea, when there is one
+    takes_algorithm: bool  # the strategy accepts ParallelOptions.algorithm
+    max_world_size: int | None
+
+
+def experiments() -> dict[str, Experiment]:
+    """Every registered strategy as an experiment: the reference first, then torch's
+    baselines, then disttrain's strategies (so a row's comparisons are known when it ends)."""
+    found = {}
+    for name, spec in STRATEGIES.items():
+        found[name] = Experiment(
+            name=name, description=spec.description, is_baseline=name.startswith("torch-"),
+            compare_to=TORCH_COUNTERPART.get(name) if TORCH_COUNTERPART.get(name)
+            in STRATEGIES else None,
+            takes_algorithm="algorithm" in spec.options, max_world_size=spec.max_world_size)
+    order = sorted(found, key=lambda n: (n != REFERENCE, not found[n].is_baseline))
+    return {name: found[name] for name in order}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``disttrain bench`` runs. ``strategies`` None means every registered one; the
+    single-process reference always runs (once, on one process) since every row is compared
+    with it."""
+
+    strategies: tuple[str, ...] | None = None
+    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
+    model: str = "lenet"
+    dataset: str = "digits"
+    epochs: int | None = DEFAULT_EPOCHS
+    steps: int | None = None
+    global_batch: int = 32
+    repeat: int = 1
+    transport: str = "torch"  # disttrain rows only; torch baselines always use torch
+    algorithm: str = DEFAULT_ALGORITHM  # for strategies that take one ('auto' allowed)
+    timeout_s: float = 60.0  # any collective; a rank silent for 4× this is stopped
+    warmup_steps: int = 2  # left out of samples/s
+    eval_every: int = 10  # steps between evaluations (the accuracy curves)
+    seed: int = 0
+    extra: dict[str, str] = field(default_factory=dict)  # recorded in the environment
+
+    def __post_init__(self) -> None:
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError("give --epochs or --steps, not both")
+        for name in ("repeat", "global_batch", "epochs", "steps"):
+            value = getattr(self, name)
+            if value is None and name in ("epochs", "steps"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer ≥ 1, "
+                                 f"got {value!r}")
+        if not self.world_sizes or any(n < 1 for n in self.world_sizes):
+            raise ValueError(f"-n needs world sizes ≥ 1, got {self.world_sizes}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        known = experiments()
+        for name in self.strategies or ():
+            if name not in known:
+                raise ValueError(f"unknown strategy {name!r}; registered: {', '.join(known)} "
+                                 f"(see disttrain bench --list)")
+
+    def selected(self) -> list[Experiment]:
+        """The experiments to run, in table order (the reference always first)."""
+        known = experiments()
+        wanted = set(self.strategies or known) | {REFERENCE}
+        return [e for name, e in known.items() if name in wanted]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One cell of the plan: an experiment on a number of ranks."""
+
+    experiment: Experiment
+    world_size: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.experiment.name} n={self.world_size}"
+
+
+def plan(config: BenchConfig) -> list[Run]:
+    """Every (experiment, world size) to run: the reference on one process, the others on
+    each world size they accept (a strategy capped below a size is not planned there)."""
+    runs = []
+    for exp in config.selected():
+        if exp.name == REFERENCE:
+            runs.append(Run(exp, 1))
+            continue
+        for n in config.world_sizes:
+            if exp.max_world_size is None or n <= exp.max_world_size:
+                runs.append(Run(exp, n))
+    return runs

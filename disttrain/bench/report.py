@@ -1,0 +1,135 @@
+"""The strategy table as text: the terminal table, Markdown, JSON rows, and the environment.
+
+Columns (one row per strategy × world size, the global batch the same for every row):
+
+* ``samples/s``: median over ``--repeat`` runs (± the spread, (max − min)/median);
+* ``speed-up``: samples/s over the single-process reference's; ``eff``: speed-up / ranks;
+* ``vs torch``: samples/s over torch's implementation of the same idea at the same size
+  (ddp / torch-ddp, zero1 and zero2 / torch-zero1, gpipe / torch-gpipe);
+* ``peak mem``: the maximum over ranks of each rank's peak (on CPU the resident set size,
+  interpreter and libraries included);
+* ``sent/step`` and ``theory``: bytes the busiest rank sent per step through disttrain.comm
+  and what the strategy's formula says (``-`` where torch's own code sends, uncounted);
+* ``acc`` and ``loss``: final held-out accuracy and last training loss; the reference's are
+  in its own row, and ``Δacc`` is the difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TextIO
+
+from disttrain.bench.units import format_size
+
+Row = dict[str, Any]
+COLUMNS = ("strategy", "n", "batch", "samples/s", "speed-up", "eff", "vs torch", "peak mem",
+           "sent/step", "theory", "acc", "Δacc", "loss", "algorithm")
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _size(value: float | None) -> str:
+    return "-" if value is None else format_size(value)
+
+
+def cells(row: Row) -> list[str]:
+    """One row's cells, in the order of :data:`COLUMNS`."""
+    head = [row["strategy"], str(row["world_size"]), str(row["global_batch"])]
+    if row.get("error"):
+        return head + ["FAILED"] + [""] * (len(COLUMNS) - 4)
+    speed = f"{row['samples_per_s']:.1f}"
+    if row.get("repeats", 1) > 1:
+        speed += f" ±{100 * row['spread']:.0f}%"
+    vs = "-" if row.get("vs_torch") is None else f"{row['vs_torch']:.2f}× {row['compare_to']}"
+    ref = row.get("reference_accuracy")
+    delta = None if ref is None or row["accuracy"] is None else row["accuracy"] - ref
+    return head + [speed, _num(row.get("speedup"), ".2f"), _num(row.get("efficiency"), ".0%"),
+                   vs, _size(row["peak_mem_bytes"]),
+                   _size(row["bytes_sent_per_rank_per_step"]),
+                   _size(row["theory_bytes_per_rank_per_step"]),
+                   _num(row["accuracy"], ".4f"), _num(delta, "+.4f"),
+                   _num(row["final_loss"], ".4f"), row.get("algorithm") or "-"]
+
+
+def text_table(rows: list[Row]) -> str:
+    """The aligned terminal table, then one line per failed row (rank and error)."""
+    grid = [list(COLUMNS)] + [cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in grid) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in grid]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        lines.append("")
+        lines += [f"FAILED {r['strategy']} n={r['world_size']}: {r['error']}" for r in failed]
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[Row], env: dict[str, Any]) -> str:
+    """The table in Markdown, headed by the command and the machine that produced it."""
+    out = [f"Command: `{env.get('command', 'disttrain bench')}`  ",
+           f"Machine: {env.get('cpu')}, {env.get('cpu_count')} cores; torch "
+           f"{env.get('torch')}; backend {env.get('backend')}; transport "
+           f"{env.get('transport')}; commit {env.get('commit') or 'unknown'}; "
+           f"{env.get('date')}", "",
+           "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        out.append("")
+        out += [f"* {r['strategy']} n={r['world_size']} failed: {r['error']}" for r in failed]
+    return "\n".join(out) + "\n"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (with ``-dirty`` when it has changes), if it is a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                                text=True, timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}-dirty" if dirty.strip() else commit or None
+
+
+def environment(config: Any, command: str) -> dict[str, Any]:
+    """Where and how the table was made (recorded in every JSON row)."""
+    import torch
+
+    return {"command": command, "torch": torch.__version__, "backend": "gloo",
+            "transport": config.transport, "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "platform": platform.platform(),
+            "commit": git_commit(), "model": config.model, "dataset": config.dataset,
+            "epochs": config.epochs, "steps": config.steps, "repeat": config.repeat,
+            "warmup_steps": config.warmup_steps,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_json(path: Path, rows: list[Row], env: dict[str, Any]) -> None:
+    """One object per row (a JSON list), each carrying the environment under ``env``."""
+    path.write_text(json.dumps([{**row, "env": env} for row in rows], indent=1) + "\n")
+
+
+def print_table(rows: list[Row], out: TextIO, interrupted: bool = False) -> None:
+    print(text_table(rows), file=out)
+    if interrupted:
+        print("(interrupted: the rows above are the runs that finished)", file=out)

@@ -1,0 +1,202 @@
+"""Run the strategy table: every experiment in fresh local processes, one row per run.
+
+Each (experiment, world size) runs ``repeat`` times, each time in new processes
+(:class:`~disttrain.bench.ranks.RankGroup`: a rank that raises, dies or stays silent is named
+and stopped). Each rank calls :func:`disttrain.train.train` with the same config and sends
+its :class:`~disttrain.train.TrainResult` back, plus, with ``trace``, its step spans and its
+collectives from the communicator's flight recorder. The row takes the median samples/s
+over the repeats (and their spread), the maximum peak memory over ranks, and the maximum
+over ranks of the bytes each sent per step next to the strategy's theoretical figure.
+
+A failing run becomes a row with ``error`` set (the rank and its exception) and the table
+goes on; Ctrl-C stops the current run and returns the finished rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from disttrain.bench.experiments import REFERENCE, BenchConfig, Run, plan
+from disttrain.bench.ranks import BenchError, RankGroup
+from disttrain.comm import Communicator
+from disttrain.train import ParallelOptions, StepRecord, TrainConfig, TrainResult, train
+from disttrain.train.loop import checked_setup
+
+Row = dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    """The rows finished so far and whether Ctrl-C cut the run short."""
+
+    rows: list[Row] = field(default_factory=list)
+    traces: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # label → events
+    interrupted: bool = False
+
+
+def train_config(config: BenchConfig, run: Run) -> TrainConfig:
+    """The TrainConfig of one run: the same model, data, batch and length for every row."""
+    exp = run.experiment
+    parallel = ParallelOptions(algorithm=config.algorithm) if exp.takes_algorithm else (
+        ParallelOptions())
+    return TrainConfig(model=config.model, dataset=config.dataset, strategy=exp.name,
+                       parallel=parallel, epochs=config.epochs if config.steps is None else None,
+                       steps=config.steps, global_batch=config.global_batch, seed=config.seed,
+                       warmup_steps=config.warmup_steps, eval_every=config.eval_every,
+                       log_every=0, progress=False)
+
+
+def transport_of(config: BenchConfig, run: Run) -> str:
+    return "torch" if run.experiment.is_baseline or run.experiment.name == REFERENCE else (
+        config.transport)
+
+
+def algorithm_of(config: BenchConfig, run: Run) -> str | None:
+    exp = run.experiment
+    if exp.takes_algorithm:
+        return config.algorithm
+    return "torch" if exp.is_baseline else None
+
+
+# ---------------------------------------------------------------------------- on each rank
+def _train_job(comm: Communicator, emit: Callable[[Any], None], config: TrainConfig,
+               trace: bool) -> None:
+    """One rank: train, then report the result (and the trace events when asked)."""
+    steps: list[tuple[int, float, float]] = []  # (step, start, end), wall clock like the
+    collectives: dict[int, dict[str, Any]] = {}  # flight recorder's times
+
+    def hook(record: StepRecord) -> None:
+        if trace:
+            end = time.time()
+            steps.append((record.step, end - record.seconds, end))
+            for entry in comm.flight_recorder.dump():  # drained each step: it is a ring
+                collectives.setdefault(entry["seq"], entry)
+
+    result = train(config, comm, hooks=[hook])
+    if trace:
+        for entry in comm.flight_recorder.dump():
+            collectives.setdefault(entry["seq"], entry)
+    emit({"result": result.without_model(), "steps": steps,
+          "collectives": [collectives[s] for s in sorted(collectives)]})
+
+
+# ---------------------------------------------------------------------------- in the parent
+def run_once(config: BenchConfig, run: Run, trace: bool) -> list[dict[str, Any]]:
+    """One run in fresh processes; every rank's report (rank order). Raises BenchError."""
+    tconfig = train_config(config, run)
+    with RankGroup(run.world_size, _train_job, (tconfig, trace),
+                   transport=transport_of(config, run), timeout_s=config.timeout_s,
+                   describe=lambda _: f"{run.label}: training") as group:
+        for reports in group.reports():
+            return list(reports)
+    raise BenchError(f"{run.label}: the ranks finished without a result")
+
+
+def _error_text(exc: BaseException) -> str:
+    """The first line (which rank, how) and the exception line of a rank's traceback."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(exc).__name__
+    tail = [line.strip() for line in lines[1:] if not line.startswith((" ", "Traceback"))
+            and not line.startswith("(while")]
+    return f"{lines[0]} {tail[-1] if tail else ''}".strip()
+
+
+def base_row(config: BenchConfig, run: Run) -> Row:
+    return {"strategy": run.experiment.name, "world_size": run.world_size,
+            "global_batch": config.global_batch, "transport": transport_of(config, run),
+            "algorithm": algorithm_of(config, run), "compare_to": run.experiment.compare_to,
+            "error": None}
+
+
+def make_row(config: BenchConfig, run: Run, repeats: list[list[dict[str, Any]]]) -> Row:
+    """The row of a run from every repeat's reports (each: one report per rank)."""
+    speeds = [reports[0]["result"].samples_per_s for reports in repeats]
+    median = statistics.median(speeds)
+    chosen = min(repeats, key=lambda r: abs(r[0]["result"].samples_per_s - median))
+    results: list[TrainResult] = [report["result"] for report in chosen]
+    first = results[0]
+    warm = config.warmup_steps
+    slowest = [max(col) for col in zip(*(r.step_times for r in results))]
+    timed = slowest[warm:] or slowest
+    row = base_row(config, run)
+    row.update({
+        "dp_size": first.dp_size, "steps": first.steps, "repeats": len(repeats),
+        "samples_per_s": median, "samples_per_s_runs": speeds,
+        "spread": (max(speeds) - min(speeds)) / median if median > 0 else 0.0,
+        "step_time_s": statistics.median(timed) if timed else None,
+        "peak_mem_bytes": max(r.peak_mem_bytes for r in results),
+        "peak_mem_bytes_per_rank": [r.peak_mem_bytes for r in results],
+        "bytes_sent_per_rank_per_step": first.bytes_sent_per_step_max,
+        "theory_bytes_per_rank_per_step": first.theory_bytes_per_step_max,
+        "bytes_unobserved": max(r.bytes_unobserved for r in results),
+        "accuracy": first.accuracy, "eval_loss": first.eval_loss, "final_loss": first.final_loss,
+        "evaluations": [[e.step, e.accuracy, e.loss] for e in first.evaluations],
+        "losses": first.losses, "extras": first.extras,
+    })
+    return row
+
+
+def add_comparisons(row: Row, rows: list[Row]) -> None:
+    """Speed-up over the reference, scaling efficiency, the ratio against torch's
+    implementation of the same idea, and the reference's accuracy and loss."""
+    def find(name: str | None, n: int | None = None) -> Row | None:
+        for other in rows:
+            if other["strategy"] == name and other.get("error") is None and (
+                    n is None or other["world_size"] == n):
+                return other
+        return None
+
+    ref, torch_row = find(REFERENCE), find(row.get("compare_to"), row["world_size"])
+    speed = row.get("samples_per_s")
+    ok = row.get("error") is None and speed
+    row["speedup"] = speed / ref["samples_per_s"] if ok and ref and ref["samples_per_s"] else None
+    row["efficiency"] = row["speedup"] / row["world_size"] if row["speedup"] else None
+    row["vs_torch"] = (speed / torch_row["samples_per_s"]
+                       if ok and torch_row and torch_row["samples_per_s"] else None)
+    row["reference_accuracy"] = ref["accuracy"] if ref else None
+    row["reference_final_loss"] = ref["final_loss"] if ref else None
+
+
+def measure(config: BenchConfig, run: Run, trace: bool) -> tuple[Row, list[dict[str, Any]]]:
+    """All repeats of one run: its row (with ``error`` on failure) and the last reports."""
+    try:
+        checked_setup(replace(train_config(config, run)), run.world_size)
+    except ValueError as exc:
+        return {**base_row(config, run), "error": f"not runnable here: {exc}"}, []
+    repeats = []
+    try:
+        for _ in range(config.repeat):
+            repeats.append(run_once(config, run, trace))
+    except (BenchError, ValueError) as exc:
+        return {**base_row(config, run), "error": _error_text(exc)}, []
+    return make_row(config, run, repeats), repeats[-1]
+
+
+def run_table(config: BenchConfig, on_row: Callable[[Row], None] | None = None,
+              on_start: Callable[[int, int, Run], None] | None = None,
+              trace: bool = False) -> Outcome:
+    """Run the whole plan; Ctrl-C ends it early with the rows finished so far."""
+    outcome = Outcome()
+    runs = plan(config)
+    try:
+        for i, run in enumerate(runs):
+            if on_start is not None:
+                on_start(i, len(runs), run)
+            row, reports = measure(config, run, trace)
+            add_comparisons(row, outcome.rows + [row])
+            outcome.rows.append(row)
+            if trace and reports:
+                from disttrain.bench.trace import chrome_trace
+
+                outcome.traces[f"{run.experiment.name}-n{run.world_size}"] = chrome_trace(
+                    reports)
+            if on_row is not None:
+                on_row(row)
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+    return outcome

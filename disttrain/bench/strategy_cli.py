@@ -1,0 +1,157 @@
+"""``disttrain bench`` with no subcommand: the strategy comparison table.
+
+    disttrain bench                                   # every strategy, LeNet on digits, n=2
+    disttrain bench --list                            # the named experiments
+    disttrain bench --strategies ddp,torch-ddp -n 1,2,4 --steps 50 --repeat 3
+    disttrain bench --json rows.json --markdown table.md --html report.html --trace traces/
+
+Exit codes: 0 every row ran, 1 some row failed (named in the table), 2 bad arguments,
+130 interrupted (the finished rows are still printed and written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from disttrain.bench.experiments import DEFAULT_EPOCHS, BenchConfig, Run, experiments, plan
+from disttrain.bench.transports import TRANSPORTS
+
+Row = dict[str, Any]
+
+
+def _csv_names(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("empty list of strategies")
+    return names
+
+
+def _csv_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4, "
+                                         f"got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("empty list of world sizes")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The table's flags, on the ``bench`` parser itself."""
+    d = BenchConfig()
+    parser.add_argument("--list", action="store_true", help="list the experiments and exit")
+    parser.add_argument("--strategies", type=_csv_names, default=None,
+                        help="comma-separated experiments (default: every registered one; "
+                        "'single' always runs as the reference)")
+    parser.add_argument("-n", "--world-sizes", type=_csv_ints, default=d.world_sizes,
+                        help="comma-separated numbers of ranks (default: 2)")
+    parser.add_argument("--model", default=d.model, help="model (default lenet)")
+    parser.add_argument("--dataset", default=d.dataset, help="dataset (default digits)")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, default=None,
+                        help=f"passes over the training split (default {DEFAULT_EPOCHS})")
+    length.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
+    parser.add_argument("--global-batch", type=int, default=d.global_batch,
+                        help="samples per step over all ranks, the same for every row "
+                        "(default %(default)s)")
+    parser.add_argument("--repeat", type=int, default=d.repeat,
+                        help="runs per row; the table shows the median and the spread")
+    parser.add_argument("--transport", default=d.transport,
+                        help=f"transport of the disttrain rows (torch baselines always use "
+                        f"torch; known: {', '.join(TRANSPORTS)})")
+    parser.add_argument("--algorithm", default=d.algorithm,
+                        help="collective algorithm of ddp and zero (default ring: its bytes "
+                        "are counted and compared with theory; 'auto' lets the cost model pick)")
+    parser.add_argument("--timeout", type=float, default=d.timeout_s,
+                        help="seconds any collective may wait; a rank silent for 4× this "
+                        "is stopped (default %(default)s)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the rows as JSON")
+    parser.add_argument("--markdown", type=Path, metavar="FILE", help="write a Markdown table")
+    parser.add_argument("--html", type=Path, metavar="FILE",
+                        help="write a self-contained HTML report with plots")
+    parser.add_argument("--trace", type=Path, metavar="DIR",
+                        help="write a Chrome-trace JSON per run (all ranks) into DIR")
+
+
+def list_experiments() -> str:
+    lines = []
+    for name, exp in experiments().items():
+        vs = f" [compared with {exp.compare_to}]" if exp.compare_to else ""
+        lines.append(f"{name:15s} {exp.description}{vs}")
+    return "\n".join(lines)
+
+
+def make_config(args: argparse.Namespace) -> BenchConfig:
+    from disttrain.bench.transports import check_transport
+
+    check_transport(args.transport)
+    epochs = args.epochs if args.epochs is not None or args.steps is not None else (
+        DEFAULT_EPOCHS)
+    return BenchConfig(strategies=args.strategies, world_sizes=args.world_sizes,
+                       model=args.model, dataset=args.dataset, epochs=epochs, steps=args.steps,
+                       global_batch=args.global_batch, repeat=args.repeat,
+                       transport=args.transport, algorithm=args.algorithm,
+                       timeout_s=args.timeout)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.list:
+        print(list_experiments())
+        return 0
+    try:
+        config = make_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return _run_table(config, args)
+
+
+def _run_table(config: BenchConfig, args: argparse.Namespace) -> int:
+    from disttrain.bench.report import environment, print_table
+    from disttrain.bench.strategy_bench import run_table
+
+    runs = plan(config)
+    length = f"{config.steps} steps" if config.steps else f"{config.epochs} epoch(s)"
+    print(f"disttrain bench: {len(runs)} runs of {config.model} on {config.dataset}, "
+          f"{length}, global batch {config.global_batch}, transport {config.transport} "
+          f"(Ctrl-C stops and keeps the finished rows)", file=sys.stderr, flush=True)
+    started = time.monotonic()
+
+    def on_start(i: int, total: int, run: Run) -> None:
+        print(f"[{i + 1}/{total}] {run.label} ...", end="", file=sys.stderr, flush=True)
+
+    def on_row(row: Row) -> None:
+        what = "FAILED" if row.get("error") else f"{row['samples_per_s']:.1f} samples/s"
+        print(f" {what} ({time.monotonic() - started:.0f}s)", file=sys.stderr, flush=True)
+
+    outcome = run_table(config, on_row, on_start, trace=args.trace is not None)
+    rows = outcome.rows
+    env = environment(config, "disttrain bench" + "".join(
+        f" {shlex.quote(a)}" for a in sys.argv[2:]))
+    print_table(rows, sys.stdout, outcome.interrupted)
+    _write_outputs(args, rows, env, outcome.traces)
+    if outcome.interrupted:
+        return 130
+    return 1 if any(r.get("error") for r in rows) or not rows else 0
+
+
+def _write_outputs(args: argparse.Namespace, rows: list[Row], env: dict[str, Any],
+                   traces: dict[str, Any]) -> None:
+    from disttrain.bench.html_report import write_html
+    from disttrain.bench.report import markdown_table, write_json
+    from disttrain.bench.trace import write_traces
+
+    if args.json:
+        write_json(args.json, rows, env)
+    if args.markdown:
+        args.markdown.write_text(markdown_table(rows, env))
+    if args.html:
+        write_html(args.html, rows, env)
+    if args.trace:
+        paths = write_traces(args.trace, traces)
+        print(f"traces: {len(paths)} file(s) in {args.trace}", file=sys.stderr)

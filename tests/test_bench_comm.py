@@ -1,0 +1,291 @@
+"""``disttrain bench comm``: units, statistics, rows, calibration fits, bytes against theory on
+real ranks, the command end to end, its errors, and its clean-up on Ctrl-C and on failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from disttrain.bench import cases
+from disttrain.bench.calibrate import LARGE_A, LARGE_B, NATIVE_LARGE, NATIVE_SMALL, fit
+from disttrain.bench.comm import CommBenchConfig, make_row, plan
+from disttrain.bench.ranks import BenchError, RankGroup
+from disttrain.bench.timing import bandwidths, busbw_factor, percentile, slowest_rank
+from disttrain.bench.units import format_size, parse_size, parse_sizes, size_range
+from disttrain.comm import ALGORITHMS, LinkCosts
+from disttrain.comm.cost_model import predict, theory_bytes_sent
+
+ROOT = Path(__file__).resolve().parent.parent
+NOT_ON_TORCH = {"native", "shm"}  # native hides its bytes; shm needs the shm transport
+
+
+# ---------------------------------------------------------------------------- pure parts
+@pytest.mark.parametrize("text, value", [
+    ("4096", 4096), ("512B", 512), ("4KiB", 4096), ("4 KiB", 4096), ("4k", 4096),
+    ("16MiB", 16 << 20), ("16MB", 16 << 20), ("1GiB", 1 << 30), ("1.5KiB", 1536),
+])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "KiB", "4XB", "-4KiB", "0", "1.3B", "4 TiB"])
+def test_parse_size_rejects_with_the_accepted_forms(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+def test_size_lists_and_formatting():
+    assert parse_sizes("16MiB,4KiB,4096") == [4096, 16 << 20]
+    assert size_range(4 << 10, 64 << 20, 16) == [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+    assert size_range(1, 8, 2) == [1, 2, 4, 8]
+    assert [format_size(n) for n in (512, 4096, 1536, 64 << 20)] == [
+        "512 B", "4 KiB", "1.5 KiB", "64 MiB"]
+
+
+def test_busbw_factors_follow_nccl_tests():
+    assert busbw_factor("all_reduce", 4) == 1.5
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert busbw_factor(op, 4) == 0.75
+    assert busbw_factor("broadcast", 4) == busbw_factor("reduce", 8) == 1.0
+    algbw, busbw = bandwidths("all_reduce", 2, 2_000_000_000, 2.0)
+    assert (algbw, busbw) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="bus-bandwidth"):
+        busbw_factor("barrier", 2)
+
+
+def test_slowest_rank_and_percentiles():
+    assert slowest_rank([[1, 5, 3], [2, 4, 6]]) == [2, 5, 6]
+    with pytest.raises(ValueError, match="iteration counts"):
+        slowest_rank([[1, 2], [1]])
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.5
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile([3.0], 99) == 3.0
+
+
+def _report(times, sent, correct=True, chosen="ring"):
+    return {"times": times, "bytes_sent": sent, "correct": correct, "chosen": chosen,
+            "nbytes": 1 << 20, "transport": "torch"}
+
+
+def test_make_row_takes_the_slowest_rank_and_all_checks():
+    per_rank = [_report([1e-3, 4e-3, 2e-3], 700_000.0), _report([2e-3, 1e-3, 3e-3], 786_432.0)]
+    row = make_row("all_reduce", "auto", 2, per_rank, lambda t: LinkCosts())
+    assert row["time_p50_s"] == 3e-3 and row["time_p99_s"] == pytest.approx(3.98e-3)
+    assert row["algbw_GBps"] == pytest.approx((1 << 20) / 3e-3 / 1e9)
+    assert row["busbw_GBps"] == row["algbw_GBps"]  # 2(p−1)/p = 1 for p = 2
+    assert row["bytes_sent_per_rank"] == 786_432.0
+    assert row["theory_bytes_per_rank"] == theory_bytes_sent("all_reduce", "ring", 2, 1 << 20)
+    assert row["model_s"] == predict("all_reduce", "ring", 2, 1 << 20, LinkCosts())
+    assert row["correct"] and row["chosen"] == "ring" and row["algorithm"] == "auto"
+    per_rank[1]["correct"] = False
+    assert not make_row("all_reduce", "ring", 2, per_rank, lambda t: LinkCosts())["correct"]
+    native = make_row("all_reduce", "native", 2, [_report([1e-3], 0.0, chosen="native")] * 2)
+    assert native["bytes_sent_per_rank"] is None and native["theory_bytes_per_rank"] is None
+
+
+def test_config_validation_and_plan():
+    with pytest.raises(ValueError, match="bogus"):
+        CommBenchConfig(ops=("bogus",))
+    with pytest.raises(ValueError, match="bruck"):
+        CommBenchConfig(algorithms=("bruck",))
+    with pytest.raises(ValueError, match=r"known: .*torch"):
+        CommBenchConfig(transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="≥ 2"):
+        CommBenchConfig(world_sizes=(1,))
+    config = CommBenchConfig(ops=("broadcast", "all_reduce"), algorithms=("ring", "auto"),
+                             sizes=(4096, 8192))
+    assert plan(config) == [("broadcast", "auto", 4096), ("broadcast", "auto", 8192),
+                            ("all_reduce", "ring", 4096), ("all_reduce", "auto", 4096),
+                            ("all_reduce", "ring", 8192), ("all_reduce", "auto", 8192)]
+    every = plan(CommBenchConfig(ops=("all_to_all",), sizes=(4096,)))
+    assert [a for _, a, _ in every] == [*ALGORITHMS["all_to_all"], "auto"]
+
+
+def _synthetic_samples(alpha, beta, alpha_x, beta_x, gamma, native, partner=True):
+    def line(a, b, n, trips):  # round trips of ping-pong (2 messages) or exchange steps
+        return [trips * (a + n * b)] * 40
+
+    return {
+        "ping_pong_tiny": line(alpha, beta, 4, 2) if partner else [],
+        "ping_pong_a": line(alpha, beta, LARGE_A, 2), "ping_pong_b": line(alpha, beta, LARGE_B, 2),
+        "exchange_tiny": line(alpha_x, beta_x, 4, 1),
+        "exchange_a": line(alpha_x, beta_x, LARGE_A, 1),
+        "exchange_b": line(alpha_x, beta_x, LARGE_B, 1),
+        "add": [gamma * LARGE_B] * 20,
+        "native_small": [native(NATIVE_SMALL)] * 50, "native_large": [native(NATIVE_LARGE)] * 10,
+    }
+
+
+def test_calibration_fit_recovers_the_constants():
+    truth = LinkCosts(alpha=80e-6, beta=1 / 3e9, gamma=1 / 20e9, alpha_exchange=300e-6,
+                      beta_exchange=1 / 1.5e9, native_alpha=50e-6, native_beta=1 / 4e9)
+
+    def native(n):
+        return predict("all_reduce", "native", 3, n, truth)
+
+    args = (truth.alpha, truth.beta, truth.alpha_exchange, truth.beta_exchange, truth.gamma,
+            native)
+    per_rank = [_synthetic_samples(*args), _synthetic_samples(*args),
+                _synthetic_samples(*args, partner=False)]  # rank 2 of 3 has no partner
+    got = fit(3, per_rank, 1 << 20)
+    for name in ("beta", "gamma", "beta_exchange", "native_alpha", "native_beta"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    # the tiny messages carry 4 bytes: α absorbs their 4·β
+    assert got.alpha == pytest.approx(truth.alpha + 4 * truth.beta, rel=1e-6)
+    assert got.alpha_exchange == pytest.approx(300e-6 + 4 * truth.beta_exchange, rel=1e-6)
+    with pytest.raises(ValueError, match="partner"):
+        fit(3, [per_rank[2]], 1 << 20)
+
+
+# ---------------------------------------------------------------------------- real ranks
+_THEORY_BYTES = 4 * 12 * 64  # 768 float32: splits evenly into 2, 3 and 4 ranks and halves
+
+
+def count_bytes_of_every_algorithm(comm):
+    """Run every (op, algorithm) once on a benchmark case; bytes this rank sent, and checks."""
+    sent, correct = {}, {}
+    for op in cases.BENCHMARKED_OPS:
+        case = cases.build(comm, op, _THEORY_BYTES)
+        for algorithm in ALGORITHMS[op]:
+            if algorithm in NOT_ON_TORCH:
+                continue
+            case.reset()
+            before = comm.stats.snapshot().get(op, {}).get("bytes_sent", 0)
+            case.run(algorithm)
+            sent[op, algorithm] = comm.stats.snapshot()[op]["bytes_sent"] - before
+            correct[op, algorithm] = case.check()
+    before = comm.stats.snapshot().get("barrier", {}).get("bytes_sent", 0)
+    for algorithm in ("naive", "tree"):
+        comm.barrier(algorithm=algorithm)
+    sent["barrier", "naive+tree"] = comm.stats.snapshot()["barrier"]["bytes_sent"] - before
+    return sent, correct
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_theory_bytes_match_the_counters_of_real_runs(pools, world_size):
+    per_rank = pools(world_size).run(count_bytes_of_every_algorithm)
+    p = world_size
+    for key in per_rank[0][0]:
+        busiest = max(sent[key] for sent, _ in per_rank)
+        if key[0] == "barrier":
+            barrier_naive, barrier_tree = p - 1, theory_bytes_sent("barrier", "tree", p, 0)
+            assert busiest <= barrier_naive + barrier_tree and busiest >= barrier_naive
+            continue
+        nbytes = cases.elements(key[0], _THEORY_BYTES, p) * cases.ELEMENT_SIZE
+        assert busiest == theory_bytes_sent(*key, p, nbytes), (key, p)
+        assert all(correct[key] for _, correct in per_rank), (key, p)
+
+
+def _fail_on_rank_one(comm, emit, how):
+    emit("first")
+    if comm.rank == 1:
+        if how == "raise":
+            raise RuntimeError("boom from the test")
+        os._exit(7)
+    emit("second")
+
+
+@pytest.mark.parametrize("how, message", [("raise", "raised:.*boom from the test"),
+                                          ("die", "died \\(exit code 7\\)")])
+def test_a_failing_rank_is_named_and_every_rank_stopped(how, message):
+    group = RankGroup(2, _fail_on_rank_one, (how,), transport="torch", timeout_s=20,
+                      describe=lambda i: f"report #{i}")
+    procs = list(group._procs)
+    reports = group.reports()
+    assert next(reports) == ["first", "first"]
+    with pytest.raises(BenchError, match=f"(?s)rank 1 of 2 {message}.*report #1"):
+        next(reports)
+    assert not any(proc.is_alive() for proc in procs)
+
+
+# ---------------------------------------------------------------------------- the command
+def _disttrain(*args, env=None, **kwargs):
+    return subprocess.run([sys.executable, "-m", "disttrain", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240, **kwargs)
+
+
+KEYS = {"op", "algorithm", "chosen", "transport", "world_size", "bytes", "time_p50_s",
+        "time_p99_s", "algbw_GBps", "busbw_GBps", "bytes_sent_per_rank",
+        "theory_bytes_per_rank", "correct", "model_s", "iters"}
+
+
+def test_bench_comm_end_to_end(tmp_path):
+    out = tmp_path / "out.json"
+    env = {**os.environ, "DISTTRAIN_CALIBRATION": str(tmp_path / "none.json")}
+    result = _disttrain("bench", "comm", "--sizes", "4KiB", "--ops", "all_reduce", "-n", "2",
+                        "--iters", "3", "--warmup", "1", "--json", str(out), env=env)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = [a for a in ALGORITHMS["all_reduce"] if a != "shm"] + ["auto"]
+    assert [r["algorithm"] for r in rows] == expected
+    for row in rows:
+        assert KEYS <= row.keys(), KEYS - row.keys()
+        assert row["correct"] is True and row["iters"] == 3 and row["world_size"] == 2
+        assert row["bytes"] == 4096 and row["time_p99_s"] >= row["time_p50_s"] > 0
+        if row["chosen"] != "native":
+            assert row["bytes_sent_per_rank"] == row["theory_bytes_per_rank"]
+    assert rows[-1]["chosen"] in ALGORITHMS["all_reduce"]
+    assert "auto against the fastest" in result.stdout and "tree" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ops", "all_reduce,teleport"], "unknown or missing ops \\['teleport'\\]"),
+    (["--transport", "carrier-pigeon"], "unknown transport 'carrier-pigeon'; known: .*torch"),
+    (["--sizes", "4XB"], "cannot read size '4XB'"),
+    (["--algorithms", "bruck"], "unknown or missing algorithms \\['bruck'\\]"),
+    (["-n", "1"], "world sizes must be ≥ 2"),
+])
+def test_bad_arguments_exit_non_zero_with_the_fix(capsys, args, message):
+    from disttrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "comm", *args])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in environ:
+            found.append(int(pid))
+    return found
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    marker = f"DISTTRAIN_TEST_MARKER={uuid.uuid4()}"
+    env = {**os.environ, "DISTTRAIN_CALIBRATION": str(tmp_path / "none.json"),
+           marker.split("=")[0]: marker.split("=")[1]}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "disttrain", "bench", "comm", "--ops", "all_reduce", "-n", "2",
+         "--sizes", "4KiB", "--iters", "100000", "--budget", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_processes_with(marker)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2.0)  # the ranks are initialized and timing
+        assert len(_processes_with(marker)) >= 3, "the ranks never started"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker) == [], "ranks outlived Ctrl-C"
