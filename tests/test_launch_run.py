@@ -79,14 +79,19 @@ def test_slurm_variables_place_the_ranks(tmp_path):
     port = str(free_port())
     base = _clean_env()
     procs = []
-    for rank in range(2):
-        env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-               "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
-               "SLURM_JOB_ID": "4242", "MASTER_PORT": port, "DISTTRAIN_TIMEOUT": "60"}
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "report_placement.py")],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S) for p in procs]
+    try:
+        for rank in range(2):
+            env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                   "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
+                   "SLURM_JOB_ID": "4242", "MASTER_PORT": port, "DISTTRAIN_TIMEOUT": "60"}
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "report_placement.py")],
+                                          env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S) for p in procs]
+    finally:  # a timeout or a failed start must not leave the other task running
+        for proc in procs:
+            proc.kill()
+            proc.wait()
     for rank, (proc, (out, err)) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, err[-3000:]
         report = json_lines(f"[rank {rank}] {out.strip().splitlines()[-1]}")[rank]
@@ -99,6 +104,37 @@ def _clean_env(**extra):
            if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "LOCAL_",
                                 "SLURM_", "DISTTRAIN_"))}
     return {**env, **extra}
+
+
+def test_rendezvous_store_listens_on_loopback_only(capfd, tmp_path):
+    """A single-node launch: the only socket listening on MASTER_PORT is the launcher's
+    store, bound to 127.0.0.1 (hex 0100007F in /proc/net/tcp), not to every interface."""
+    code, out, err = run_in_process(capfd, "plain.py", "listen", str(tmp_path))
+    assert code == 0, err
+    assert json_lines(out)[0] == {"listening": ["0100007F"]}
+
+
+def test_killed_launcher_takes_its_workers_with_it(tmp_path):
+    """SIGKILL gives the launcher no chance to stop anyone: the workers go because Linux
+    sends them SIGTERM when it dies (PR_SET_PDEATHSIG, set by the exec wrapper)."""
+    proc = subprocess.Popen([sys.executable, "-m", "disttrain", "launch", "-n", "2",
+                             str(SCRIPTS / "plain.py"), "sigint", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = set()
+        for line in proc.stdout:
+            if line.rstrip().endswith("] ready"):
+                ready.add(line.split("]")[0])
+            if len(ready) == 2:
+                break
+        assert len(ready) == 2, proc.stderr.read() if proc.stderr else ""
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert_all_gone(tmp_path, expected=2, wait_s=10)
 
 
 def test_plain_python_is_a_world_of_one():

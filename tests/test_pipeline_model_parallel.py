@@ -56,3 +56,22 @@ def test_model_parallel_shape_mismatch(pools):
     first, second = pools(2).run(mp_mismatch)
     assert "stage 1 could not run its first layer (layer 2, Linear)" in second
     assert "StageFailedError" in first and "stage 1 (rank 1) failed" in first
+
+
+def mp_eval_failure(comm) -> list[str]:
+    """Rank 0 fails in eval_forward (inputs of the wrong width) while rank 1 waits for its
+    activation; then both try again."""
+    comm = _fresh(comm)
+    mp = build_model_parallel(make_model(), comm, partition=[3, 4])
+    bad = torch.randn(4, 5, dtype=torch.float64)  # the model takes 6 features
+    return [_capture(lambda: mp.eval_forward(bad if mp.is_first else None)),
+            _capture(lambda: mp.eval_forward(bad if mp.is_first else None))]
+
+
+def test_model_parallel_eval_failure_reaches_the_other_rank(pools):
+    """Without the failure report, rank 1 waited for the activation until the timeout."""
+    (first, first_again), (second, second_again) = pools(2).run(mp_eval_failure)
+    assert first.startswith("RuntimeError") and "(4x5 and 6x16)" in first
+    assert second.startswith("StageFailedError") and "stage 0 (rank 0) failed" in second
+    for again in (first_again, second_again):
+        assert again.startswith("PipelineError: this model-parallel module failed earlier")

@@ -37,6 +37,9 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
                    metavar="HOST", help="address of node 0 (default 127.0.0.1 on one node)")
     p.add_argument("--master-port", "--master_port", dest="master_port", type=int,
                    default=None, metavar="P", help="rendezvous port on node 0 (default: free)")
+    p.add_argument("--store-bind-addr", dest="store_bind_addr", default=None, metavar="ADDR",
+                   help="address node 0's rendezvous store listens on (default: --master-addr, "
+                   "or 127.0.0.1 on one node; 0.0.0.0 for every interface)")
     p.add_argument("--grace-period", dest="grace_s", type=float, default=5.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping workers (default 5)")
     p.add_argument("--run-dir", default=None, metavar="DIR",
@@ -62,7 +65,8 @@ def build_config(args: argparse.Namespace) -> LaunchConfig:
         target=args.target, nproc_per_node=args.nproc_per_node, args=tuple(args.args),
         module=args.module, nnodes=nnodes,
         node_rank=0 if args.node_rank is None else args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, grace_s=args.grace_s,
+        master_addr=args.master_addr, master_port=args.master_port,
+        store_bind_addr=args.store_bind_addr, grace_s=args.grace_s,
         run_dir=args.run_dir, prefix_output=args.prefix_output)
 
 

@@ -33,6 +33,9 @@ class LaunchConfig:
     node_rank: int = 0
     master_addr: str | None = None  # None: 127.0.0.1 (single node only)
     master_port: int | None = None  # None: a free port (single node only)
+    # Where node rank 0's rendezvous store listens. None: the address the workers connect
+    # to (master_addr, else 127.0.0.1), so nothing else on the network reaches it.
+    store_bind_addr: str | None = None
     grace_s: float = 5.0  # between SIGTERM and SIGKILL when stopping workers
     run_dir: str | None = None  # error records and flight dumps; None: a new temp dir
     prefix_output: bool = True
@@ -52,6 +55,11 @@ class LaunchConfig:
         if self.master_port is not None and not (
                 isinstance(self.master_port, int) and 0 < self.master_port < 65536):
             raise ValueError(f"--master-port {self.master_port} is not a TCP port (1..65535)")
+        if self.store_bind_addr is not None and (
+                not isinstance(self.store_bind_addr, str) or not self.store_bind_addr.strip()):
+            raise ValueError(f"--store-bind-addr must be an address of this machine (e.g. "
+                             f"10.0.0.1, or 0.0.0.0 for every interface), got "
+                             f"{self.store_bind_addr!r}")
         if not (isinstance(self.grace_s, (int, float)) and 0 <= self.grace_s < math.inf):
             raise ValueError(f"--grace-period must be a non-negative number of seconds, got "
                              f"{self.grace_s!r}")
@@ -109,16 +117,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def port_in_use(port: int) -> LaunchError:
+    """The error for a ``--master-port`` that another process listens on."""
+    return LaunchError(f"--master-port {port} is already in use on this machine (another "
+                       "job, or a leftover process?); choose another port, or omit "
+                       "--master-port on a single node to get a free one")
+
+
 def check_port_free(port: int) -> None:
-    """Raise LaunchError when ``port`` cannot be listened on here."""
+    """Raise LaunchError when ``port`` cannot be listened on here (on any address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
         try:
             sock.bind(("", port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise LaunchError(f"--master-port {port} is already in use on this machine "
-                                  "(another job, or a leftover process?); choose another port, "
-                                  "or omit --master-port on a single node to get a free "
-                                  "one") from None
+                raise port_in_use(port) from None
             raise LaunchError(f"cannot listen on --master-port {port}: {exc}") from None

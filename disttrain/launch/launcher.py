@@ -1,6 +1,7 @@
 """``disttrain launch``: start the workers of one node, watch them, stop them all together.
 
-    rendezvous store ─┐ (node rank 0 only, like torchrun's agent store)
+    rendezvous store ─┐ (node rank 0 only, like torchrun's agent store; listening on
+                      │  127.0.0.1, or on --master-addr across nodes: store.py)
                       ▼
     spawn N workers ──► watch every 50 ms ──► all exited 0 ─────────────► exit 0
       (torchrun env)      │                ──► a worker failed ──┐
@@ -17,7 +18,6 @@ and whatever it started is killed through its process group before the launcher 
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import shutil
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from disttrain.launch import records, summary
-from disttrain.launch.config import LaunchConfig, LaunchError, check_port_free
+from disttrain.launch import records, store, summary
+from disttrain.launch.config import LaunchConfig
 from disttrain.launch.env import LOOPBACK, worker_env
 from disttrain.launch.process import Worker
 
@@ -81,22 +81,14 @@ def _catching_signals() -> Iterator[_Signals]:
 
 
 def _host_store(config: LaunchConfig, timeout_s: float) -> tuple[Any | None, int]:
-    """Node rank 0 hosts the rendezvous store; returns (store, port)."""
+    """Node rank 0 hosts the rendezvous store, listening on one address only (see
+    :mod:`disttrain.launch.store`); returns (store, port)."""
     if not config.hosts_store:
         assert config.master_port is not None
         return None, config.master_port
-    if config.master_port is not None:
-        check_port_free(config.master_port)
-    import torch.distributed as dist
-
-    try:
-        store = dist.TCPStore("0.0.0.0", config.master_port or 0, None, True,
-                              timeout=datetime.timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
-    except Exception as exc:
-        raise LaunchError(f"could not open the rendezvous store on port "
-                          f"{config.master_port or '(any)'}: {exc}") from exc
-    return store, int(store.port)
+    listener = store.open_listener(store.bind_address(config), config.master_port or 0)
+    port = int(listener.getsockname()[1])
+    return store.host_store(listener, timeout_s), port
 
 
 def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker]) -> None:
@@ -156,7 +148,7 @@ def _stop(workers: list[Worker], signum: int, grace_s: float, caught: _Signals) 
 def launch(config: LaunchConfig) -> int:
     """Run the job's workers on this node; return the launcher's exit code."""
     host = socket.gethostname()
-    store, port = _host_store(config, timeout_s=600.0)
+    rendezvous, port = _host_store(config, timeout_s=600.0)
     own_dir = config.run_dir is None
     run_dir = tempfile.mkdtemp(prefix="disttrain-run-") if own_dir else str(config.run_dir)
     os.makedirs(run_dir, exist_ok=True)
@@ -178,7 +170,7 @@ def launch(config: LaunchConfig) -> int:
             print(report, file=sys.stderr, flush=True)
     if code == 0 and own_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
-    del store  # the store outlived every worker
+    del rendezvous  # the store outlived every worker
     return code
 
 

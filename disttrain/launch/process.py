@@ -3,45 +3,34 @@
 Each worker is a session leader (``start_new_session``), so the launcher can signal it and
 everything it started (data-loader workers, shells) with one ``killpg``, and a Ctrl-C in
 the terminal reaches only the launcher, which decides what the workers get. On Linux a
-worker also gets SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``), so a killed
-launcher leaves no orphans. Two reader threads copy its stdout and stderr line by line,
-each line prefixed ``[rank R] ``, and keep the last stderr lines for the failure summary.
+worker also gets SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``, set by the tiny
+exec wrapper :mod:`disttrain.launch.deathsig`), so a killed launcher leaves no orphans. Two
+reader threads copy its stdout and stderr line by line, each line prefixed ``[rank R] ``,
+and keep the last stderr lines for the failure summary.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO
 
-_PR_SET_PDEATHSIG = 1
 _TAIL_LINES = 40
+_DEATHSIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deathsig.py")
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when this process dies."""
+def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
+    """``argv`` started through :mod:`disttrain.launch.deathsig` on Linux, so the worker gets
+    SIGTERM when this process dies. (Not a ``preexec_fn``: running Python between fork and
+    exec is unsafe in a process with threads, and the launcher has some.)"""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:  # runs in the child between fork and exec: keep it tiny
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
+        return list(argv)
+    return [sys.executable, "-I", "-S", _DEATHSIG, str(os.getpid()), *argv]
 
 
 class Worker:
@@ -55,10 +44,11 @@ class Worker:
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self.returncode: int | None = None
         self.exited_at: float | None = None
-        # Spawned before any reader thread exists: preexec_fn is unsafe once threads run.
+        # No preexec_fn: the child runs no Python code before exec, so spawning is safe
+        # whatever threads this process runs (and subprocess can use vfork).
         self.popen = subprocess.Popen(
-            list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_parent_death_signal())
+            with_parent_death_signal(argv), env=dict(env), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self._readers: list[threading.Thread] = []
 
     @property

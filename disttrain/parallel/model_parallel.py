@@ -96,12 +96,23 @@ class ModelParallel:
                            rows=rows, value=loss)
         return loss
 
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise PipelineError(f"this model-parallel module failed earlier and its ranks are "
+                                f"out of step: {self._failure}; build a new one") from None
+
+    def _abort(self, exc: BaseException) -> None:
+        """Remember the failure and tell the neighbouring ranks, who raise at their next
+        receive instead of waiting for a message that will never come."""
+        self._failure = exc
+        self.stage.clear()
+        self.link.report_failure(exc)
+
     def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
                    loss_fn: LossFn) -> float:
         """Forward through every rank, loss on the last, backward through every rank; returns
         the loss on every rank. Gradients are left in ``.grad`` for the optimizer."""
-        if self._failure is not None:
-            raise PipelineError(f"this model-parallel module failed earlier: {self._failure}")
+        self._check_usable()
         self._call += 1
         start = time.perf_counter()
         self.stage.reset_counters()
@@ -109,9 +120,7 @@ class ModelParallel:
             loss = self._step(inputs, targets, loss_fn)
             self.link.flush()
         except BaseException as exc:
-            self._failure = exc
-            self.stage.clear()
-            self.link.report_failure(exc)
+            self._abort(exc)
             raise
         self.last_step = StepStats(time.perf_counter() - start, self.stage.busy_s, 0.0,
                                    self.stage.peak_stashed, self.stage.peak_bytes)
@@ -126,14 +135,19 @@ class ModelParallel:
 
     def eval_forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
         """Forward only; the last rank returns the output, the others None."""
+        self._check_usable()
         self._call += 1
-        x, source = self._input(inputs, EVAL)
-        out = self.stage.forward_only(x, source)
-        if self.is_last:
-            return out
-        self.link.send(ACTIVATION, out, call=self._call, mode=EVAL, microbatch=0,
-                       rows=x.shape[0] if x.dim() else 0)
-        self.link.flush()
+        try:
+            x, source = self._input(inputs, EVAL)
+            out = self.stage.forward_only(x, source)
+            if self.is_last:
+                return out
+            self.link.send(ACTIVATION, out, call=self._call, mode=EVAL, microbatch=0,
+                           rows=x.shape[0] if x.dim() else 0)
+            self.link.flush()
+        except BaseException as exc:
+            self._abort(exc)
+            raise
         return None
 
 

@@ -230,8 +230,9 @@ class StageLink:
     def report_failure(self, exc: BaseException) -> None:
         """Tell the neighbours that a stage failed, without waiting: they raise
         :class:`StageFailedError` on their next receive and pass it on. A failure reported
-        to us by a neighbour goes on to the other neighbour only."""
-        if isinstance(exc, StageFailedError):
+        to us by a neighbour goes on to the other neighbour only; one this stage raised
+        itself (e.g. a replica of it failed) goes to both."""
+        if isinstance(exc, StageFailedError) and exc.stage != self.stage:
             failed_stage = exc.stage
             skip: int | None = self.stage - 1 if failed_stage < self.stage else self.stage + 1
         else:

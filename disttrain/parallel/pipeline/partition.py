@@ -69,7 +69,7 @@ def check_balance(balance: Sequence[int], num_layers: int,
     return balance
 
 
-def _check_stages(num_layers: int, num_stages: int) -> None:
+def check_stages(num_layers: int, num_stages: int) -> None:
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise PartitionError(f"the number of stages must be an integer ≥ 1, got {num_stages!r}")
     if num_layers < num_stages:
@@ -110,7 +110,7 @@ def balance_by_cost(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
     """
     costs = [float(c) for c in costs]
     n = len(costs)
-    _check_stages(n, num_stages)
+    check_stages(n, num_stages)
     if any(not c >= 0 for c in costs):  # also rejects NaN
         raise PartitionError(f"layer costs must be non-negative numbers, got {costs}")
     prefix = [0.0]
@@ -208,7 +208,7 @@ def choose_balance(layers: Sequence[nn.Module], num_stages: int,
     """The balance for ``partition``: ``"params"``, ``"time"`` (needs ``sample``), or an
     explicit sequence of layer counts. Timings differ from rank to rank, so ranks that must
     agree on the split pass ``agree`` (e.g. an average over ranks) to combine them."""
-    _check_stages(len(layers), num_stages)
+    check_stages(len(layers), num_stages)
     if isinstance(partition, str):
         if partition == "params":
             return balance_by_cost(param_costs(layers), num_stages)

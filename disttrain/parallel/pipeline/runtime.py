@@ -6,7 +6,9 @@
     for action in schedule.actions(stage):      RecvAct / Forward / SendAct /
         run it                                  RecvGrad / Backward / SendGrad
     return the loss                             (it came back with the gradients)
-    average gradients over the dp group         (pp × dp grid; nothing when dp = 1)
+    average gradients over the dp group         (pp × dp grid; nothing when dp = 1; a
+                                                 failed stage still takes part, with a
+                                                 flag, so its copies raise too)
 
 then the caller runs an ordinary ``optimizer.step()`` on the stage's own parameters.
 
@@ -43,7 +45,13 @@ from disttrain.parallel.pipeline.grid import (
     all_reduce_gradients,
     make_grid,
 )
-from disttrain.parallel.pipeline.link import EVAL, Direction, PipelineError, StageLink
+from disttrain.parallel.pipeline.link import (
+    EVAL,
+    Direction,
+    PipelineError,
+    StageFailedError,
+    StageLink,
+)
 from disttrain.parallel.pipeline.schedules import SCHEDULES, get_schedule
 from disttrain.parallel.pipeline.stage import Stage
 from disttrain.parallel.pipeline.step import StepRun
@@ -129,27 +137,62 @@ class PipelineParallel:
         self._call += 1
         start = time.perf_counter()
         self.stage.reset_counters()
-        m = self.config.microbatches
         try:
-            xs = split_batch(inputs, m, "inputs") if self.is_first else None
-            ys = split_batch(targets, m, "targets") if self.is_last else None
-            run = StepRun(self.stage, self.link, self._call, xs, ys, loss_fn)
-            run.execute(self.schedule.actions(self.stage_index))
-            loss = run.loss()
-            if self.link is not None:
-                self.link.flush()
+            loss = self._run_schedule(inputs, targets, loss_fn)
         except BaseException as exc:
             self._abort(exc)
+            if isinstance(exc, Exception):  # not while being interrupted or terminated
+                self._tell_replicas()
             raise
         reduce_start = time.perf_counter()
         if self.grid.dp_comm is not None:
-            all_reduce_gradients(self.parameters(), self.grid.dp_comm)
-            loss = self._average_over_replicas(loss)
+            try:
+                loss = self._reduce_over_replicas(loss)
+            except BaseException as exc:
+                self._abort(exc)
+                raise
         end = time.perf_counter()
         self.last_step = StepStats(end - start, self.stage.busy_s, end - reduce_start,
                                    self.stage.peak_stashed, self.stage.peak_bytes)
         self.totals.add(self.last_step)
         return loss
+
+    def _run_schedule(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
+                      loss_fn: LossFn) -> float:
+        m = self.config.microbatches
+        xs = split_batch(inputs, m, "inputs") if self.is_first else None
+        ys = split_batch(targets, m, "targets") if self.is_last else None
+        run = StepRun(self.stage, self.link, self._call, xs, ys, loss_fn)
+        run.execute(self.schedule.actions(self.stage_index))
+        loss = run.loss()
+        if self.link is not None:
+            self.link.flush()
+        return loss
+
+    def _reduce_over_replicas(self, loss: float) -> float:
+        """Average gradients and loss over the copies of this stage; raise if a replica
+        reported that its step failed (its gradients are missing: nothing is averaged)."""
+        assert self.grid.dp_comm is not None
+        failed = all_reduce_gradients(self.parameters(), self.grid.dp_comm)
+        if failed:
+            ranks = [self.grid.dp_comm.global_ranks[r] for r in failed]
+            raise StageFailedError(
+                f"stage {self.stage_index} of replica {self.grid.dp_rank} stopped: the step "
+                f"failed in replica(s) {failed} (stage {self.stage_index} there is rank(s) "
+                f"{ranks}; the error is in the output of the rank that failed first), so the "
+                f"gradients were not averaged", self.stage_index)
+        return self._average_over_replicas(loss)
+
+    def _tell_replicas(self) -> None:
+        """Take part in this step's gradient all-reduce with a failure flag, so the copies
+        of this stage in the other replicas raise instead of waiting for us."""
+        if self.grid.dp_comm is None:
+            return
+        try:
+            all_reduce_gradients(self.parameters(), self.grid.dp_comm, failed=True)
+        except Exception as err:  # the original error matters more
+            log.warning("stage %d of replica %d could not tell the other replicas that it "
+                        "failed: %s", self.stage_index, self.grid.dp_rank, err)
 
     def share_from_last(self, value: float) -> float:
         """The last stage's ``value`` (e.g. an accuracy computed from ``eval_forward``) on

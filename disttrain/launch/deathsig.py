@@ -1,0 +1,41 @@
+"""Exec wrapper: have Linux SIGTERM this process when the launcher dies, then become the worker.
+
+    python -I -S deathsig.py LAUNCHER_PID PROGRAM [ARG ...]
+
+``PR_SET_PDEATHSIG`` must be set by the child itself. Setting it between fork and exec
+(subprocess's ``preexec_fn``) runs Python code in a forked copy of the launcher, which can
+deadlock once the launcher runs threads (the rendezvous store's server, the output readers,
+or whatever a program embedding :func:`disttrain.launch.launch` runs). This script does it
+in a fresh, single-threaded interpreter instead, then ``execv``s the worker in the same
+process: the pid the launcher watches and signals does not change, and the setting survives
+the exec (Linux clears it only for set-user-ID and set-group-ID programs).
+
+Run as a script with ``-I -S`` it imports nothing but the standard library (it starts in a
+few milliseconds); it must not import disttrain.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3:
+        sys.exit("usage: deathsig.py LAUNCHER_PID PROGRAM [ARG ...]")
+    launcher = int(argv[1])
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass  # no prctl here: the worker runs without the safety net
+    if os.getppid() != launcher:  # the launcher died before prctl took effect
+        os._exit(1)
+    os.execvp(argv[2], argv[2:])
+
+
+if __name__ == "__main__":
+    main(sys.argv)
