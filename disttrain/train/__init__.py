@@ -12,12 +12,13 @@ from disttrain.train.metrics import StepRecord
 from disttrain.train.models import MODELS, build_model
 from disttrain.train.result import EvalPoint, TrainResult
 from disttrain.train.sampler import DistributedSampler
-from disttrain.train.strategies import STRATEGIES, Strategy, StrategySpec
+from disttrain.train.strategies import STRATEGIES, BuildContext, Strategy, StrategySpec
 
 __all__ = [
     "DATASETS",
     "MODELS",
     "STRATEGIES",
+    "BuildContext",
     "DataInfo",
     "DataOptions",
     "DatasetSplits",

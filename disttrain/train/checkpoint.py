@@ -3,13 +3,15 @@
 Layout of ``checkpoint_dir`` (which every rank must see: one machine, or a shared filesystem)::
 
     step-00000040/
-        state.pt            model + optimizer (rank 0; ``state-rank00001.pt``… per rank when
-                            the strategy shards its state, as ZeRO does)
+        state.pt            model + optimizer (rank 0), or what the strategy writes instead:
+                            zero/ (ZeRO's resharding checkpoint: zero.json + a shard per rank),
+                            state-stage00001-of-00002.pt (one per pipeline stage)
         rank-00000.pt       each rank's RNG state and sampler position
         meta.pt             step, epoch, world size and the config fields that must not change
     latest                  the name of the newest complete checkpoint
 
-Every rank writes its files, all ranks meet at a barrier, and only then rank 0 replaces
+The strategy's part is ``strategy.save_state`` / ``load_state``. Every rank writes its
+files, all ranks meet at a barrier, and only then rank 0 replaces
 ``latest`` (write a temporary file, then rename), so a crash mid-save leaves the previous
 checkpoint in charge. Files are read with ``torch.load(weights_only=True)``: tensors and
 plain containers only, never arbitrary pickles.
@@ -26,6 +28,7 @@ import torch
 
 from disttrain.comm import Communicator
 from disttrain.train.strategies import Strategy
+from disttrain.train.strategies.base import atomic_save, safe_load
 
 log = logging.getLogger(__name__)
 LATEST = "latest"
@@ -40,28 +43,17 @@ class Resumed:
     path: str
 
 
-def _save(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _state_name(strategy: Strategy, rank: int) -> str:
-    return f"state-rank{rank:05d}.pt" if strategy.sharded_state else "state.pt"
-
-
 def save(directory: str, step: int, strategy: Strategy, comm: Communicator | None,
          meta: dict[str, Any], sampler: dict[str, int]) -> str:
     """Write the checkpoint of ``step`` from every rank; returns its path."""
     rank = comm.rank if comm is not None else 0
     path = os.path.join(directory, f"step-{step:08d}")
     os.makedirs(path, exist_ok=True)
-    if rank == 0 or strategy.sharded_state:
-        _save(strategy.state_dict(), os.path.join(path, _state_name(strategy, rank)))
-    _save({"rng": torch.get_rng_state(), "sampler": sampler},
+    strategy.save_state(path, rank)
+    atomic_save({"rng": torch.get_rng_state(), "sampler": sampler},
           os.path.join(path, f"rank-{rank:05d}.pt"))
     if rank == 0:
-        _save({**meta, "step": step}, os.path.join(path, "meta.pt"))
+        atomic_save({**meta, "step": step}, os.path.join(path, "meta.pt"))
     if comm is not None and comm.world_size > 1:
         comm.barrier()  # every rank's files are complete before `latest` moves
     if rank == 0:
@@ -83,24 +75,15 @@ def latest(directory: str) -> str | None:
     return os.path.join(directory, name)
 
 
-def _load(path: str) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
 def load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any]) -> Resumed:
     """Restore ``strategy`` and this rank's RNG from ``path``; check the run is the same one."""
-    saved = _load(os.path.join(path, "meta.pt"))
+    saved = safe_load(os.path.join(path, "meta.pt"))
     for key, value in meta.items():
         if key != "world_size" and saved.get(key) != value:
             raise ValueError(f"checkpoint {path} was written with {key}={saved.get(key)!r} but "
                              f"this run has {key}={value!r}; use the same {key} or another "
                              f"checkpoint_dir")
-    state_file = os.path.join(path, _state_name(strategy, rank))
-    if not os.path.exists(state_file):
-        raise ValueError(f"checkpoint {path} has no {os.path.basename(state_file)}: it was "
-                         f"written by {saved.get('world_size')} rank(s) with another strategy "
-                         f"layout; resume with the same strategy and world size")
-    strategy.load_state_dict(_load(state_file))
+    strategy.load_state(path, rank)
     rank_file = os.path.join(path, f"rank-{rank:05d}.pt")
     same_world = saved.get("world_size") == meta.get("world_size")
     if not (same_world and os.path.exists(rank_file)):
@@ -108,6 +91,6 @@ def load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any]) -> Resu
                     "continues, but random number streams start afresh", path,
                     saved.get("world_size"), meta.get("world_size"))
         return Resumed(int(saved["step"]), None, path)
-    rank_state = _load(rank_file)
+    rank_state = safe_load(rank_file)
     torch.set_rng_state(rank_state["rng"])
     return Resumed(int(saved["step"]), dict(rank_state["sampler"]), path)

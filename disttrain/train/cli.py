@@ -2,6 +2,9 @@
 
     disttrain run --strategy ddp -n 2 --model lenet --dataset digits --epochs 3
     disttrain run --strategy single --model lenet --dataset digits --epochs 3   # the reference
+    disttrain run --strategy zero2 -n 2 --optimizer adam --lr 1e-3 --epochs 3
+    disttrain run --strategy 1f1b -n 2 --microbatches 4 --model mlp --epochs 1
+    disttrain run --strategy pipeline --schedule gpipe -n 4 --pp-size 2 --microbatches 8
 
 With ``-n N > 1`` it starts N local ranks itself; inside a launched job (``RANK`` and
 ``WORLD_SIZE`` set by torchrun, ``disttrain launch`` or Slurm) it runs as that rank.
@@ -21,14 +24,15 @@ from disttrain.train.data import DATASETS, DataOptions
 from disttrain.train.models import MODELS
 from disttrain.train.registry import resolve
 from disttrain.train.result import TrainResult
-from disttrain.train.strategies import STRATEGIES
+from disttrain.train.strategies import STRATEGIES, get_strategy
 
 
 def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser("run", help="train a model with one strategy",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", default="single", help=f"one of: {', '.join(STRATEGIES)}")
+    p.add_argument("--strategy", default="single",
+                   help=f"one of: {', '.join(STRATEGIES)}; 'pipeline' means --schedule")
     p.add_argument("-n", "--nproc", type=int, default=None,
                    help="ranks to start on this machine (default 1; in a launched job: "
                         "WORLD_SIZE)")
@@ -87,9 +91,21 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
     ddp.add_argument("--compression", default=None, help="gradient compression ('ddp' only)")
     ddp.add_argument("--find-unused-parameters", action="store_true")
     ddp.add_argument("--algorithm", default=None,
-                     help="gradient all-reduce algorithm of disttrain.comm ('ddp' only: ring, "
-                          "tree, halving_doubling, naive, native; default: auto). 'native' "
-                          "traffic runs inside torch and is not counted in comm_MB")
+                     help="collective algorithm of disttrain.comm for 'ddp' (ring, tree, "
+                          "halving_doubling, naive, native) and 'zero1-3' (ring, naive, "
+                          "halving_doubling, native); default: auto. 'native' traffic runs "
+                          "inside torch and is not counted in comm_MB")
+    pipe = p.add_argument_group("pipeline and model parallel")
+    pipe.add_argument("--schedule", default=None,
+                      help="gpipe or 1f1b (with --strategy pipeline; default 1f1b)")
+    pipe.add_argument("--microbatches", type=int, default=None,
+                      help="micro-batches per step (gpipe, 1f1b, torch-gpipe; default 8)")
+    pipe.add_argument("--partition", default=None,
+                      help="layers per stage: params (balance parameter counts, default), "
+                           "time (balance measured time) or counts like 3,2,2")
+    pipe.add_argument("--pp-size", type=int, default=None,
+                      help="stages per pipeline (gpipe, 1f1b): -n/pp-size data-parallel "
+                           "replicas (default: one pipeline over all ranks)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -103,7 +119,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        seq_len=args.seq_len, vocab_size=args.vocab_size, seed=args.data_seed)
     parallel = ParallelOptions(bucket_cap_mb=args.bucket_cap_mb, compression=args.compression,
                                find_unused_parameters=args.find_unused_parameters,
-                               algorithm=args.algorithm)
+                               algorithm=args.algorithm, schedule=args.schedule,
+                               microbatches=args.microbatches,
+                               partition=parse_partition(args.partition),
+                               pp_size=args.pp_size)
     return TrainConfig(
         model=args.model, dataset=args.dataset, strategy=args.strategy, data=data,
         parallel=parallel, epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
@@ -112,6 +131,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         precision=args.precision, eval_every=args.eval_every, log_every=args.log_every,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, tensorboard_dir=args.tensorboard, progress=args.progress)
+
+
+def parse_partition(text: str | None) -> str | tuple[int, ...] | None:
+    """``--partition``: ``params``, ``time`` or layer counts per stage like ``3,2,2``."""
+    if text is None or text in ("params", "time"):
+        return text
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--partition must be 'params', 'time' or layer counts per stage like "
+                         f"3,2,2, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             result: TrainResult | None = spawn.run_in_job(config, comm_config)
             if result is not None and result.rank != 0:
                 result = None
-        elif world_size == 1 and not STRATEGIES[config.strategy].needs_comm:
+        elif world_size == 1 and not get_strategy(config.strategy).needs_comm:
             result = train(config)
         else:
             result = spawn.run_local(config, world_size, comm_config, args.timeout,
@@ -167,6 +197,12 @@ def _report(result: TrainResult, json_path: str | None) -> None:
           f"samples/s={result.samples_per_s:.1f} "
           f"peak_mem_MB={result.peak_mem_bytes_max / 1e6:.1f}")
     print(f"accuracy={accuracy} eval_loss={eval_loss} final_loss={result.final_loss:.4f}")
+    sent, theory = result.bytes_sent_per_step_max, result.theory_bytes_per_step_max
+    if sent is not None or theory is not None:
+        measured = "-" if sent is None else f"{sent:.0f}"
+        expected = "-" if theory is None else f"{theory:.0f}"
+        print(f"bytes_per_rank_per_step={measured} theory={expected} "
+              f"bytes_unobserved={result.bytes_unobserved}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result.summary(), f, indent=2)

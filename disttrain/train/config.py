@@ -15,19 +15,49 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 PRECISIONS = ("fp32", "bf16")
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PARTITIONS = ("params", "time")
+
+
 @dataclass(frozen=True)
 class ParallelOptions:
-    """Options of the data-parallel strategies (later strategies add their fields here)."""
+    """Options of the parallel strategies. Each applies to some strategies only (the
+    registry in :mod:`disttrain.train.strategies` says which; a setting given to a strategy
+    it does not apply to is an error, not silently ignored)."""
 
-    bucket_cap_mb: float = 25.0  # gradient bucket size for "ddp" and "torch-ddp"
+    # data parallel ("ddp", "torch-ddp", "torch-zero1")
+    bucket_cap_mb: float = 25.0  # gradient bucket size
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     compression: str | None = None  # "ddp" only: a name disttrain.parallel understands
-    algorithm: str | None = None  # "ddp" only: all-reduce algorithm for gradients (None: auto)
+    algorithm: str | None = None  # "ddp", "zero1-3": collective algorithm (None: auto)
+    # pipeline ("gpipe", "1f1b", "torch-gpipe") and model parallel ("model-parallel")
+    schedule: str | None = None  # "gpipe" or "1f1b": must agree with the strategy's name
+    microbatches: int | None = None  # micro-batches per step (None: 8)
+    partition: str | tuple[int, ...] | None = None  # "params", "time" or layers per stage
+    pp_size: int | None = None  # stages per pipeline (None: every rank is a stage)
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        if self.schedule is not None and self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got "
+                             f"{self.schedule!r}")
+        for name in ("microbatches", "pp_size"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        partition = self.partition
+        if isinstance(partition, str):
+            if partition not in PARTITIONS:
+                raise ValueError(f"partition must be 'params', 'time' or layer counts per "
+                                 f"stage like (3, 2, 2), got {partition!r}")
+        elif partition is not None:
+            balance = tuple(partition)
+            for count in balance:
+                _positive("each entry of partition (layers per stage)", count)
+            if not balance:
+                raise ValueError("partition needs one layer count per stage, got ()")
+            object.__setattr__(self, "partition", balance)
 
 
 def _positive(name: str, value: object, allow_zero: bool = False) -> None:
@@ -46,7 +76,7 @@ class TrainConfig:
 
     model: str = "lenet"  # registry name or "package.module:factory"
     dataset: str = "digits"  # registry name or "package.module:factory"
-    strategy: str = "single"
+    strategy: str = "single"  # a STRATEGIES name; "pipeline" means parallel.schedule (1f1b)
     data: DataOptions = field(default_factory=DataOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     epochs: int | None = None
@@ -69,6 +99,8 @@ class TrainConfig:
     progress: bool | None = None  # progress bar on rank 0 (None: when stderr is a terminal)
 
     def __post_init__(self) -> None:
+        if self.strategy == "pipeline":  # the issue's spelling: --strategy pipeline --schedule X
+            object.__setattr__(self, "strategy", self.parallel.schedule or "1f1b")
         if self.epochs is not None and self.steps is not None:
             raise ValueError("give epochs or steps, not both")
         if self.epochs is not None:

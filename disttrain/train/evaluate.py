@@ -1,14 +1,19 @@
-"""Evaluation on the held-out split: each data-parallel rank scores a disjoint part, then one
-all-reduce of ``(correct, count, loss_sum)`` gives every rank the accuracy of the whole split.
+"""Evaluation on the held-out split: each data-parallel shard is scored where the strategy
+holds the output, then ``strategy.combine_scores`` gives every rank the totals
+``(correct, count, loss_sum)`` of the whole split (one all-reduce for data parallelism; the
+last stage shares its scores in a pipeline).
 
 Shards are uneven rather than padded (``pad=False``): a repeated sample would be counted
-twice, and the totals are exact whatever the split's size.
+twice, and the totals are exact whatever the split's size. Every rank cuts its shard into
+the *same number* of batches, because some strategies' forward is a collective (ZeRO-3
+gathers each layer's parameters): a rank that ran one batch fewer would leave the others
+waiting. Batches hold at least ``strategy.eval_min_rows`` samples (a pipeline cuts each
+into its micro-batches).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import math
 from typing import Any
 
 import torch
@@ -17,30 +22,51 @@ from torch.utils.data import Dataset
 from disttrain.train.data import fetch, size
 from disttrain.train.sampler import DistributedSampler
 from disttrain.train.strategies import LossFn, Strategy
+from disttrain.train.strategies.base import Autocast
 
 
-def evaluate(strategy: Strategy, dataset: Dataset[Any], loss_fn: LossFn,
-             autocast: Callable[[], AbstractContextManager[Any]],
+def batch_count(total: int, shards: int, batch_size: int, min_rows: int) -> int:
+    """How many batches every rank cuts its shard of ``total`` samples into: enough that none
+    exceeds ``batch_size``, few enough that the smallest shard's have ``min_rows`` each."""
+    largest, smallest = math.ceil(total / shards), total // shards
+    if 0 < smallest < min_rows:
+        raise ValueError(f"the held-out split gives a data-parallel shard {smallest} samples, "
+                         f"fewer than the {min_rows} micro-batches each evaluation batch is cut "
+                         f"into; use fewer micro-batches or a larger test split")
+    count = max(1, math.ceil(largest / batch_size))
+    return max(1, min(count, smallest // min_rows)) if smallest else count
+
+
+def evaluate(strategy: Strategy, dataset: Dataset[Any], loss_fn: LossFn, autocast: Autocast,
              batch_size: int = 256) -> tuple[float, float]:
     """``(accuracy, mean loss)`` over all of ``dataset``, the same on every rank."""
-    sampler = DistributedSampler(size(dataset), strategy.dp_size, strategy.dp_rank,
-                                 shuffle=False, pad=False)
-    indices = sampler.indices()
+    total = size(dataset)
+    sampler = DistributedSampler(total, strategy.dp_size, strategy.dp_rank, shuffle=False,
+                                 pad=False)
+    indices = torch.as_tensor(sampler.indices(), dtype=torch.long)
+    batches = batch_count(total, strategy.dp_size, batch_size, strategy.eval_min_rows)
     totals = torch.zeros(3, dtype=torch.float64)  # correct, count, loss summed over targets
-    module = strategy.module
-    was_training = module.training
-    module.eval()
-    with torch.no_grad():
-        for start in range(0, len(indices), batch_size):
-            inputs, targets = fetch(dataset, indices[start:start + batch_size])
-            with autocast():
-                output = module(inputs)
-            count = targets.numel()
-            totals[0] += (output.argmax(dim=-1) == targets).sum().item()
-            totals[1] += count
-            totals[2] += loss_fn(output, targets).item() * count
-    module.train(was_training)
-    if strategy.comm is not None and strategy.dp_size > 1:
-        strategy.comm.all_reduce(totals)
-    correct, count, loss_sum = totals.tolist()
+    strategy.before_eval()
+    modules = strategy.eval_modules()
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        with torch.no_grad():
+            for part in torch.tensor_split(indices, batches):
+                if len(part) == 0 and not strategy.collective_eval:
+                    continue
+                inputs, targets = fetch(dataset, part)
+                with autocast():
+                    output = strategy.predict(inputs)
+                count = targets.numel()
+                if output is None or count == 0:
+                    continue
+                totals[0] += (output.argmax(dim=-1) == targets).sum().item()
+                totals[1] += count
+                totals[2] += loss_fn(output, targets).item() * count
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+    correct, count, loss_sum = strategy.combine_scores(totals).tolist()
     return correct / count, loss_sum / count

@@ -2,15 +2,18 @@
 
 One call on every rank (all ranks must call it with the same config)::
 
-    seed(config.seed) → build model (identical on every rank) → strategy wraps it
-    for each step:   this rank's shard of the global batch (DistributedSampler)
+    seed(config.seed) → build model (identical on every rank) → strategy wraps or splits it
+    for each step:   this replica's shard of the global batch (DistributedSampler)
                      → strategy.train_step (forward, backward, gradient sync, update)
+                     → strategy.after_step (measurements, outside the step's time)
                      → metrics line / progress bar / evaluation / checkpoint when due
-    gather final loss and peak memory over ranks → TrainResult
+    gather final loss, peak memory and bytes over ranks → TrainResult
 
-The global batch is split evenly over the data-parallel ranks (and ``accumulate``
-micro-batches each), so N ranks × b samples see exactly the samples one process sees with
-batch N·b: that is what makes every strategy comparable with the single-process reference.
+The global batch is split evenly over the data-parallel replicas (and ``accumulate``
+micro-batches each), so N replicas × b samples see exactly the samples one process sees
+with batch N·b: that is what makes every strategy comparable with the single-process
+reference. A replica is a rank for data parallelism and ZeRO, a whole pipeline for the
+pipeline strategies (all its stages read the same shard).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from disttrain.train.models import build_model
 from disttrain.train.precision import autocast_factory
 from disttrain.train.result import EvalPoint, TrainResult
 from disttrain.train.sampler import DistributedSampler
-from disttrain.train.strategies import Strategy, get_strategy, optimizer_factory
+from disttrain.train.strategies import BuildContext, Strategy, get_strategy, optimizer_factory
 
 Hook = Callable[[StepRecord], None]
 
@@ -64,8 +67,7 @@ def train(config: TrainConfig, comm: Communicator | None = None, *,
 def checked_setup(config: TrainConfig, world_size: int) -> int:
     """Validate what can be checked before starting ranks; returns the micro-batch size."""
     spec = get_strategy(config.strategy)
-    spec.check_world(world_size, config.strategy)
-    return config.micro_batch(spec.data_parallel_size(world_size))
+    return config.micro_batch(spec.check_config(config, world_size))
 
 
 class _Run:
@@ -82,7 +84,9 @@ class _Run:
         self.data: DatasetSplits = build_dataset(config.dataset, config.data)
         torch.manual_seed(config.seed)  # identical initial parameters on every rank
         module = build_model(config.model, self.data.info)
-        self.strategy: Strategy = spec.build(module, comm, optimizer_factory(config), config)
+        sample = fetch(self.data.train, list(range(min(self.micro, size(self.data.train)))))
+        self.strategy: Strategy = spec.build(
+            BuildContext(module, comm, optimizer_factory(config), config, sample))
         try:
             self._setup()
         except BaseException:
@@ -164,14 +168,14 @@ class _Run:
     def _one_step(self, epoch: int, indices: torch.Tensor) -> StepRecord:
         start_time = time.perf_counter()
         sent_before = self._bytes_sent()
-        hidden_before = self.comm.stats.bytes_unobserved if self.comm is not None else 0
+        hidden_before = self._bytes_unobserved()
         micro = [fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro])
                  for m in range(self.config.accumulate)]
         loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
         seconds = time.perf_counter() - start_time
         sent_after = self._bytes_sent()
-        if self.comm is not None:
-            self.bytes_unobserved += self.comm.stats.bytes_unobserved - hidden_before
+        self.bytes_unobserved += self._bytes_unobserved() - hidden_before
+        self.strategy.after_step()
         self.step += 1
         sent = None if sent_after is None or sent_before is None else sent_after - sent_before
         self.step_times.append(seconds)
@@ -181,9 +185,14 @@ class _Run:
         return StepRecord(self.step, epoch, loss, seconds, sent)
 
     def _bytes_sent(self) -> int | None:
+        """Bytes sent so far through every communicator of the strategy (a pipeline in a
+        pp × dp grid also sends through its sub-communicators)."""
         if self.comm is None or not self.strategy.counts_bytes:
             return None
-        return self.comm.stats.bytes_sent
+        return sum(c.stats.bytes_sent for c in self.strategy.communicators())
+
+    def _bytes_unobserved(self) -> int:
+        return sum(c.stats.bytes_unobserved for c in self.strategy.communicators())
 
     def _after_step(self, record: StepRecord, end_of_epoch: bool) -> None:
         config = self.config
@@ -227,24 +236,30 @@ class _Run:
                         self._position())
 
     # ------------------------------------------------------------------ the result
-    def _gathered(self) -> tuple[float, int]:
-        """Mean of the last step's loss over data-parallel ranks; max peak memory over ranks."""
-        peak = peak_memory_bytes()
+    def _gathered(self) -> tuple[float, list[float | None]]:
+        """Mean of the last step's loss over ranks; the maxima over ranks of peak memory,
+        mean bytes sent per step, and the theoretical bytes per step (None: not known)."""
         last = self.losses[-1] if self.losses else float("nan")
-        if self.comm is None or self.world_size == 1:
-            return last, peak
-        loss = torch.tensor([last], dtype=torch.float64)
-        self.comm.all_reduce(loss)
-        most = torch.tensor([peak], dtype=torch.int64)
-        self.comm.all_reduce(most, op="max")
-        return float(loss) / self.world_size, int(most)
+        sent = self.bytes_sent if self._bytes_sent() is not None else []
+        theory = self.strategy.theory_bytes_per_step
+        mine = [float(peak_memory_bytes()), sum(sent) / len(sent) if sent else -1.0,
+                -1.0 if theory is None else float(theory)]
+        if self.comm is not None and self.world_size > 1:
+            loss = torch.tensor([last], dtype=torch.float64)
+            self.comm.all_reduce(loss)
+            last = float(loss) / self.world_size
+            most = torch.tensor(mine, dtype=torch.float64)
+            self.comm.all_reduce(most, op="max")
+            mine = most.tolist()
+        return last, [None if v < 0 else v for v in mine]
 
     def _result(self) -> TrainResult:
-        final_loss, peak_max = self._gathered()
+        final_loss, (peak_max, sent_max, theory_max) = self._gathered()
         warm = self.config.warmup_steps
         timed = self.step_times[warm:] if len(self.step_times) > warm else self.step_times
         samples_per_s = self.config.global_batch * len(timed) / sum(timed) if timed else 0.0
         last_eval = self.evaluations[-1] if self.evaluations else None
+        extras = self.strategy.extras(warm)
         return TrainResult(
             strategy=self.config.strategy, rank=self.rank, world_size=self.world_size,
             dp_size=self.strategy.dp_size, global_batch=self.config.global_batch,
@@ -254,8 +269,10 @@ class _Run:
             step_times=self.step_times, losses=self.losses,
             bytes_sent_per_step=self.bytes_sent if self._bytes_sent() is not None else None,
             bytes_unobserved=self.bytes_unobserved,
-            peak_mem_bytes=peak_memory_bytes(), peak_mem_bytes_max=peak_max,
-            evaluations=self.evaluations, model=self.strategy.module)
+            peak_mem_bytes=peak_memory_bytes(), peak_mem_bytes_max=int(peak_max or 0),
+            theory_bytes_per_step=self.strategy.theory_bytes_per_step,
+            bytes_sent_per_step_max=sent_max, theory_bytes_per_step_max=theory_max,
+            extras=extras, evaluations=self.evaluations, model=self.strategy.trained_module())
 
     def close(self) -> None:
         self.tensorboard.close()

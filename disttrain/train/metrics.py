@@ -12,7 +12,7 @@ compared across strategies::
   logging interval; evaluation and checkpoints are not counted.
 * ``comm_MB``: megabytes (10⁶ bytes) this rank has sent through disttrain.comm since the run
   started (``comm.stats``); ``-`` when the strategy's traffic bypasses disttrain.comm
-  (``torch-ddp``).
+  (the torch baselines).
 * ``peak_mem_MB``: on CUDA, ``torch.cuda.max_memory_allocated``; on CPU, the process's peak
   resident set size (``getrusage`` ``ru_maxrss``), which includes the Python interpreter and
   torch's libraries (~200-300 MB), not only tensors.

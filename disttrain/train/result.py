@@ -42,6 +42,11 @@ class TrainResult:
     bytes_unobserved: int  # payload of 'native' collectives during the steps (not in the above)
     peak_mem_bytes: int  # this rank (see disttrain.train.metrics)
     peak_mem_bytes_max: int  # the maximum over all ranks
+    # what one step should send from this rank, by the strategy's formula (None: unknown)
+    theory_bytes_per_step: float | None = None
+    bytes_sent_per_step_max: float | None = None  # max over ranks of their mean per step
+    theory_bytes_per_step_max: float | None = None  # max over ranks of the formula
+    extras: dict[str, Any] = field(default_factory=dict)  # strategy-specific, JSON-friendly
     evaluations: list[EvalPoint] = field(default_factory=list)
     model: nn.Module | None = field(default=None, repr=False, compare=False)  # trained, bare
 

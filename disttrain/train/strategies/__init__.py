@@ -1,0 +1,207 @@
+"""Strategies: how one training step runs on a communicator. A registry of name → spec.
+
+Adding a strategy is one entry in :data:`STRATEGIES`: a builder ``(BuildContext) →
+Strategy``, a description, the :class:`~disttrain.train.config.ParallelOptions` fields it
+accepts, and how its ranks divide the data (its *layout*)::
+
+    "single"          one process, the reference every other strategy must match
+    "ddp"             disttrain.parallel.DataParallel: bucketed all-reduce over disttrain.comm
+    "torch-ddp"       torch.nn.parallel.DistributedDataParallel (baseline)
+    "zero1/2/3"       disttrain.parallel.zero: sharded optimizer state / + gradients / + params
+    "torch-zero1"     torch's ZeroRedundancyOptimizer under torch's DDP (baseline)
+    "model-parallel"  consecutive layers on consecutive ranks, one batch at a time
+    "gpipe", "1f1b"   disttrain.parallel.pipeline with that schedule (pp × dp with pp_size)
+    "torch-gpipe"     torch.distributed.pipelining's ScheduleGPipe on the same split (baseline)
+    ("pipeline" is accepted as the strategy name: it means parallel.schedule, 1f1b by default)
+
+Layouts: ``data`` (every rank a replica reading its own shard), ``pipeline`` (world/pp_size
+replicas of a pp_size-stage pipeline; every stage of a replica reads the same shard),
+``model`` (one model split over every rank, one shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from disttrain.train.config import ParallelOptions, TrainConfig
+from disttrain.train.strategies.base import (
+    Batch,
+    BuildContext,
+    LossFn,
+    OptimizerFactory,
+    Strategy,
+    optimizer_class,
+    optimizer_factory,
+)
+from disttrain.train.strategies.baselines import build_torch_ddp, build_torch_zero1
+from disttrain.train.strategies.data_parallel import build_ddp, build_single
+from disttrain.train.strategies.pipeline import (
+    DEFAULT_MICROBATCHES,
+    build_model_parallel_strategy,
+    build_pipeline_strategy,
+)
+from disttrain.train.strategies.torch_pipeline import build_torch_gpipe
+from disttrain.train.strategies.zero import build_zero1, build_zero2, build_zero3
+
+Builder = Callable[[BuildContext], Strategy]
+Check = Callable[[TrainConfig, int, int], None]  # (config, world_size, dp_size)
+
+OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
+    "bucket_cap_mb": "--bucket-cap-mb", "find_unused_parameters": "--find-unused-parameters",
+    "broadcast_buffers": "broadcast_buffers", "compression": "--compression",
+    "algorithm": "--algorithm", "schedule": "--schedule", "microbatches": "--microbatches",
+    "partition": "--partition", "pp_size": "--pp-size",
+}
+TORCH_DP = frozenset({"bucket_cap_mb", "find_unused_parameters", "broadcast_buffers"})
+PIPELINE = frozenset({"schedule", "microbatches", "partition", "pp_size"})
+LAYOUTS = ("data", "pipeline", "model")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A registry entry: how to build the strategy, what it accepts, how it shards data."""
+
+    build: Builder
+    description: str
+    options: frozenset[str] = frozenset()  # ParallelOptions fields this strategy uses
+    layout: str = "data"
+    max_world_size: int | None = None
+    needs_comm: bool = True
+    check: Check | None = None  # further checks before any rank starts
+
+    def data_parallel_size(self, world_size: int, config: TrainConfig | None = None) -> int:
+        """How many ranks read different shards of each global batch."""
+        if self.layout == "model":
+            return 1
+        if self.layout == "pipeline":
+            pp = config.parallel.pp_size if config is not None else None
+            return world_size // (pp or world_size)
+        return world_size
+
+    def check_world(self, world_size: int, name: str) -> None:
+        if self.max_world_size is not None and world_size > self.max_world_size:
+            raise ValueError(f"strategy {name!r} runs on at most {self.max_world_size} "
+                             f"process(es), not {world_size}; use -n {self.max_world_size} "
+                             f"or a parallel strategy such as 'ddp'")
+
+    def check_config(self, config: TrainConfig, world_size: int) -> int:
+        """Validate ``config`` for ``world_size`` ranks; returns the data-parallel size."""
+        name = config.strategy
+        self.check_world(world_size, name)
+        _check_options(config.parallel, self.options, name)
+        pp = config.parallel.pp_size
+        if self.layout == "pipeline" and pp is not None and world_size % pp:
+            raise ValueError(f"--pp-size {pp} does not divide the world size {world_size}: "
+                             f"the ranks form world_size/pp_size pipelines of pp_size stages")
+        if self.layout != "data" and config.accumulate != 1:
+            raise ValueError(f"strategy {name!r} runs each step as one batch through its "
+                             f"stages; --accumulate must be 1 (pipelines split batches with "
+                             f"--microbatches)")
+        dp = self.data_parallel_size(world_size, config)
+        config.micro_batch(dp)  # raises with the fix when the global batch does not split
+        if self.check is not None:
+            self.check(config, world_size, dp)
+        return dp
+
+
+def _check_options(opts: ParallelOptions, accepted: frozenset[str], name: str) -> None:
+    defaults = ParallelOptions()
+    for field in dataclasses.fields(opts):
+        if field.name in accepted or getattr(opts, field.name) == getattr(defaults, field.name):
+            continue
+        users = [n for n, spec in STRATEGIES.items() if field.name in spec.options]
+        hint = " (for gradient accumulation use --accumulate)" if (
+            field.name == "microbatches") else ""
+        raise ValueError(f"{OPTION_FLAGS[field.name]} does not apply to strategy {name!r}; "
+                         f"it applies to: {', '.join(users)}{hint}")
+
+
+def _check_pipeline(config: TrainConfig, world_size: int, dp: int) -> None:
+    name, opts = config.strategy, config.parallel
+    schedule = "gpipe" if name == "torch-gpipe" else name
+    if opts.schedule is not None and opts.schedule != schedule:
+        raise ValueError(f"--schedule {opts.schedule} contradicts strategy {name!r}, whose "
+                         f"schedule is {schedule}; use --strategy {opts.schedule} (or "
+                         f"--strategy pipeline --schedule {opts.schedule})")
+    m = opts.microbatches or DEFAULT_MICROBATCHES
+    local = config.global_batch // dp
+    if local < m:
+        raise ValueError(f"global batch {config.global_batch} gives each of the {dp} pipeline "
+                         f"replica(s) {local} samples per step, fewer than {m} micro-batches; "
+                         f"use --microbatches {local} or less, or a larger --global-batch")
+    if name == "torch-gpipe":
+        if local % m:
+            raise ValueError(f"torch-gpipe needs equal micro-batches: {local} samples per "
+                             f"step do not split into {m}; use a --global-batch that is a "
+                             f"multiple of {m}")
+        if config.checkpoint_dir is not None:
+            raise ValueError("torch-gpipe is a benchmark baseline and writes no checkpoints; "
+                             "use --strategy gpipe for checkpointed pipeline training")
+
+
+STRATEGIES: dict[str, StrategySpec] = {
+    "single": StrategySpec(build_single, "one process, the reference", max_world_size=1,
+                           needs_comm=False),
+    "ddp": StrategySpec(build_ddp, "disttrain DataParallel: bucketed all-reduce overlapping "
+                        "backward", TORCH_DP | {"compression", "algorithm"}),
+    "torch-ddp": StrategySpec(build_torch_ddp, "torch.nn.parallel.DistributedDataParallel "
+                              "(baseline)", TORCH_DP),
+    "zero1": StrategySpec(build_zero1, "ZeRO stage 1: optimizer state sharded",
+                          frozenset({"algorithm"})),
+    "zero2": StrategySpec(build_zero2, "ZeRO stage 2: optimizer state and gradients sharded",
+                          frozenset({"algorithm"})),
+    "zero3": StrategySpec(build_zero3, "ZeRO stage 3: optimizer state, gradients and "
+                          "parameters sharded", frozenset({"algorithm"})),
+    "torch-zero1": StrategySpec(build_torch_zero1, "torch ZeroRedundancyOptimizer under torch "
+                                "DDP (baseline)", TORCH_DP),
+    "model-parallel": StrategySpec(build_model_parallel_strategy, "layers split over the "
+                                   "ranks, one batch at a time", frozenset({"partition"}),
+                                   layout="model"),
+    "gpipe": StrategySpec(build_pipeline_strategy, "pipeline, GPipe schedule (all forwards, "
+                          "then all backwards)", PIPELINE, "pipeline", check=_check_pipeline),
+    "1f1b": StrategySpec(build_pipeline_strategy, "pipeline, 1F1B schedule (PipeDream-Flush)",
+                         PIPELINE, "pipeline", check=_check_pipeline),
+    "torch-gpipe": StrategySpec(build_torch_gpipe, "torch.distributed.pipelining ScheduleGPipe "
+                                "on the same split (baseline)",
+                                frozenset({"schedule", "microbatches", "partition"}), "model",
+                                check=_check_pipeline),
+    # "ps-sync", "ps-async", "ps-ssp": the parameter-server strategies register here once
+    # disttrain.parallel.parameter_server is ready (see PLANNED).
+}
+
+PLANNED: dict[str, str] = {
+    "ps-sync": "parameter server, synchronous SGD",
+    "ps-async": "parameter server, asynchronous SGD",
+    "ps-ssp": "parameter server, stale-synchronous (bounded staleness) SGD",
+}
+"""Names the benchmark issue reserves whose implementation is not in the registry yet."""
+
+
+def get_strategy(name: str) -> StrategySpec:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        pass
+    if name in PLANNED:
+        raise ValueError(f"strategy {name!r} ({PLANNED[name]}) is not available yet; choose "
+                         f"one of: {', '.join(STRATEGIES)}")
+    raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+
+
+__all__ = [
+    "LAYOUTS",
+    "OPTION_FLAGS",
+    "PLANNED",
+    "STRATEGIES",
+    "Batch",
+    "BuildContext",
+    "LossFn",
+    "OptimizerFactory",
+    "Strategy",
+    "StrategySpec",
+    "get_strategy",
+    "optimizer_class",
+    "optimizer_factory",
+]

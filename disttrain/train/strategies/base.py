@@ -1,0 +1,230 @@
+"""What a strategy is: the object the shared loop drives, and what a builder receives.
+
+The loop is the same for every strategy; a :class:`Strategy` owns what differs:
+
+* **one step**: ``train_step`` (forward, backward, gradient sync, update). The default runs
+  ``model`` on each micro-batch and calls ``optimizer.zero_grad()`` / ``step()``: anything
+  with those two methods is an optimizer here (ZeRO's wrappers stand in for one);
+* **which data this rank reads**: ``dp_rank`` / ``dp_size`` pick the sampler's shard (all
+  stages of one pipeline read the same shard);
+* **evaluation**: ``predict`` (the ranks holding the output return it, others None) and
+  ``combine_scores`` (sum the scores of the data-parallel shards on every rank);
+* **checkpoints**: ``save_state`` / ``load_state`` write and read this strategy's files;
+* **measurements**: the communicators whose traffic counts, the theoretical bytes of a
+  step, and strategy-specific ``extras`` for the benchmark table.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from disttrain.comm import Communicator
+from disttrain.train.config import TrainConfig
+
+Batch = tuple[Any, Any]  # (inputs, targets)
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Autocast = Callable[[], AbstractContextManager[Any]]
+OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+
+
+class Stepper(Protocol):
+    """What the loop needs of an optimizer: a torch optimizer, or a ZeRO wrapper."""
+
+    def zero_grad(self, set_to_none: bool = ...) -> None: ...
+
+    def step(self) -> Any: ...
+
+
+def optimizer_class(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The configured optimizer class and its keyword arguments (torch-zero1 wraps the class)."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": config.lr, "momentum": config.momentum,
+                                 "weight_decay": config.weight_decay}
+    cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
+    return cls, {"lr": config.lr, "weight_decay": config.weight_decay}
+
+
+def optimizer_factory(config: TrainConfig) -> OptimizerFactory:
+    """Build the configured optimizer over some tensors (a strategy decides which)."""
+    cls, kwargs = optimizer_class(config)
+
+    def make(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+        return cls(params, **kwargs)
+
+    return make
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """Everything a builder gets: the freshly built model (identical on every rank), the
+    communicator, the optimizer factory, the config, and the first training samples (the
+    local batch of step one, the same on every rank: for ``partition="time"`` and for
+    measuring activation sizes)."""
+
+    module: nn.Module
+    comm: Communicator | None
+    make_optimizer: OptimizerFactory
+    config: TrainConfig
+    sample: Batch
+
+    def require_comm(self, name: str) -> Communicator:
+        if self.comm is None:
+            raise ValueError(f"strategy {name!r} needs a communicator (run it under "
+                             f"'disttrain run -n N' or pass comm=...)")
+        return self.comm
+
+
+def atomic_save(obj: Any, path: str) -> None:
+    """``torch.save`` to a temporary name, then rename: a crash never leaves half a file."""
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def safe_load(path: str) -> Any:
+    """Tensors and plain containers only (``weights_only=True``), never arbitrary pickles."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def missing_state(path: str, what: str) -> ValueError:
+    return ValueError(f"checkpoint {path} has no {what}: it was written by another strategy "
+                      f"or rank layout; resume with the strategy and settings that wrote it")
+
+
+class Strategy:
+    """Plain training on this rank; parallel strategies swap in a wrapped ``model`` and
+    override what differs.
+
+    ``module`` is the bare model (or this rank's part of it); ``model`` is what forward calls.
+    """
+
+    counts_bytes = True  # comm.stats sees this strategy's traffic
+    theory_bytes_per_step: float | None = None  # what one step should send from this rank
+
+    def __init__(self, module: nn.Module, optimizer: Stepper | None,
+                 comm: Communicator | None, model: nn.Module | None = None) -> None:
+        self.module = module
+        self.model: nn.Module = model if model is not None else module
+        self.optimizer = optimizer
+        self.comm = comm
+
+    # ------------------------------------------------------------------ data
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the ranks that read different data."""
+        return self.comm.rank if self.comm is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        """How many ranks read different shards of each global batch."""
+        return self.comm.world_size if self.comm is not None else 1
+
+    # ------------------------------------------------------------------ training
+    def no_sync(self) -> AbstractContextManager[Any]:
+        """Skip gradient synchronization (all micro-batches but the last of a step)."""
+        return nullcontext()
+
+    def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn,
+                   autocast: Autocast) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns the mean loss (detached).
+
+        Each micro-batch loss is divided by their count, so accumulated gradients equal the
+        gradient of the mean loss over this rank's share of the global batch.
+        """
+        self.model.train()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float32)
+        last = len(micro_batches) - 1
+        for i, (inputs, targets) in enumerate(micro_batches):
+            with self.no_sync() if i < last else nullcontext():
+                with autocast():
+                    loss = loss_fn(self.model(inputs), targets) / len(micro_batches)
+                loss.backward()
+            total += loss.detach().float()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return total
+
+    def after_step(self) -> None:
+        """Called after every step, outside its timing (collect per-step measurements)."""
+
+    # ------------------------------------------------------------------ evaluation
+    eval_min_rows = 1  # fewest samples one predict() call accepts (pipelines: micro-batches)
+    collective_eval = False  # predict() runs collectives: every rank needs as many batches
+
+    def before_eval(self) -> None:
+        """Called on every rank before an evaluation (e.g. gather what predict needs)."""
+
+    def eval_modules(self) -> list[nn.Module]:
+        """Modules to switch to eval mode while evaluating."""
+        return [self.module]
+
+    def predict(self, inputs: Any) -> torch.Tensor | None:
+        """The model's output for ``inputs`` on the ranks that hold it, else None."""
+        output: torch.Tensor = self.module(inputs)
+        return output
+
+    def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
+        """Sum per-shard ``(correct, count, loss_sum)`` over the data-parallel ranks."""
+        if self.comm is not None and self.dp_size > 1:
+            self.comm.all_reduce(totals)
+        return totals
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{type(self).__name__} must override state_dict: its optimizer "
+                            f"is not a torch optimizer")
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def save_state(self, path: str, rank: int) -> None:
+        """Write this strategy's state into the checkpoint directory ``path`` (every rank
+        calls it; by default rank 0 writes ``state.pt``, the replicas being identical)."""
+        if rank == 0:
+            atomic_save(self.state_dict(), os.path.join(path, "state.pt"))
+
+    def load_state(self, path: str, rank: int) -> None:
+        file = os.path.join(path, "state.pt")
+        if not os.path.exists(file):
+            raise missing_state(path, "state.pt")
+        self.load_state_dict(safe_load(file))
+
+    # ------------------------------------------------------------------ measurements
+    def communicators(self) -> list[Communicator]:
+        """Every communicator this strategy sends through (their stats are summed)."""
+        return [self.comm] if self.comm is not None else []
+
+    def extras(self, warmup_steps: int) -> dict[str, Any]:
+        """Strategy-specific measurements for the benchmark (JSON-friendly values)."""
+        return {}
+
+    def trained_module(self) -> nn.Module:
+        """The trained bare module for the result (called once, after the last step)."""
+        return self.module
+
+    def close(self) -> None:
+        """Release wrappers and communication state (called once, at the end of training)."""
+
+
+def ring_all_reduce_bytes(world_size: int, nbytes: float) -> float:
+    """Bytes each rank sends in a bandwidth-optimal all-reduce (ring, or halving-doubling on
+    a power of two): 2(p−1)/p of the buffer (reduce-scatter, then all-gather)."""
+    return 2 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
+
+
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of the trainable parameters (what a gradient all-reduce moves)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)

@@ -1,0 +1,240 @@
+"""Model and pipeline parallelism in the shared loop: ``model-parallel``, ``gpipe``, ``1f1b``.
+
+Every rank builds the whole model (same seed), keeps its stage's layers, and trains them
+with its own optimizer (a stage with no parameters, e.g. only ReLU and Flatten, has none).
+Forward and backward are interleaved by the schedule, so the step is ``pipe.train_step``:
+it returns the batch's loss on every rank and leaves gradients in ``.grad``.
+
+Data: all stages of one pipeline must see the same batch (stage 0 its inputs, the last
+stage its targets), so the sampler shards by the pipeline replica (``grid.dp_rank`` of
+``grid.dp_size``), not by rank. Evaluation runs ``eval_forward`` (the last stage gets the
+output) and ``share_from_last`` gives its scores to every rank.
+
+Bytes per rank per step (what :func:`pipeline_theory` computes, exact): stage s < p−1 sends
+the activations at its output boundary, B·a_out bytes for a local batch of B samples, and
+stage s > 0 sends the same-sized gradients back at its input boundary, B·a_in, each of the
+m micro-batches with a 120-byte header; in a pp × dp grid each stage also all-reduces its
+gradients (and the loss) over its dp group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from disttrain.comm import Communicator
+from disttrain.train.precision import autocast_factory
+from disttrain.train.strategies.base import (
+    Autocast,
+    Batch,
+    BuildContext,
+    LossFn,
+    Strategy,
+    atomic_save,
+    missing_state,
+    ring_all_reduce_bytes,
+    safe_load,
+)
+
+DEFAULT_MICROBATCHES = 8
+HEADER_BYTES = 15 * 8  # disttrain.parallel.pipeline.link: 15 int64 per message
+
+
+def activation_sizes(module: nn.Module, sample: Any, autocast: Autocast = nullcontext
+                     ) -> list[int]:
+    """Bytes per sample of each layer's output, measured on one sample (forward only, in
+    eval mode, so no running statistic changes)."""
+    from disttrain.parallel.pipeline import layers_of
+
+    was_training = module.training
+    module.eval()
+    sizes = []
+    try:
+        x = sample[:1]
+        with torch.no_grad(), autocast():
+            for layer in layers_of(module):
+                x = layer(x)
+                sizes.append(x.numel() * x.element_size())
+    finally:
+        module.train(was_training)
+    return sizes
+
+
+def stage_layers(module: nn.Module) -> tuple[int, int]:
+    """First and last layer index of a stage module (its children are named by index)."""
+    names = [int(name) for name in module._modules]
+    return (names[0], names[-1]) if names else (0, -1)
+
+
+def pipeline_theory(sizes: Sequence[int], layers: tuple[int, int], stage: int, pp: int,
+                    microbatches: int, local_batch: int, headers: bool = True) -> float:
+    """Bytes stage ``stage`` of ``pp`` sends in one step over its pipeline neighbours."""
+    first, last = layers
+    header = HEADER_BYTES * microbatches if headers else 0
+    sent = 0.0
+    if stage < pp - 1:
+        sent += local_batch * sizes[last] + header
+    if stage > 0 and first > 0:
+        sent += local_batch * sizes[first - 1] + header
+    return sent
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    schedule: str | None  # None: model parallel (no micro-batches)
+    microbatches: int
+    stage: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+class PipelineStrategy(Strategy):
+    """This rank's stage of a pipeline (``PipelineParallel``) or model split
+    (``ModelParallel``), trained by the shared loop."""
+
+    def __init__(self, ctx: BuildContext, pipe: Any, settings: PipelineSettings) -> None:
+        params = list(pipe.parameters())
+        optimizer = ctx.make_optimizer(params) if params else None
+        super().__init__(pipe.module, optimizer, ctx.require_comm(ctx.config.strategy))
+        self.pipe, self.settings = pipe, settings
+        self.eval_min_rows = settings.microbatches
+        self.steps: list[Any] = []  # StepStats per step
+        sizes = activation_sizes(ctx.module, ctx.sample[0],
+                                 autocast_factory(ctx.config.precision))
+        local_batch = ctx.config.global_batch // settings.dp_size
+        theory = pipeline_theory(sizes, stage_layers(pipe.module), settings.stage,
+                                 settings.pp_size, settings.microbatches, local_batch)
+        if settings.dp_size > 1:
+            grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            theory += ring_all_reduce_bytes(settings.dp_size, grads)
+            theory += ring_all_reduce_bytes(settings.dp_size, 8)  # the loss, float64
+        self.theory_bytes_per_step = theory
+
+    @property
+    def dp_rank(self) -> int:
+        return self.settings.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.settings.dp_size
+
+    def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn,
+                   autocast: Autocast) -> torch.Tensor:
+        (inputs, targets), = micro_batches  # the config check allows no accumulation here
+        self.module.train()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = self.pipe.train_step(inputs if self.pipe.is_first else None,
+                                        targets if self.pipe.is_last else None, loss_fn)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return torch.tensor(loss, dtype=torch.float64)
+
+    def after_step(self) -> None:
+        if self.pipe.last_step is not None:
+            self.steps.append(self.pipe.last_step)
+
+    # ------------------------------------------------------------------ evaluation
+    def predict(self, inputs: Any) -> torch.Tensor | None:
+        output: torch.Tensor | None = self.pipe.eval_forward(
+            inputs if self.pipe.is_first else None)
+        return output
+
+    def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
+        """The last stage's scores on every rank; share_from_last averages over the dp
+        replicas, so × dp_size is their sum (counts rounded back to integers)."""
+        shared = [self.pipe.share_from_last(float(v)) * self.dp_size for v in totals.tolist()]
+        shared[0], shared[1] = round(shared[0]), round(shared[1])
+        return torch.tensor(shared, dtype=torch.float64)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state_file(self, path: str) -> str:
+        s = self.settings
+        return os.path.join(path, f"state-stage{s.stage:05d}-of-{s.pp_size:05d}.pt")
+
+    def save_state(self, path: str, rank: int) -> None:
+        if self.settings.dp_rank == 0:  # dp replicas of a stage are identical
+            optimizer = self.optimizer.state_dict() if isinstance(
+                self.optimizer, torch.optim.Optimizer) else None
+            atomic_save({"model": self.module.state_dict(), "optimizer": optimizer,
+                         "layers": list(stage_layers(self.module))}, self._state_file(path))
+
+    def load_state(self, path: str, rank: int) -> None:
+        file = self._state_file(path)
+        if not os.path.exists(file):
+            raise missing_state(path, f"{os.path.basename(file)} (stage {self.settings.stage} "
+                                      f"of a {self.settings.pp_size}-stage pipeline)")
+        state = safe_load(file)
+        if list(state["layers"]) != list(stage_layers(self.module)):
+            raise ValueError(f"checkpoint {path}: stage {self.settings.stage} held layers "
+                             f"{state['layers']}, here it holds {list(stage_layers(self.module))}"
+                             f"; resume with the same --partition and --pp-size")
+        self.module.load_state_dict(state["model"])
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    # ------------------------------------------------------------------ measurements
+    def communicators(self) -> list[Communicator]:
+        grid = getattr(self.pipe, "grid", None)
+        comms = [self.comm] + ([grid.pp_comm, grid.dp_comm] if grid is not None else [])
+        unique: dict[int, Communicator] = {}
+        for c in comms:
+            if c is not None:
+                unique.setdefault(id(c), c)
+        return list(unique.values())
+
+    def extras(self, warmup_steps: int) -> dict[str, Any]:
+        s = self.settings
+        timed = self.steps[warmup_steps:] or self.steps
+        wall = sum(t.wall_s for t in timed)
+        p, m = s.pp_size, s.microbatches
+        first, last = stage_layers(self.module)
+        return {
+            "schedule": s.schedule or "model-parallel", "microbatches": m, "pp_size": p,
+            "dp_size": s.dp_size, "stage": s.stage, "layers": [first, last],
+            "idle_fraction": 1.0 - sum(t.busy_s for t in timed) / wall if wall > 0 else None,
+            "bubble_theory": (p - 1) / (m + p - 1),
+            "peak_stashed": max((t.peak_stashed for t in self.steps), default=0),
+            "peak_activation_bytes": max((t.peak_activation_bytes for t in self.steps),
+                                         default=0),
+        }
+
+
+def _partition(ctx: BuildContext) -> str | tuple[int, ...]:
+    partition = ctx.config.parallel.partition
+    return "params" if partition is None else partition
+
+
+def build_pipeline_strategy(ctx: BuildContext) -> Strategy:
+    from disttrain.parallel.pipeline import build_pipeline
+
+    config = ctx.config
+    comm = ctx.require_comm(config.strategy)
+    m = config.parallel.microbatches or DEFAULT_MICROBATCHES
+    inputs = ctx.sample[0]
+    sample = inputs[:max(1, len(inputs) // m)]  # one micro-batch, for partition="time"
+    pipe = build_pipeline(ctx.module, comm, schedule=config.strategy, microbatches=m,
+                          partition=_partition(ctx), pp_size=config.parallel.pp_size,
+                          sample=sample)
+    grid = pipe.grid
+    settings = PipelineSettings(config.strategy, m, grid.stage, grid.pp_size, grid.dp_rank,
+                                grid.dp_size)
+    return PipelineStrategy(ctx, pipe, settings)
+
+
+def build_model_parallel_strategy(ctx: BuildContext) -> Strategy:
+    from disttrain.parallel.model_parallel import build_model_parallel
+
+    comm = ctx.require_comm("model-parallel")
+    pipe = build_model_parallel(ctx.module, comm, partition=_partition(ctx),
+                                sample=ctx.sample[0])
+    settings = PipelineSettings(None, 1, comm.rank, comm.world_size, 0, 1)
+    return PipelineStrategy(ctx, pipe, settings)

@@ -1,0 +1,72 @@
+"""``disttrain run`` with the pipeline and ZeRO strategies: the issue's pipeline command trains
+the single process's model; flags that do not fit the strategy are refused before any rank
+starts, with the fix."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from disttrain.cli import build_parser, main
+from disttrain.train import TrainConfig, train
+from disttrain.train.cli import config_from_args
+from tests.test_train_cli import accuracy, disttrain
+
+
+def test_run_1f1b_two_stages_matches_single():
+    proc = disttrain("run", "--strategy", "1f1b", "-n", "2", "--microbatches", "4", "--model",
+                     "mlp", "--dataset", "digits", "--epochs", "1", "--log-every", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "result strategy=1f1b world_size=2 global_batch=32 steps=44" in proc.stdout
+    sent = re.search(r"^bytes_per_rank_per_step=(\d+) theory=(\d+) ", proc.stdout, re.MULTILINE)
+    assert sent and sent.group(1) == sent.group(2), proc.stdout
+    torch.set_num_threads(1)
+    one = train(TrainConfig(model="mlp", dataset="digits", epochs=1, log_every=0,
+                            progress=False))
+    assert accuracy(proc.stdout) == pytest.approx(one.accuracy, abs=1.01 / 359)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--strategy", "ddp", "-n", "2", "--microbatches", "4"],
+     "--microbatches does not apply to strategy 'ddp'; it applies to: gpipe, 1f1b, "
+     "torch-gpipe (for gradient accumulation use --accumulate)"),
+    (["--strategy", "pipeline", "--schedule", "interleaved", "-n", "2"],
+     "schedule must be one of gpipe, 1f1b, got 'interleaved'"),
+    (["--strategy", "gpipe", "--schedule", "1f1b", "-n", "2"],
+     "--schedule 1f1b contradicts strategy 'gpipe'"),
+    (["--strategy", "1f1b", "-n", "4", "--pp-size", "3"], "--pp-size 3 does not divide"),
+    (["--strategy", "1f1b", "-n", "2", "--microbatches", "64"],
+     "fewer than 64 micro-batches; use --microbatches 32 or less"),
+    (["--strategy", "gpipe", "-n", "2", "--accumulate", "2"], "--accumulate must be 1"),
+    (["--strategy", "model-parallel", "-n", "2", "--pp-size", "2"],
+     "--pp-size does not apply to strategy 'model-parallel'"),
+    (["--strategy", "zero2", "-n", "2", "--compression", "fp16"],
+     "--compression does not apply to strategy 'zero2'; it applies to: ddp"),
+    (["--strategy", "1f1b", "-n", "2", "--partition", "3;3"], "--partition must be 'params'"),
+    (["--strategy", "torch-gpipe", "-n", "2", "--microbatches", "5"],
+     "torch-gpipe needs equal micro-batches"),
+    (["--strategy", "ps-async", "-n", "2"], "strategy 'ps-async' (parameter server, "
+     "asynchronous SGD) is not available yet"),
+])
+def test_bad_flag_combinations_exit_2_with_the_fix(capsys, args, message):
+    assert main(["run", "--steps", "1", "--log-every", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("disttrain run: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("schedule,strategy", [(None, "1f1b"), ("gpipe", "gpipe"),
+                                               ("1f1b", "1f1b")])
+def test_strategy_pipeline_is_the_schedule(schedule, strategy):
+    """The issue's spelling, ``--strategy pipeline --schedule 1f1b``, is the named strategy."""
+    argv = ["run", "--strategy", "pipeline", "-n", "4", "--microbatches", "8", "--pp-size", "2"]
+    args = build_parser().parse_args(argv + (["--schedule", schedule] if schedule else []))
+    config = config_from_args(args)
+    assert config.strategy == strategy
+    assert (config.parallel.microbatches, config.parallel.pp_size) == (8, 2)
+
+
+def test_partition_flag_parses_layer_counts():
+    args = build_parser().parse_args(["run", "--strategy", "gpipe", "--partition", "3,2,1"])
+    assert config_from_args(args).parallel.partition == (3, 2, 1)
