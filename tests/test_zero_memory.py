@@ -11,6 +11,7 @@ from disttrain.parallel.zero import formula, measure_module
 from tests import zero_cases
 
 WORLD_SIZE = 4
+SLACK_BYTES = 256  # a few scalars at most; any forgotten buffer here is ~kB to MB
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -29,6 +30,10 @@ def test_measured_bytes_match_the_formula(pools, stage, dtype):
             assert measured[category] == pytest.approx(expected[category], rel=0.05), (
                 f"rank {rank} {category}: measured {measured[category]} vs formula "
                 f"{expected[category]} ({measured})")
+        # the list the measurement trusts is complete: nothing else reachable is kept
+        assert 0 <= result["reachable"] - measured["total"] <= SLACK_BYTES, (
+            f"rank {rank}: {result['reachable']} bytes reachable from the wrapper, "
+            f"{measured['total']} listed by model_state_tensors()")
 
 
 def test_ddp_baseline_is_16_bytes_per_parameter():

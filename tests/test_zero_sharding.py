@@ -122,6 +122,23 @@ def test_config_validation():
         ZeroConfig(bucket_bytes=0)
     with pytest.raises(ValueError, match="master_dtype"):
         ZeroConfig(master_dtype=torch.int64)
+    for bad in ("rnig", "tree", 3):  # tree has no all-gather or reduce-scatter
+        with pytest.raises(ValueError, match=r"algorithm=.*choose None .*'auto' or one of: "
+                                             r"naive, ring"):
+            ZeroConfig(algorithm=bad)  # type: ignore[arg-type]
+    for name in ("prefetch", "broadcast_from_rank0"):
+        with pytest.raises(ValueError, match=f"{name} must be True or False, got 'no'"):
+            ZeroConfig(**{name: "no"})  # type: ignore[arg-type]
+
+
+def test_config_algorithm_per_collective():
+    """``ring`` has no broadcast: the wrap-time broadcast falls back to the default."""
+    ring = ZeroConfig(algorithm="ring")
+    assert ring.algorithm_for("reduce_scatter") == "ring"
+    assert ring.algorithm_for("broadcast") is None
+    assert ZeroConfig(algorithm="naive").algorithm_for("broadcast") == "naive"
+    assert ZeroConfig(algorithm="auto").algorithm_for("broadcast") == "auto"
+    assert ZeroConfig().algorithm_for("all_gather") is None
 
 
 def test_stage3_units_default_custom_and_tied():
@@ -152,15 +169,32 @@ def test_stage3_units_default_custom_and_tied():
 
 
 def test_buckets_launch_in_bucket_order_whatever_order_they_become_ready():
-    from disttrain.parallel.zero.stage2 import InOrderLauncher
+    from disttrain.parallel.zero.backward import InOrderLauncher
 
     launched: list[int] = []
     launcher = InOrderLauncher(4, launched.append)
     for index in (2, 1, 3):
         launcher.mark_ready(index)
-    assert launched == []  # bucket 0 not ready: nothing may go before it
+    assert launched == [] and not launcher.launched(0)  # nothing may go before bucket 0
     launcher.mark_ready(0)
-    assert launched == [0, 1, 2, 3] and launcher.next == 0
-    launcher.mark_ready(1)  # a second backward (gradient accumulation) starts over
-    launcher.mark_ready(0)
-    assert launched == [0, 1, 2, 3, 0, 1]
+    assert launched == [0, 1, 2, 3] and launcher.launched(3)
+    launcher.finish()  # end of backward: nothing left, start over
+    assert launched == [0, 1, 2, 3] and not launcher.launched(0)
+
+
+def test_end_of_backward_launches_the_rest_in_order_once():
+    """A bucket that never completes (a parameter without gradient on this rank) holds
+    back its successors; the end of backward launches them all, in order, exactly once,
+    and the next backward starts over (gradient accumulation)."""
+    from disttrain.parallel.zero.backward import InOrderLauncher
+
+    launched: list[int] = []
+    launcher = InOrderLauncher(4, launched.append)
+    for index in (0, 2, 3):  # bucket 1 is incomplete here
+        launcher.mark_ready(index)
+    assert launched == [0]
+    launcher.finish()
+    assert launched == [0, 1, 2, 3]
+    launcher.mark_ready(1)  # the next backward: bucket 0 first again
+    launcher.finish()
+    assert launched == [0, 1, 2, 3, 0, 1, 2, 3]

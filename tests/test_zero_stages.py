@@ -63,6 +63,28 @@ def test_repeated_unit_inplace_activation_and_eval(pools, stage):
         torch.testing.assert_close(result["eval"], out)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradients_on_some_ranks_only_with_accumulation(pools, stage):
+    """Two gates used on rank 1 only (no gradient on rank 0) and two micro-batches
+    accumulated without ``no_sync``: every rank must issue the same reductions in the same
+    order (no hang, no reduction paired with another bucket's or unit's) and the result is
+    the average of each rank's gradient, zero where it has none. Stage 2 with one bucket
+    and with several; stage 3 with five units, whose backward gathers interleave with the
+    reductions."""
+    expected = zero_cases.reference_gated(STEPS, 2, micro=2)
+    for bucket_bytes in (4 << 20, 256) if stage == 2 else (4 << 20,):
+        per_rank = pools(2).run(zero_cases.run_gated, stage, STEPS, 2, bucket_bytes)
+        assert_matches(per_rank, expected)
+
+
+def test_stage2_gradient_after_its_bucket_was_reduced_is_an_error(pools):
+    """A gradient reaching a bucket already reduced in this backward (reentrant
+    checkpointing of a parameter also used outside it) would be lost: an error names it."""
+    for message in pools(2).run(zero_cases.run_reentrant_checkpoint):
+        assert "parameter '1.bias' received a gradient after its bucket was reduced" in message
+        assert "use_reentrant=False" in message
+
+
 def test_stage1_adopts_gradients_after_model_zero_grad(pools, references):
     """``model.zero_grad()`` drops stage 1's gradient views; autograd's fresh ``.grad``
     tensors must be copied back into the flat buffer before the reduce-scatter."""

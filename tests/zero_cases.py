@@ -11,6 +11,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from disttrain.comm import Communicator
@@ -159,8 +160,42 @@ def big_mlp(dtype: torch.dtype) -> nn.Module:
                          nn.Linear(1023, 10)).to(dtype)
 
 
+def reachable_bytes(root: object) -> int:
+    """Bytes of every tensor storage reachable from ``root`` (each counted once): through
+    attributes of modules and of disttrain.parallel.zero objects, lists, tuples, sets, dicts
+    (keys too), optimizers (state, param_groups) and leaf tensors' ``.grad``. Unlike the
+    wrapper's ``model_state_tensors()``, it also sees what the wrapper keeps but forgot to
+    list (a staging buffer left in a pending list, a stray copy)."""
+    storages: dict[int, int] = {}
+    visited: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.nbytes():
+                storages[storage.data_ptr()] = storage.nbytes()
+            if obj.is_leaf and obj.grad is not None:
+                stack.append(obj.grad)
+        elif isinstance(obj, dict):
+            stack += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += list(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack += [obj.state, obj.param_groups]
+        elif isinstance(obj, nn.Module) or (
+                type(obj).__module__.startswith("disttrain.parallel.zero")
+                and hasattr(obj, "__dict__")):
+            stack += list(vars(obj).values())
+    return sum(storages.values())
+
+
 def run_memory(comm: Communicator, stage: int, dtype_name: str) -> dict[str, Any]:
-    """One Adam step; the measured model-state bytes next to the formula's."""
+    """One Adam step; the measured model-state bytes next to the formula's, and the bytes
+    reachable from the wrapper object."""
     dtype = getattr(torch, dtype_name)
     z = zero.STAGES[stage](big_mlp(dtype), comm, functools.partial(torch.optim.Adam, lr=1e-3))
     forward = z if stage == 3 else z.module
@@ -169,7 +204,8 @@ def run_memory(comm: Communicator, stage: int, dtype_name: str) -> dict[str, Any
     forward(x).float().square().mean().backward()
     z.step()
     return {"measured": zero.zero_measured(z).as_dict(),
-            "formula": zero.zero_formula(z).as_dict(), "numel": z.numel}
+            "formula": zero.zero_formula(z).as_dict(), "numel": z.numel,
+            "reachable": reachable_bytes(z)}
 
 
 def run_save(comm: Communicator, stage: int, optimizer: str, steps: int,
@@ -259,3 +295,95 @@ def run_staging_peak(comm: Communicator, stage: int) -> dict[str, int]:
     sizes = [g.layout.padded_total * 4 for g in z.shard_groups()]
     return {"peak": z.peak_staging_bytes, "largest": max(sizes), "total": sum(sizes),
             "buckets": len(sizes)}
+
+
+# ------------------------------------------------------------------ gradients on some ranks
+GATE_RANKS = (1,)  # ranks where the gates are used
+
+
+class GatedLinear(nn.Module):
+    """``(x Wᵀ + b) · gate`` where ``gate_on``, else ``x Wᵀ + b``: one stage-3 unit of three
+    parameters, one of which gets no gradient on ranks where the gate is off."""
+
+    def __init__(self, n_in: int, n_out: int, gate_on: bool) -> None:
+        super().__init__()
+        linear = nn.Linear(n_in, n_out)
+        self.weight, self.bias = linear.weight, linear.bias
+        self.gate = nn.Parameter(torch.linspace(0.8, 1.2, n_out))
+        self.gate_on = gate_on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y * self.gate if self.gate_on else y
+
+
+class Gated(nn.Module):
+    """Five units in a chain, the 2nd and 4th gated: on ranks without gates those units'
+    gradients are incomplete, while backward keeps gathering the units before them."""
+
+    def __init__(self, gate_on: bool) -> None:
+        super().__init__()
+        self.l0, self.g1 = nn.Linear(IN, 8), GatedLinear(8, 8, gate_on)
+        self.l2, self.g3 = nn.Linear(8, 8), GatedLinear(8, 8, gate_on)
+        self.l4 = nn.Linear(8, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (self.l0, self.g1, self.l2, self.g3):
+            x = torch.tanh(layer(x))
+        return self.l4(x)
+
+
+def make_gated(gate_on: bool) -> Gated:
+    torch.manual_seed(0)
+    return Gated(gate_on)
+
+
+def reference_gated(steps: int, world_size: int, micro: int) -> dict[str, torch.Tensor]:
+    """One process playing every rank: each rank's gradient (its gates on or off, its
+    micro-batches summed), zero where it has none, averaged over ranks; then Adam."""
+    model = make_gated(False)
+    opt = OPTIMIZERS["adam"](model.parameters())
+    params = list(model.parameters())
+    for step in range(steps):
+        total = [torch.zeros_like(p) for p in params]
+        for rank in range(world_size):
+            model.g1.gate_on = model.g3.gate_on = rank in GATE_RANKS
+            model.zero_grad()
+            x, y = local_batch(step, rank, world_size)
+            for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+                (loss_fn(model(xs), ys) / micro).backward()
+            for t, p in zip(total, params):
+                if p.grad is not None:
+                    t += p.grad
+        for t, p in zip(total, params):
+            p.grad = t / world_size
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_gated(comm: Communicator, stage: int, steps: int, micro: int,
+              bucket_bytes: int) -> dict[str, torch.Tensor]:
+    model = make_gated(comm.rank in GATE_RANKS)
+    z = wrap(stage, model, comm, "adam", ZeroConfig(bucket_bytes=bucket_bytes))
+    train(z, comm, 0, steps, micro=micro)
+    return full_params(z)
+
+
+def run_reentrant_checkpoint(comm: Communicator) -> str:
+    """Stage 2, small buckets; ``lin`` runs inside a reentrant checkpoint, then outside.
+    Backward reduces lin's bucket after the outer use, then the checkpoint's nested
+    backward adds a second gradient to lin: that must be a clear error, not a lost
+    gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    pre, lin = nn.Linear(IN, 4), nn.Linear(4, 4)
+    z = wrap(2, nn.Sequential(pre, lin), comm, "sgd", ZeroConfig(bucket_bytes=64))
+    x, _ = local_batch(0, comm.rank, comm.world_size)
+    try:
+        lin(checkpoint(lin, pre(x), use_reentrant=True)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        z.zero_grad()
+    return "no error"

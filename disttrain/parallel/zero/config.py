@@ -7,11 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
+from disttrain.comm.algorithms import ALGORITHMS
+
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 """Builds the optimizer from the flat shard tensors, e.g. ``lambda p: torch.optim.Adam(p, lr=1e-3)``
 or ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``."""
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# every step moves data with these two; a name must exist for both
+_STEP_OPS = ("all_gather", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,10 @@ class ZeroConfig:
       layer computes.
     * ``broadcast_from_rank0``: copy rank 0's initial parameters to every rank on wrap, so
       replicas start equal even if each rank seeded differently.
-    * ``algorithm``: collective algorithm for every call (``None``: the communicator's).
+    * ``algorithm``: collective algorithm of every all-gather and reduce-scatter (``None``:
+      the communicator's default; ``"auto"``: chosen by the cost model). The one broadcast
+      on wrap uses it too when broadcast has an algorithm of that name (``"ring"`` has
+      none: the communicator's default broadcasts then).
     """
 
     master_dtype: torch.dtype = torch.float32
@@ -59,3 +66,19 @@ class ZeroConfig:
         if isinstance(self.inflight_buckets, bool) or not isinstance(self.inflight_buckets, int) \
                 or self.inflight_buckets < 1:
             raise ValueError(f"inflight_buckets must be an int ≥ 1, got {self.inflight_buckets!r}")
+        for name in ("prefetch", "broadcast_from_rank0"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        choices = [a for a in ALGORITHMS[_STEP_OPS[0]] if all(a in ALGORITHMS[op]
+                                                              for op in _STEP_OPS)]
+        if self.algorithm is not None and self.algorithm not in ("auto", *choices):
+            raise ValueError(f"algorithm={self.algorithm!r} is not an all-gather and "
+                             f"reduce-scatter algorithm; choose None (the communicator's "
+                             f"default), 'auto' or one of: {', '.join(choices)}")
+
+    def algorithm_for(self, op: str) -> str | None:
+        """``algorithm`` if collective ``op`` has an algorithm of that name, else ``None``
+        (the communicator's default)."""
+        if self.algorithm is None or self.algorithm == "auto":
+            return self.algorithm
+        return self.algorithm if self.algorithm in ALGORITHMS[op] else None

@@ -68,7 +68,7 @@ class ZeRO1:
         self.layout = shard_layout([p.numel() for p in self._params], comm.world_size)
         self._flat, _ = flatten_into_views(self._params, self.layout, self.param_dtype)
         if self.config.broadcast_from_rank0 and comm.world_size > 1:
-            comm.broadcast(self._flat, 0, algorithm=self.config.algorithm)
+            comm.broadcast(self._flat, 0, algorithm=self.config.algorithm_for("broadcast"))
         self._grads = torch.zeros_like(self._flat)  # p.grad are views: backward adds in place
         self._grad_views = param_views(self._grads, self._params, self.layout)
         for p, view in zip(self._params, self._grad_views):

@@ -12,8 +12,12 @@ asynchronously while backward goes on::
              ─▶ optimizer.step() on the shards ─▶ all_gather every bucket's parameters
 
 Buckets are launched in bucket order on every rank (a bucket that is ready early waits for
-the ones before it), so collectives match across ranks whatever order hooks fire in. Each
-rank keeps only its gradient shards (GΨ/N): 2Ψ + (2 + K)Ψ/N bytes with bf16 and Adam.
+the ones before it), so collectives match across ranks whatever order hooks fire in. A
+bucket still incomplete when backward ends (a parameter without gradient on this rank) is
+launched by the end-of-backward callback, in bucket order, with zeros for the missing
+gradients (:mod:`~disttrain.parallel.zero.backward`): every rank reduces every bucket
+exactly once per backward, so micro-batches accumulate without ``no_sync``. Each rank
+keeps only its gradient shards (GΨ/N): 2Ψ + (2 + K)Ψ/N bytes with bf16 and Adam.
 Communication is stage 1's: (N−1)/N·Ψ reduce-scatter + (N−1)/N·Ψ all-gather.
 """
 
@@ -27,7 +31,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from disttrain.comm import Communicator, Work
+from disttrain.comm import Communicator
+from disttrain.parallel.zero.backward import (
+    EndOfBackward,
+    InOrderLauncher,
+    Reductions,
+    stage_grads,
+)
 from disttrain.parallel.zero.config import OptimizerFactory, ZeroConfig
 from disttrain.parallel.zero.flat import (
     ShardGroup,
@@ -60,30 +70,6 @@ class Bucket:
     ready: set[int] = field(default_factory=set)
 
 
-class InOrderLauncher:
-    """Launch items 0, 1, …, n−1 in that order as they become ready, then start over.
-
-    An item that is ready before its predecessors waits for them; the order of launches is
-    therefore the same on every rank even if readiness is observed in different orders.
-    """
-
-    def __init__(self, count: int, launch: Callable[[int], None]) -> None:
-        self._ready = [False] * count
-        self._launch = launch
-        self.next = 0
-
-    def mark_ready(self, index: int) -> None:
-        self._ready[index] = True
-        while self._ready[self.next]:
-            self._ready[self.next] = False
-            self._launch(self.next)
-            self.next = (self.next + 1) % len(self._ready)
-
-    def reset(self) -> None:
-        self._ready = [False] * len(self._ready)
-        self.next = 0
-
-
 class ZeRO2:
     """Stage 2 around ``model``: forward/backward on the model, then :meth:`step` and
     :meth:`zero_grad` (same use as :class:`~disttrain.parallel.zero.stage1.ZeRO1`)."""
@@ -104,14 +90,14 @@ class ZeRO2:
                                  dtype=self.param_dtype, device=named[0][1].device)
         self.buckets = self._make_buckets(named, groups, layouts)
         if self.config.broadcast_from_rank0 and comm.world_size > 1:
-            comm.broadcast(self._flat, 0, algorithm=self.config.algorithm)
+            comm.broadcast(self._flat, 0, algorithm=self.config.algorithm_for("broadcast"))
         for b in self.buckets:  # masters after the broadcast: a copy must see rank 0's values
             b.master = master_copy(shard_of(b.region, b.layout, comm.rank),
                                    self.config.master_dtype)
         self.optimizer = optimizer_factory([b.master for b in self.buckets])
-        self._pending: list[tuple[Bucket, Work | None, torch.Tensor, torch.Tensor]] = []
+        self._reductions = Reductions(comm, self.config.algorithm, self.config.inflight_buckets)
         self._launcher = InOrderLauncher(len(self.buckets), self._launch)
-        self.peak_staging_bytes = 0  # largest sum of staging buffers alive at once
+        self._end = EndOfBackward(self._end_of_backward)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(b, i))
                        for b in self.buckets for i, p in enumerate(b.params)]
         log.info("ZeRO-2: %d parameters in %d bucket(s)", self.numel, len(self.buckets))
@@ -138,56 +124,41 @@ class ZeRO2:
     # ---------------------------------------------------------------- backward
     def _hook(self, bucket: Bucket, i: int) -> Callable[[torch.Tensor], None]:
         def on_grad_accumulated(param: torch.Tensor) -> None:
+            self._end.arm()
+            if self._launcher.launched(bucket.index):  # before: .grad just accumulates
+                raise RuntimeError(
+                    f"ZeRO-2: parameter {bucket.names[i]!r} received a gradient after its "
+                    f"bucket was reduced in this backward; it would be lost. Reentrant "
+                    f"activation checkpointing does this to a parameter used both inside and "
+                    f"outside the checkpointed part: use "
+                    f"torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
             bucket.ready.add(i)
             if len(bucket.ready) == len(bucket.params):
                 self._launcher.mark_ready(bucket.index)
         return on_grad_accumulated
 
     def _launch(self, index: int) -> None:
-        """Copy the bucket's gradients to a staging buffer, free them, reduce-scatter."""
+        """Copy the bucket's gradients to a staging buffer (zeros where a parameter has none),
+        free them, reduce-scatter asynchronously."""
         b = self.buckets[index]
         b.ready.clear()
-        staging = torch.empty(b.layout.padded_total, dtype=self.reduce_dtype,
-                              device=b.region.device)
-        staging[b.layout.total:].zero_()  # padding contributes zeros
-        with torch.no_grad():
-            for p, view in zip(b.params, param_views(staging, b.params, b.layout)):
-                if p.grad is None:
-                    view.zero_()  # unused in this backward on this rank
-                else:
-                    view.copy_(p.grad)
-                    p.grad = None
-        out = staging.new_empty(b.layout.shard_size)
-        work = self.comm.reduce_scatter(out, staging, "avg", algorithm=self.config.algorithm,
-                                        async_op=True)
-        self._pending.append((b, work, out, staging))
-        self.peak_staging_bytes = max(self.peak_staging_bytes, sum(
-            item[3].numel() * item[3].element_size() for item in self._pending))
-        while len(self._pending) >= self.config.inflight_buckets or (
-                self._pending and _done(self._pending[0][1])):
-            self._accumulate(self._pending.pop(0))
+        staging = stage_grads(b.params, b.layout, self.reduce_dtype, b.region.device)
+        self._reductions.start(b, staging, b.layout.shard_size)
 
-    def _accumulate(self, item: tuple[Bucket, Work | None, torch.Tensor, torch.Tensor]) -> None:
-        """Wait for one reduction and add it to the bucket's gradient shard."""
-        b, work, out, _staging = item
-        if work is not None:
-            work.wait()
-        b.grad_shard = out if b.grad_shard is None else b.grad_shard.add_(out)
+    def _end_of_backward(self) -> None:
+        """Autograd's queued callback: launch the buckets this backward did not complete
+        (a parameter without gradient on this rank), in bucket order, then start over."""
+        self._launcher.finish()
 
-    def _flush(self) -> None:
-        """Launch buckets still holding gradients (unused parameters kept them from being
-        complete), in bucket order, then wait for every reduction and accumulate it."""
-        for b in self.buckets:
-            if any(p.grad is not None for p in b.params):
-                self._launch(b.index)
-        self._launcher.reset()
-        while self._pending:
-            self._accumulate(self._pending.pop(0))
+    @property
+    def peak_staging_bytes(self) -> int:
+        """The largest sum of staging buffers alive at once so far."""
+        return self._reductions.peak_staging_bytes
 
     # ---------------------------------------------------------------- step
     def step(self) -> None:
         """Finish the gradient reductions, update this rank's shards, gather parameters."""
-        self._flush()
+        self._reductions.finish()  # each backward launched every bucket: only wait
         for b in self.buckets:
             b.master.grad = None if b.grad_shard is None else to_dtype(b.grad_shard,
                                                                       b.master.dtype)
@@ -198,11 +169,9 @@ class ZeRO2:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradient shards and any gradient not yet reduced."""
-        for _b, work, _out, _staging in self._pending:
-            if work is not None:
-                work.wait()
-        self._pending.clear()
+        self._reductions.discard()
         self._launcher.reset()
+        self._end.reset()
         for b in self.buckets:
             b.ready.clear()
             for p in b.params:
@@ -214,7 +183,8 @@ class ZeRO2:
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Stage 2 keeps no full gradient to accumulate into: micro-batches are reduced as
-        they come (correct, one reduce-scatter per micro-batch)."""
+        they come (correct, one reduce-scatter per bucket per micro-batch), so there is
+        nothing to skip and accumulation needs no ``no_sync``."""
         return nullcontext()
 
     def _publish(self) -> None:
@@ -246,7 +216,3 @@ class ZeRO2:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-
-
-def _done(work: Work | None) -> bool:
-    return work is None or work.is_completed()

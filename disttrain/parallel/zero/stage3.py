@@ -11,8 +11,15 @@ Rajbhandari et al. 2020 (P_os+g+p). Every rank keeps 1/N of each unit's paramete
 
 Per step each rank moves (N−1)/N·Ψ twice by all-gather and once by reduce-scatter: 1.5×
 the all-reduce of DDP. The gather before backward is triggered by a hook on the unit's
-outputs (it fires when their gradient is ready); the reduction by the parameters'
-post-accumulate-grad hooks (they fire when the unit's backward is complete).
+outputs (it fires when their gradient is ready); the reduction by a hook on the unit's
+inputs (it fires when their gradient is complete: the unit's backward is over). Both are
+points of the autograd graph, reached in the same order on every rank that runs the same
+modules, so gathers and reductions interleave identically everywhere even when a
+parameter has a gradient on some ranks only (it counts as zeros where it has none).
+Waiting for all of a unit's parameter gradients instead would make the point of the
+reduction depend on the rank. Units whose inputs need no gradient (the first layer) are
+reduced by the end-of-backward callback, last, in reverse unit order
+(:mod:`~disttrain.parallel.zero.backward`).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from disttrain.comm import Communicator, Work
+from disttrain.comm import Communicator
+from disttrain.parallel.zero.backward import EndOfBackward, Reductions, stage_grads
 from disttrain.parallel.zero.config import OptimizerFactory, ZeroConfig
 from disttrain.parallel.zero.flat import (
     ShardGroup,
@@ -38,7 +46,7 @@ from disttrain.parallel.zero.flat import (
 )
 from disttrain.parallel.zero.memory import optimizer_tensors
 from disttrain.parallel.zero.sharding import shard_layout
-from disttrain.parallel.zero.units import Unit, assign_units, output_tensors
+from disttrain.parallel.zero.units import Unit, Use, assign_units, output_tensors, watch_inputs
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +73,15 @@ class ZeRO3(nn.Module):
         self.units = [self._make_unit(k, module, [named[i] for i in indices])
                       for k, (module, indices) in enumerate(assign_units(model, named, units))]
         self.optimizer = optimizer_factory([u.master for u in self.units])
-        self._pending: list[tuple[Unit, Work | None, torch.Tensor, torch.Tensor]] = []
+        self._reductions = Reductions(comm, self.config.algorithm, self.config.inflight_buckets)
         self._order: list[int] = []  # units in the order this forward ran them
         self._position: dict[int, int] = {}  # unit index → place in _order
         self._next_forward: dict[int, int] = {}  # prefetch plan, from the previous forward
+        self._end = EndOfBackward(self._end_of_backward)
         self._hooks: list[Any] = []
         for u in self.units:
-            self._hooks.append(u.module.register_forward_pre_hook(self._pre_forward(u)))
+            self._hooks.append(u.module.register_forward_pre_hook(self._pre_forward(u),
+                                                                  with_kwargs=True))
             self._hooks.append(u.module.register_forward_hook(self._post_forward(u)))
             self._hooks += [p.register_post_accumulate_grad_hook(self._grad_ready(u, i))
                             for i, p in enumerate(u.params)]
@@ -87,7 +97,7 @@ class ZeRO3(nn.Module):
             for p, view in zip(params, views):
                 view.copy_(p.detach())
         if self.config.broadcast_from_rank0 and self.comm.world_size > 1:
-            self.comm.broadcast(full, 0, algorithm=self.config.algorithm)
+            self.comm.broadcast(full, 0, algorithm=self.config.algorithm_for("broadcast"))
         shard = shard_of(full, layout, self.comm.rank).clone()
         unit = Unit(index, module, tuple(n for n, _ in named), params, layout, full, views,
                     shard, master_copy(shard, self.config.master_dtype), gathered=True)
@@ -125,6 +135,8 @@ class ZeRO3(nn.Module):
     # ---------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._order, self._position = [], {}
+        for u in self.units:
+            u.open.clear()  # left over only if a forward raised
         output = self.module(*args, **kwargs)
         for u in self.units:  # prefetched but not run (a branch not taken): free
             if u.gathered:
@@ -133,7 +145,7 @@ class ZeRO3(nn.Module):
         return output
 
     def _pre_forward(self, u: Unit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self._gather(u)
             if u.index not in self._position:
                 self._position[u.index] = len(self._order)
@@ -142,19 +154,28 @@ class ZeRO3(nn.Module):
                 nxt = self._next_forward.get(u.index, u.index + 1)
                 if nxt < len(self.units):
                     self._gather(self.units[nxt], wait=False)
+            if torch.is_grad_enabled():
+                use = Use(None)
+                use.pending = watch_inputs((args, kwargs), self._inputs_done(u, use)) or None
+                u.uses.add(use)
+                u.open.append(use)
         return hook
 
     def _post_forward(self, u: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
+                use = u.open.pop() if u.open else None  # the hooks keep it alive
                 for t in output_tensors(output):
-                    t.register_hook(self._pre_backward(u))
+                    t.register_hook(self._pre_backward(u, use))
             self._free(u)
         return hook
 
     # ---------------------------------------------------------------- backward
-    def _pre_backward(self, u: Unit) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
+    def _pre_backward(self, u: Unit, use: Use | None) -> Callable[[torch.Tensor], None]:
+        # ``use`` rides along as a default argument: the hook lives as long as the forward's
+        # graph, and so must a use none of whose inputs could be watched
+        def hook(grad: torch.Tensor, _use: Use | None = use) -> None:
+            self._end.arm()
             self._gather(u)
             if self.config.prefetch and u.index in self._position:
                 position = self._position[u.index]
@@ -162,59 +183,54 @@ class ZeRO3(nn.Module):
                     self._gather(self.units[self._order[position - 1]], wait=False)
         return hook
 
-    def _grad_ready(self, u: Unit, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            u.ready.add(i)
-            if len(u.ready) == len(u.params):
-                self._reduce(u)
+    def _inputs_done(self, u: Unit, use: Use) -> Callable[[torch.Tensor], None]:
+        """Hook on each watched input of one use: the last one ends that use's backward;
+        when no use is left, reduce the unit (the same event on every rank)."""
+        def hook(grad: torch.Tensor) -> None:
+            self._end.arm()
+            if use.pending is not None:
+                use.pending -= 1
+                if use.pending == 0:
+                    u.uses.discard(use)
+            if not u.uses and not u.launched:
+                self._launch(u)
         return hook
 
-    def _reduce(self, u: Unit) -> None:
-        """Move the unit's gradients to a staging buffer, free them and the full parameters,
-        and reduce-scatter asynchronously into this rank's gradient shard."""
+    def _grad_ready(self, u: Unit, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._end.arm()
+            if u.launched:  # before: .grad just accumulates
+                raise RuntimeError(
+                    f"ZeRO-3: parameter {u.names[i]!r} received a gradient after its unit "
+                    f"was reduced in this backward; it would be lost. A parameter must be "
+                    f"used only inside its unit's forward")
+            u.ready.add(i)
+        return hook
+
+    def _launch(self, u: Unit) -> None:
+        """Move the unit's gradients to a staging buffer (zeros where a parameter has none),
+        free them and the full parameters, reduce-scatter asynchronously."""
+        u.launched = True
         u.ready.clear()
-        staging = torch.empty(u.layout.padded_total, dtype=self.reduce_dtype,
-                              device=u.full.device)
-        staging[u.layout.total:].zero_()
-        with torch.no_grad():
-            for p, view in zip(u.params, param_views(staging, u.params, u.layout)):
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad)
-                    p.grad = None
+        staging = stage_grads(u.params, u.layout, self.reduce_dtype, u.full.device)
         self._free(u)
-        out = staging.new_empty(u.layout.shard_size)
-        work = self.comm.reduce_scatter(out, staging, "avg", algorithm=self.config.algorithm,
-                                        async_op=True)
-        self._pending.append((u, work, out, staging))
-        while len(self._pending) >= self.config.inflight_buckets or (
-                self._pending and _done(self._pending[0][1])):  # bound the staging memory
-            self._accumulate(self._pending.pop(0))
+        self._reductions.start(u, staging, u.layout.shard_size)
 
-    def _accumulate(self, item: tuple[Unit, Work | None, torch.Tensor, torch.Tensor]) -> None:
-        u, work, out, _staging = item
-        if work is not None:
-            work.wait()
-        u.grad_shard = out if u.grad_shard is None else u.grad_shard.add_(out)
-
-    def _flush(self) -> None:
-        """Reduce units whose backward did not complete (unused parameters), in unit order;
-        finish every reduction; free anything still gathered."""
+    def _end_of_backward(self) -> None:
+        """Autograd's queued callback: reduce every unit this backward did not (its inputs
+        need no gradient, or it did not run here), in reverse unit order; start over."""
+        for u in reversed(self.units):
+            if not u.launched:
+                self._launch(u)
         for u in self.units:
-            if any(p.grad is not None for p in u.params):
-                self._reduce(u)
-        while self._pending:
-            self._accumulate(self._pending.pop(0))
-        for u in self.units:
-            u.ready.clear()
-            if u.gathered:
+            u.launched = False
+            if u.gathered:  # re-gathered by a prefetch after its reduction
                 self._free(u)
 
     # ---------------------------------------------------------------- step
     def step(self) -> None:
         """Finish gradient reductions and update this rank's shards."""
-        self._flush()
+        self._reductions.finish()  # each backward launched every unit: only wait
         for u in self.units:
             u.master.grad = None if u.grad_shard is None else to_dtype(u.grad_shard,
                                                                       u.master.dtype)
@@ -226,10 +242,11 @@ class ZeRO3(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradient shards and any gradient not yet reduced (locally:
         no collective runs here)."""
-        while self._pending:
-            self._accumulate(self._pending.pop(0))
+        self._reductions.discard()
+        self._end.reset()
         for u in self.units:
             u.ready.clear()
+            u.launched = False
             for p in u.params:
                 p.grad = None
             if u.gathered:
@@ -255,7 +272,8 @@ class ZeRO3(nn.Module):
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Stage 3 keeps no full gradient to accumulate into: micro-batches are reduced as
-        they come (correct, one reduce-scatter per micro-batch)."""
+        they come (correct, one reduce-scatter per unit per micro-batch), so there is
+        nothing to skip and accumulation needs no ``no_sync``."""
         return nullcontext()
 
     # ---------------------------------------------------------------- checkpoints, memory
@@ -283,7 +301,3 @@ class ZeRO3(nn.Module):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-
-
-def _done(work: Work | None) -> bool:
-    return work is None or work.is_completed()

@@ -10,11 +10,16 @@ root (the whole model, gathered for the whole forward).
 A :class:`Unit`'s full flat buffer keeps one storage for its lifetime: *freeing* resizes
 that storage to 0 bytes and *gathering* resizes it back and fills it, so tensors autograd
 saved during forward (``weight.t()`` in a Linear) see the re-gathered values in backward.
+
+A unit's backward is over when the gradient of its inputs is complete (a hook on each
+input that requires grad), for every :class:`Use` of the unit: an event at the same place
+of backward on every rank, whichever parameters got gradients there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +45,10 @@ class Unit:
     grad_shard: torch.Tensor | None = None
     gathered: bool = False
     gather_work: Work | None = None
-    ready: set[int] = field(default_factory=set)
+    ready: set[int] = field(default_factory=set)  # parameters with a gradient, this backward
+    uses: weakref.WeakSet[Use] = field(default_factory=weakref.WeakSet)  # backward to come
+    open: list[Use] = field(default_factory=list)  # forwards running (pre- to post-hook)
+    launched: bool = False  # gradients reduced in this backward
 
     @property
     def full_nbytes(self) -> int:
@@ -84,8 +92,33 @@ def _default_units(model: nn.Module) -> list[nn.Module]:
             if any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
+class Use:
+    """One forward of a unit under grad mode whose backward has not finished.
+
+    Apart from the unit's weak set, only hooks on that forward's autograd graph refer to it,
+    so it vanishes with the graph when no backward comes. ``pending`` counts the watched
+    inputs whose gradient is still to come; ``None`` when no input could be watched (then
+    only the end of backward knows)."""
+
+    __slots__ = ("__weakref__", "pending")
+
+    def __init__(self, pending: int | None) -> None:
+        self.pending = pending
+
+
+def watch_inputs(inputs: object, hook: Callable[[torch.Tensor], None]) -> int:
+    """Register ``hook`` on every non-leaf tensor requiring grad in ``inputs``; how many.
+
+    A leaf's hook runs in its own accumulation, which autograd may schedule before the
+    unit's parameters get theirs, so leaves are not watched."""
+    watched = [t for t in output_tensors(inputs) if t.grad_fn is not None]
+    for t in watched:
+        t.register_hook(hook)
+    return len(watched)
+
+
 def output_tensors(output: object) -> list[torch.Tensor]:
-    """Tensors requiring grad inside a module's output (tensor, tuple, list, dict)."""
+    """Tensors requiring grad inside a module's output or inputs (tensor, tuple, list, dict)."""
     if isinstance(output, torch.Tensor):
         return [output] if output.requires_grad else []
     if isinstance(output, (tuple, list)):
