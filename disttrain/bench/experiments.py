@@ -62,7 +62,7 @@ class BenchConfig:
     world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
     model: str = "lenet"
     dataset: str = "digits"
-    epochs: int | None = DEFAULT_EPOCHS
+    epochs: int | None = None  # neither epochs nor steps: DEFAULT_EPOCHS
     steps: int | None = None
     global_batch: int = 32
     repeat: int = 1
@@ -93,6 +93,13 @@ class BenchConfig:
             if name not in known:
                 raise ValueError(f"unknown strategy {name!r}; registered: {', '.join(known)} "
                                  f"(see disttrain bench --list)")
+
+    @property
+    def length(self) -> tuple[int | None, int | None]:
+        """(epochs, steps) of every run: the steps if given, else the epochs (or default)."""
+        if self.steps is not None:
+            return None, self.steps
+        return self.epochs or DEFAULT_EPOCHS, None
 
     def selected(self) -> list[Experiment]:
         """The experiments to run, in table order (the reference always first)."""

@@ -14,7 +14,8 @@ from typing import Any
 from disttrain.bench.report import COLUMNS, cells
 
 Row = dict[str, Any]
-W, H, PAD = 640, 300, 50
+W, H, PAD = 760, 330, 70  # PAD: left and bottom margins (tick and rotated labels)
+RIGHT = 130  # the legend's column
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
           "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39")
 Series = tuple[str, list[tuple[float, float]]]
@@ -37,16 +38,16 @@ def _frame(plot_id: str, title: str, xlabel: str, ylabel: str, body: list[str],
             f'width="{W}" height="{H}" viewBox="0 0 {W} {H}">'
             f'<title>{_esc(title)}</title>'
             f'<text x="{W / 2}" y="16" text-anchor="middle" font-size="13">{_esc(title)}</text>'
-            f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="#000"/>'
+            f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - RIGHT}" y2="{H - PAD}" stroke="#000"/>'
             f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{H - PAD}" stroke="#000"/>'
-            f'<text x="{W / 2}" y="{H - 10}" text-anchor="middle" font-size="11">'
+            f'<text x="{W / 2}" y="{H - 6}" text-anchor="middle" font-size="11">'
             f'{_esc(xlabel)}</text><text x="12" y="{H / 2}" font-size="11" '
             f'transform="rotate(-90 12 {H / 2})" text-anchor="middle">{_esc(ylabel)}</text>'
             + "".join(ticks) + "".join(body) + "</svg>")
 
 
 def _legend(names: Sequence[str]) -> list[str]:
-    return [f'<text x="{W - PAD + 4}" y="{PAD + 12 * i}" font-size="9" '
+    return [f'<text x="{W - RIGHT + 6}" y="{PAD + 12 * i}" font-size="9" '
             f'fill="{COLORS[i % len(COLORS)]}">{_esc(n)}</text>' for i, n in enumerate(names)]
 
 
@@ -57,7 +58,7 @@ def line_plot(plot_id: str, title: str, xlabel: str, ylabel: str, series: list[S
         return _frame(plot_id, title + " (no data)", xlabel, ylabel, [], 1.0)
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     ymax = max(ys) * 1.05 or 1.0
-    sx = _scale(min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1, PAD + 10, W - PAD - 10)
+    sx = _scale(min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1, PAD + 10, W - RIGHT - 10)
     sy = _scale(0.0, ymax, H - PAD, PAD)
     body = [f'<text x="{sx(x):.1f}" y="{H - PAD + 14}" text-anchor="middle" font-size="10">'
             f'{x:g}</text>' for x in sorted(set(xs))][:12]
@@ -77,13 +78,14 @@ def bar_plot(plot_id: str, title: str, ylabel: str, labels: list[str],
     values = [v for _, vs in groups for v in vs if v is not None]
     ymax = (max(values) * 1.05 if values else 0.0) or 1.0
     sy = _scale(0.0, ymax, H - PAD, PAD)
-    slot = (W - 2 * PAD) / max(len(labels), 1)
+    slot = (W - PAD - RIGHT) / max(len(labels), 1)
     bar = slot * 0.8 / max(len(groups), 1)
     body = []
     for i, label in enumerate(labels):
         x0 = PAD + i * slot + slot * 0.1
-        body.append(f'<text x="{x0 + slot * 0.4:.1f}" y="{H - PAD + 12}" font-size="9" '
-                    f'text-anchor="middle">{_esc(label)}</text>')
+        lx, ly = x0 + slot * 0.4, H - PAD + 10
+        body.append(f'<text x="{lx:.1f}" y="{ly}" font-size="9" text-anchor="end" '
+                    f'transform="rotate(-35 {lx:.1f} {ly})">{_esc(label)}</text>')
         for j, (name, vals) in enumerate(groups):
             v = vals[i]
             if v is None:

@@ -50,12 +50,12 @@ def cells(row: Row) -> list[str]:
     vs = "-" if row.get("vs_torch") is None else f"{row['vs_torch']:.2f}× {row['compare_to']}"
     ref = row.get("reference_accuracy")
     delta = None if ref is None or row["accuracy"] is None else row["accuracy"] - ref
-    return head + [speed, _num(row.get("speedup"), ".2f"), _num(row.get("efficiency"), ".0%"),
-                   vs, _size(row["peak_mem_bytes"]),
-                   _size(row["bytes_sent_per_rank_per_step"]),
-                   _size(row["theory_bytes_per_rank_per_step"]),
-                   _num(row["accuracy"], ".4f"), _num(delta, "+.4f"),
-                   _num(row["final_loss"], ".4f"), row.get("algorithm") or "-"]
+    return [*head, speed, _num(row.get("speedup"), ".2f"), _num(row.get("efficiency"), ".0%"),
+            vs, _size(row["peak_mem_bytes"]),
+            _size(row["bytes_sent_per_rank_per_step"]),
+            _size(row["theory_bytes_per_rank_per_step"]),
+            _num(row["accuracy"], ".4f"), _num(delta, "+.4f"),
+            _num(row["final_loss"], ".4f"), row.get("algorithm") or "-"]
 
 
 def text_table(rows: list[Row]) -> str:
@@ -119,7 +119,7 @@ def environment(config: Any, command: str) -> dict[str, Any]:
             "transport": config.transport, "cpu": cpu_model(), "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "platform": platform.platform(),
             "commit": git_commit(), "model": config.model, "dataset": config.dataset,
-            "epochs": config.epochs, "steps": config.steps, "repeat": config.repeat,
+            "epochs": config.length[0], "steps": config.length[1], "repeat": config.repeat,
             "warmup_steps": config.warmup_steps,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.bench.experiments import REFERENCE, BenchConfig, Run, plan
@@ -27,6 +27,7 @@ from disttrain.train import ParallelOptions, StepRecord, TrainConfig, TrainResul
 from disttrain.train.loop import checked_setup
 
 Row = dict[str, Any]
+HEARTBEAT_STEPS = 10  # each rank reports progress this often, so only silence is a hang
 
 
 @dataclass
@@ -43,9 +44,10 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
     exp = run.experiment
     parallel = ParallelOptions(algorithm=config.algorithm) if exp.takes_algorithm else (
         ParallelOptions())
+    epochs, steps = config.length
     return TrainConfig(model=config.model, dataset=config.dataset, strategy=exp.name,
-                       parallel=parallel, epochs=config.epochs if config.steps is None else None,
-                       steps=config.steps, global_batch=config.global_batch, seed=config.seed,
+                       parallel=parallel, epochs=epochs, steps=steps,
+                       global_batch=config.global_batch, seed=config.seed,
                        warmup_steps=config.warmup_steps, eval_every=config.eval_every,
                        log_every=0, progress=False)
 
@@ -70,6 +72,8 @@ def _train_job(comm: Communicator, emit: Callable[[Any], None], config: TrainCon
     collectives: dict[int, dict[str, Any]] = {}  # flight recorder's times
 
     def hook(record: StepRecord) -> None:
+        if record.step % HEARTBEAT_STEPS == 0:  # the parent's silence backstop resets
+            emit({"heartbeat": record.step})
         if trace:
             end = time.time()
             steps.append((record.step, end - record.seconds, end))
@@ -91,9 +95,13 @@ def run_once(config: BenchConfig, run: Run, trace: bool) -> list[dict[str, Any]]
     with RankGroup(run.world_size, _train_job, (tconfig, trace),
                    transport=transport_of(config, run), timeout_s=config.timeout_s,
                    describe=lambda _: f"{run.label}: training") as group:
-        for reports in group.reports():
-            return list(reports)
-    raise BenchError(f"{run.label}: the ranks finished without a result")
+        final = None
+        for reports in group.reports():  # to the end: the ranks then exit on their own
+            if "result" in reports[0]:
+                final = list(reports)
+    if final is None:
+        raise BenchError(f"{run.label}: the ranks finished without a result")
+    return final
 
 
 def _error_text(exc: BaseException) -> str:
@@ -165,7 +173,7 @@ def add_comparisons(row: Row, rows: list[Row]) -> None:
 def measure(config: BenchConfig, run: Run, trace: bool) -> tuple[Row, list[dict[str, Any]]]:
     """All repeats of one run: its row (with ``error`` on failure) and the last reports."""
     try:
-        checked_setup(replace(train_config(config, run)), run.world_size)
+        checked_setup(train_config(config, run), run.world_size)
     except ValueError as exc:
         return {**base_row(config, run), "error": f"not runnable here: {exc}"}, []
     repeats = []
@@ -188,7 +196,7 @@ def run_table(config: BenchConfig, on_row: Callable[[Row], None] | None = None,
             if on_start is not None:
                 on_start(i, len(runs), run)
             row, reports = measure(config, run, trace)
-            add_comparisons(row, outcome.rows + [row])
+            add_comparisons(row, [*outcome.rows, row])
             outcome.rows.append(row)
             if trace and reports:
                 from disttrain.bench.trace import chrome_trace

@@ -91,10 +91,8 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
     from disttrain.bench.transports import check_transport
 
     check_transport(args.transport)
-    epochs = args.epochs if args.epochs is not None or args.steps is not None else (
-        DEFAULT_EPOCHS)
     return BenchConfig(strategies=args.strategies, world_sizes=args.world_sizes,
-                       model=args.model, dataset=args.dataset, epochs=epochs, steps=args.steps,
+                       model=args.model, dataset=args.dataset, epochs=args.epochs, steps=args.steps,
                        global_batch=args.global_batch, repeat=args.repeat,
                        transport=args.transport, algorithm=args.algorithm,
                        timeout_s=args.timeout)
@@ -116,7 +114,8 @@ def _run_table(config: BenchConfig, args: argparse.Namespace) -> int:
     from disttrain.bench.strategy_bench import run_table
 
     runs = plan(config)
-    length = f"{config.steps} steps" if config.steps else f"{config.epochs} epoch(s)"
+    epochs, steps = config.length
+    length = f"{steps} steps" if steps else f"{epochs} epoch(s)"
     print(f"disttrain bench: {len(runs)} runs of {config.model} on {config.dataset}, "
           f"{length}, global batch {config.global_batch}, transport {config.transport} "
           f"(Ctrl-C stops and keeps the finished rows)", file=sys.stderr, flush=True)
@@ -131,6 +130,8 @@ def _run_table(config: BenchConfig, args: argparse.Namespace) -> int:
 
     outcome = run_table(config, on_row, on_start, trace=args.trace is not None)
     rows = outcome.rows
+    if outcome.interrupted:
+        print(" interrupted", file=sys.stderr, flush=True)
     env = environment(config, "disttrain bench" + "".join(
         f" {shlex.quote(a)}" for a in sys.argv[2:]))
     print_table(rows, sys.stdout, outcome.interrupted)

@@ -1,0 +1,155 @@
+"""``disttrain bench`` (the strategy table): one small real run checked for its JSON keys,
+its bytes against DDP's ring all-reduce theory, a failing row that does not stop the table,
+its Chrome trace and its HTML report; plus ``--list`` and bad arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from disttrain.bench.experiments import BenchConfig, experiments, plan
+from disttrain.bench.html_report import html_report
+from disttrain.bench.report import environment, markdown_table, text_table, write_json
+from disttrain.bench.strategy_bench import run_table
+from disttrain.bench.trace import write_traces
+from disttrain.cli import main
+from disttrain.train import STRATEGIES
+
+ROW_KEYS = {"strategy", "world_size", "global_batch", "samples_per_s", "peak_mem_bytes",
+            "bytes_sent_per_rank_per_step", "theory_bytes_per_rank_per_step", "accuracy",
+            "final_loss", "algorithm", "transport", "speedup", "efficiency", "error"}
+ENV_KEYS = {"torch", "backend", "transport", "cpu", "commit"}
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture(scope="module")
+def outcome():
+    """single (n=1), then ddp on 3 ranks (rank 1 fails on purpose), then ddp on 2 ranks."""
+    config = BenchConfig(strategies=("ddp",), world_sizes=(3, 2), steps=6, eval_every=3,
+                         model="tests.bench_table_cases:lenet_failing_on_three_ranks",
+                         warmup_steps=1, timeout_s=30.0, global_batch=24)
+    return config, run_table(config, trace=True)
+
+
+def _row(outcome, name, n):
+    return next(r for r in outcome[1].rows if r["strategy"] == name and r["world_size"] == n)
+
+
+@pytest.mark.timeout(240)
+def test_rows_carry_every_key_in_json(outcome, tmp_path):
+    config, result = outcome
+    assert [(r["strategy"], r["world_size"]) for r in result.rows] == [
+        ("single", 1), ("ddp", 3), ("ddp", 2)]
+    path = tmp_path / "rows.json"
+    write_json(path, result.rows, environment(config, "disttrain bench (test)"))
+    rows = json.loads(path.read_text())
+    for row in rows:
+        assert ENV_KEYS <= set(row["env"]), row["env"]
+        assert row["global_batch"] == 24
+    good = [r for r in rows if r["error"] is None]
+    assert len(good) == 2
+    for row in good:
+        assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
+        assert row["samples_per_s"] > 0 and row["peak_mem_bytes"] > 0
+        assert 0 <= row["accuracy"] <= 1 and row["final_loss"] > 0
+    ddp = _row(outcome, "ddp", 2)
+    assert ddp["algorithm"] == "ring" and ddp["steps"] == 6
+    assert ddp["speedup"] == pytest.approx(ddp["samples_per_s"] / _row(
+        outcome, "single", 1)["samples_per_s"])
+    # same data, same global batch: DDP's accuracy matches the single-process reference
+    assert ddp["accuracy"] == pytest.approx(ddp["reference_accuracy"], abs=0.02)
+
+
+def test_ddp_ring_bytes_match_theory(outcome):
+    ddp = _row(outcome, "ddp", 2)
+    measured, theory = ddp["bytes_sent_per_rank_per_step"], ddp["theory_bytes_per_rank_per_step"]
+    assert theory and theory > 0
+    # ring on 2 ranks: each rank sends 2(p-1)/p of the gradients; chunks round to elements
+    assert measured == pytest.approx(theory, abs=2 * 4 * ddp["world_size"])
+
+
+def test_failing_row_is_reported_and_the_table_goes_on(outcome):
+    failed = _row(outcome, "ddp", 3)
+    assert "rank 1 of 3" in failed["error"] and "deliberate failure" in failed["error"]
+    table = text_table(outcome[1].rows)
+    assert "FAILED ddp n=3: rank 1 of 3" in table
+    assert _row(outcome, "ddp", 2)["error"] is None  # the run after the failure finished
+    assert "| ddp | 2 | 24 |" in markdown_table(outcome[1].rows, {"command": "x"})
+
+
+def test_trace_has_spans_from_every_rank(outcome, tmp_path):
+    paths = write_traces(tmp_path, outcome[1].traces)
+    assert sorted(p.name for p in paths) == ["ddp-n2.trace.json", "single-n1.trace.json"]
+    events = json.loads((tmp_path / "ddp-n2.trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        assert sum(e["cat"] == "compute" for e in mine) == 6  # one span per step
+        reduces = [e for e in mine if e["cat"] == "collective" and e["name"] == "all_reduce"]
+        assert len(reduces) >= 6 and all(e["dur"] >= 0 for e in reduces)
+        assert any(e["args"]["algorithm"] == "ring" for e in reduces)
+
+
+def test_html_report_has_its_plots(outcome):
+    page = html_report(outcome[1].rows, {"command": "disttrain bench"})
+    for plot in ("plot-throughput", "plot-memory", "plot-accuracy", "plot-bytes"):
+        assert f'<svg id="{plot}"' in page
+    assert "<script" not in page and "http://" not in page.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")
+    assert page.count('class="bar" data-name="measured"') == 2  # one per finished row
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium is not installed "
+                    "(/usr/bin/chromium; the test setup installs it: apt-get install -y chromium)")
+@pytest.mark.timeout(120)
+def test_html_report_loads_in_headless_chromium(outcome, tmp_path):
+    path = tmp_path / "report.html"
+    path.write_text(html_report(outcome[1].rows, {"command": "disttrain bench"}))
+    dom = subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
+                          path.as_uri()], capture_output=True, text=True, timeout=90,
+                         check=True).stdout
+    for plot in ("plot-throughput", "plot-memory", "plot-accuracy", "plot-bytes"):
+        assert f'id="{plot}"' in dom
+    assert dom.count("<polyline") >= 2 and dom.count("<rect") >= 4
+
+
+# ---------------------------------------------------------------------------- the CLI
+def test_list_names_every_registered_strategy(capsys):
+    assert main(["bench", "--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert sorted(listed) == sorted(STRATEGIES)
+    assert listed[0] == "single"
+    assert experiments()["ddp"].compare_to == "torch-ddp"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--strategies", "ddp,nope"], "unknown strategy 'nope'"),
+    (["-n", "0"], "world sizes ≥ 1"),
+    (["-n", "two"], "comma-separated integers"),
+    (["--steps", "0"], "--steps must be an integer ≥ 1"),
+    (["--repeat", "0"], "--repeat must be an integer ≥ 1"),
+    (["--transport", "carrier-pigeon"], "unknown transport 'carrier-pigeon'"),
+    (["--epochs", "1", "--steps", "2"], "not allowed with argument"),
+])
+def test_bad_arguments_are_clear_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_runs_the_reference_once_and_respects_caps():
+    config = BenchConfig(strategies=("ddp", "single"), world_sizes=(1, 2, 4))
+    assert [(r.experiment.name, r.world_size) for r in plan(config)] == [
+        ("single", 1), ("ddp", 1), ("ddp", 2), ("ddp", 4)]
+
+
+def test_bench_comm_is_still_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "comm", "--help"])
+    assert exit_info.value.code == 0
+    assert "collectives" in capsys.readouterr().out
