@@ -1,5 +1,5 @@
 """disttrain.parallel: training strategies built on the Communicator: data parallel, model and
-pipeline parallel, ZeRO (the parameter server lives in ``parameter_server``)."""
+pipeline parallel, ZeRO and the parameter server."""
 
 from disttrain.parallel.buckets import Bucket, plan_buckets
 from disttrain.parallel.compression import (
@@ -14,6 +14,12 @@ from disttrain.parallel.compression import (
 from disttrain.parallel.data_parallel import DataParallel, DataParallelConfig
 from disttrain.parallel.mixed_precision import LossScaler, LossScalerConfig, autocast
 from disttrain.parallel.model_parallel import ModelParallel, build_model_parallel
+from disttrain.parallel.parameter_server import (
+    PSConfig,
+    PSWorker,
+    assign_roles,
+    run_parameter_server,
+)
 from disttrain.parallel.pipeline import (
     SCHEDULES,
     PipelineConfig,
@@ -46,6 +52,8 @@ __all__ = [
     "ModelParallel",
     "NoCompression",
     "OverlapReport",
+    "PSConfig",
+    "PSWorker",
     "PipelineConfig",
     "PipelineError",
     "PipelineGrid",
@@ -59,6 +67,7 @@ __all__ = [
     "ZeRO2",
     "ZeRO3",
     "ZeroConfig",
+    "assign_roles",
     "autocast",
     "build_model_parallel",
     "build_pipeline",
@@ -68,5 +77,6 @@ __all__ = [
     "make_grid",
     "one_f_one_b",
     "plan_buckets",
+    "run_parameter_server",
     "simulate",
 ]

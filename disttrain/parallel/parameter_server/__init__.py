@@ -1,0 +1,77 @@
+"""The parameter server: workers push gradients to sharded servers and pull parameters back.
+
+Servers hold contiguous key ranges of the flattened parameters and apply the optimizer;
+workers compute gradients. ``sync`` (BSP), ``async`` (ASGD) and ``ssp`` (bounded staleness)
+differ only in when a worker may read; sparse embedding tables move by rows. Messages are a
+fixed validated header plus raw tensors over the Communicator's point-to-point calls (Li et
+al., "Scaling Distributed Machine Learning with the Parameter Server", OSDI 2014; Ho et al.,
+NIPS 2013). See docs/parameter_server.md.
+
+    roles = assign_roles(comm.world_size, num_servers)
+    if roles.role(comm.rank).kind == "server":
+        report = run_parameter_server(comm, roles, model, make_optimizer, config)
+    else:
+        ps = PSWorker(comm, model, roles, config)   # then pull / backward / push per batch
+"""
+
+from disttrain.parallel.parameter_server.config import MODES, PSConfig, parse_straggler
+from disttrain.parallel.parameter_server.consistency import ClockTable, StalenessHistogram
+from disttrain.parallel.parameter_server.errors import (
+    ProtocolError,
+    PSError,
+    PSPeerError,
+    PSPeerFailedError,
+    PSRejectedError,
+    PSTimeoutError,
+)
+from disttrain.parallel.parameter_server.partition import (
+    Partition,
+    Segment,
+    TensorSpec,
+    partition,
+    specs_of,
+)
+from disttrain.parallel.parameter_server.recsys import (
+    SPARSE_PARAMS,
+    ClickData,
+    ClickModel,
+    make_click_data,
+)
+from disttrain.parallel.parameter_server.reports import ServerReport, WorkerReport
+from disttrain.parallel.parameter_server.roles import PSRoles, Role, assign_roles
+from disttrain.parallel.parameter_server.server import ParameterServer, run_parameter_server
+from disttrain.parallel.parameter_server.shard import ServerShard, load_checkpoint
+from disttrain.parallel.parameter_server.worker import PSWorker
+
+__all__ = [
+    "MODES",
+    "SPARSE_PARAMS",
+    "ClickData",
+    "ClickModel",
+    "ClockTable",
+    "PSConfig",
+    "PSError",
+    "PSPeerError",
+    "PSPeerFailedError",
+    "PSRejectedError",
+    "PSRoles",
+    "PSTimeoutError",
+    "PSWorker",
+    "ParameterServer",
+    "Partition",
+    "ProtocolError",
+    "Role",
+    "Segment",
+    "ServerReport",
+    "ServerShard",
+    "StalenessHistogram",
+    "TensorSpec",
+    "WorkerReport",
+    "assign_roles",
+    "load_checkpoint",
+    "make_click_data",
+    "parse_straggler",
+    "partition",
+    "run_parameter_server",
+    "specs_of",
+]

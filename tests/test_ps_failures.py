@@ -1,0 +1,120 @@
+"""A killed server or worker is reported by role and rank within the timeout; nobody hangs.
+
+The victim rank runs its role in a subprocess that SIGKILLs itself mid-training (the
+harness's own processes are daemons, which may not have multiprocessing children, and a
+rank that dies under run_fresh would make it stop the survivors before they report). The
+survivors return what they raised, and when.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from tests.dist import run_fresh
+from tests.ps_cases import catching, make_mlp, mlp_batch, sgd
+
+COMM_TIMEOUT_S = 60.0  # Gloo's own limit: the parameter server's deadlines fire long before
+PS_TIMEOUT_S = 3.0
+KILL_AT = 2  # the victim dies at this clock (worker) or parameter version (server)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def play(comm: Any, kill: bool) -> Any:
+    """Serve, or train for up to 40 steps; the victim SIGKILLs itself at KILL_AT."""
+    import torch.nn.functional as F
+
+    from disttrain.parallel.parameter_server import (
+        PSConfig,
+        PSWorker,
+        assign_roles,
+        run_parameter_server,
+    )
+
+    roles = assign_roles(comm.world_size, 1)
+    config = PSConfig(mode="sync", timeout_s=PS_TIMEOUT_S)
+
+    def die(at: int) -> None:
+        if kill and at == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if roles.role(comm.rank).kind == "server":
+        return run_parameter_server(comm, roles, make_mlp(), sgd, config, on_update=die)
+    model = make_mlp()
+    ps = PSWorker(comm, model, roles, config)
+    for _ in range(40):
+        die(ps.clock)
+        ps.pull()
+        x, y = mlp_batch(ps.clock, 4)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        time.sleep(0.3)  # the survivor reaches the gate well after the victim's last message
+        ps.push()
+    return ps.close()
+
+
+def connect(rank: int, world_size: int, store: str) -> Any:
+    """Gloo and a communicator with a patient timeout (the victim's interpreter may start
+    slowly on a busy machine); failures are caught by the parameter server's 3 s deadlines."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain.comm import CommConfig, Communicator
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COMM_TIMEOUT_S))
+    return Communicator.from_torch(config=CommConfig(timeout_s=COMM_TIMEOUT_S))
+
+
+def victim_main(rank: int, world_size: int, store: str) -> None:
+    play(connect(rank, world_size, store), kill=True)
+
+
+def rank_main(rank: int, world_size: int, store: str, victim: int) -> dict[str, Any]:
+    if rank != victim:
+        return catching(play, connect(rank, world_size, store), False)
+    code = (f"from tests.test_ps_failures import victim_main; "
+            f"victim_main({rank}, {world_size}, {store!r})")
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=log)
+        try:
+            deadline = time.monotonic() + 90
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            died_at = time.time()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        return {"exit": proc.returncode, "died_at": died_at, "stderr": log.read()[-3000:]}
+
+
+def _check(results: list[dict[str, Any]], victim: int, expect: dict[int, str]) -> None:
+    assert results[victim]["exit"] == -signal.SIGKILL, results[victim]["stderr"]
+    for rank, name in expect.items():
+        outcome = results[rank]
+        assert outcome["error"] in ("PSPeerFailedError", "PSTimeoutError"), outcome
+        assert name in outcome["message"], outcome["message"]
+        # a deadline runs from the last message, before the death: reported within timeout_s
+        assert outcome["at"] - results[victim]["died_at"] < PS_TIMEOUT_S + 3
+
+
+def test_killed_worker_is_reported_by_the_server_and_the_other_worker() -> None:
+    results = run_fresh(rank_main, 3, 2, timeout_s=100)
+    # the server names the dead worker, and tells the worker it holds at the sync gate
+    _check(results, 2, {0: "worker 1 (rank 2)", 1: "worker 1 (rank 2)"})
+    assert results[1]["message"].startswith("server 0 (rank 0) stopped serving because")
+
+
+def test_killed_server_is_reported_by_every_worker() -> None:
+    results = run_fresh(rank_main, 3, 0, timeout_s=100)
+    _check(results, 0, {1: "server 0 (rank 0)", 2: "server 0 (rank 0)"})
