@@ -14,7 +14,7 @@ from disttrain.bench.experiments import BenchConfig, experiments, plan
 from disttrain.bench.html_report import html_report
 from disttrain.bench.report import environment, markdown_table, text_table, write_json
 from disttrain.bench.strategy_bench import run_table
-from disttrain.bench.trace import write_traces
+from disttrain.bench.trace import chrome_trace, write_traces
 from disttrain.cli import main
 from disttrain.train import STRATEGIES
 
@@ -85,12 +85,60 @@ def test_trace_has_spans_from_every_rank(outcome, tmp_path):
     assert sorted(p.name for p in paths) == ["ddp-n2.trace.json", "single-n1.trace.json"]
     events = json.loads((tmp_path / "ddp-n2.trace.json").read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
     for rank in (0, 1):
         mine = [e for e in spans if e["pid"] == rank]
-        assert sum(e["cat"] == "compute" for e in mine) == 6  # one span per step
+        steps = [e for e in mine if e["cat"] == "step"]
+        assert len(steps) == 6  # one span per optimizer step
+        phases = [e for e in mine if e["cat"] == "compute"]
+        for name in ("forward", "backward", "optimizer"):  # one of each per step
+            assert sum(e["name"] == name for e in phases) == 6, (rank, name)
+        in_order = [e["name"] for e in sorted(phases, key=lambda e: e["ts"])]
+        assert in_order == ["forward", "backward", "optimizer"] * 6, rank
         reduces = [e for e in mine if e["cat"] == "collective" and e["name"] == "all_reduce"]
         assert len(reduces) >= 6 and all(e["dur"] >= 0 for e in reduces)
         assert any(e["args"]["algorithm"] == "ring" for e in reduces)
+        assert {e["args"]["comm"] for e in reduces} == {"world"}
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_trace_has_one_train_step_span_per_step(tmp_path):
+    """A pipeline's step is one call (forward and backward interleaved by the schedule)."""
+    config = BenchConfig(strategies=("gpipe",), world_sizes=(2,), steps=10, eval_every=10,
+                         warmup_steps=1, timeout_s=30.0, global_batch=24)
+    progress: list[tuple[str, int]] = []
+    result = run_table(config, trace=True, on_progress=lambda run, step: progress.append(
+        (run.label, step)))
+    assert [r["error"] for r in result.rows] == [None, None]
+    assert [step for _, step in progress] == [10, 10]  # one heartbeat per 10 steps and run
+    spans = [e for e in result.traces["gpipe-n2"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        compute = [e["name"] for e in spans if e["pid"] == rank and e["cat"] == "compute"]
+        assert compute == ["train_step"] * 10, (rank, compute)
+        assert any(e["cat"] == "collective" for e in spans if e["pid"] == rank)
+
+
+def test_trace_labels_collectives_by_communicator():
+    """A pipeline grid's ranks send through several communicators: each gets its own thread,
+    and a strategy whose step is one call shows one ``train_step`` span."""
+    def entry(seq: int, op: str, comm: str, t: float) -> dict:
+        return {"seq": seq, "op": op, "algorithm": "ring", "nbytes": 8, "state": "completed",
+                "queued_at": t, "started_at": t, "ended_at": t + 0.001, "comm": comm}
+
+    report = {"steps": [(1, 10.0, 10.01)], "phases": [("train_step", 10.0, 10.009)],
+              "collectives": [entry(0, "send", "ranks 0,1", 10.002),
+                              entry(0, "all_reduce", "ranks 0,2", 10.003),
+                              entry(1, "broadcast", "world", 10.008)]}
+    events = chrome_trace([report, report])
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X" and e["pid"] == 1]
+    assert [e["name"] for e in spans if e["cat"] == "compute"] == ["train_step"]
+    by_comm = {e["args"]["comm"]: e for e in spans if e["cat"] == "collective"}
+    assert set(by_comm) == {"ranks 0,1", "ranks 0,2", "world"}
+    for label, event in by_comm.items():
+        assert threads[(1, event["tid"])] == f"collectives ({label})"
+    assert by_comm["ranks 0,2"]["ts"] == pytest.approx(3000.0)  # µs after the first span
 
 
 def test_html_report_has_its_plots(outcome):

@@ -162,7 +162,8 @@ def _calibrate(config: comm_bench.CommBenchConfig) -> int:
         print(f"{p:>5d}  {format_time(c.alpha):>9s}  {_rate(c.beta):>10s}  "
               f"{format_time(c.ax):>9s}  {_rate(c.bx):>10s}  {_rate(c.gamma):>10s}  "
               f"{format_time(c.native_alpha):>9s}  {_rate(c.native_beta):>10s}")
-    print(f"chunk_bytes {format_size(costs.chunk_bytes)} (ring sub-chunk; the default, chosen by measurement in docs/benchmarks.md)")
+    print(f"chunk_bytes {format_size(costs.chunk_bytes)} (ring sub-chunk; the default, "
+          "chosen by measurement in docs/benchmarks.md)")
     print("alpha: one-way message; alpha_x/beta_x: a step that sends and receives at once; "
           "gamma: reduction; native: torch.distributed's own all_reduce (docs/cost_model.md)")
     return 0

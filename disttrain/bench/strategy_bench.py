@@ -3,10 +3,12 @@
 Each (experiment, world size) runs ``repeat`` times, each time in new processes
 (:class:`~disttrain.bench.ranks.RankGroup`: a rank that raises, dies or stays silent is named
 and stopped). Each rank calls :func:`disttrain.train.train` with the same config and sends
-its :class:`~disttrain.train.TrainResult` back, plus, with ``trace``, its step spans and its
-collectives from the communicator's flight recorder. The row takes the median samples/s
-over the repeats (and their spread), the maximum peak memory over ranks, and the maximum
-over ranks of the bytes each sent per step next to the strategy's theoretical figure.
+its :class:`~disttrain.train.TrainResult` back, plus, with ``trace``, its step spans, its
+compute phases (a :class:`~disttrain.train.strategies.base.PhaseRecorder`) and the
+collectives from the flight recorder of every communicator the strategy sends through. The
+row takes the median samples/s over the repeats (and their spread), the maximum peak memory
+over ranks, and the maximum over ranks of the bytes each sent per step next to the
+strategy's theoretical figure.
 
 A failing run becomes a row with ``error`` set (the rank and its exception) and the table
 goes on; Ctrl-C stops the current run and returns the finished rows.
@@ -25,6 +27,7 @@ from disttrain.bench.ranks import BenchError, RankGroup
 from disttrain.comm import Communicator
 from disttrain.train import ParallelOptions, StepRecord, TrainConfig, TrainResult, train
 from disttrain.train.loop import checked_setup
+from disttrain.train.strategies.base import PhaseRecorder
 
 Row = dict[str, Any]
 HEARTBEAT_STEPS = 10  # each rank reports progress this often, so only silence is a hang
@@ -69,7 +72,18 @@ def _train_job(comm: Communicator, emit: Callable[[Any], None], config: TrainCon
                trace: bool) -> None:
     """One rank: train, then report the result (and the trace events when asked)."""
     steps: list[tuple[int, float, float]] = []  # (step, start, end), wall clock like the
-    collectives: dict[int, dict[str, Any]] = {}  # flight recorder's times
+    collectives: dict[tuple[int, int], dict[str, Any]] = {}  # flight recorder's times
+    phases = PhaseRecorder() if trace else None
+    spans: list[tuple[str, float, float]] = []  # compute phases (forward, backward, ...)
+
+    def drain() -> None:  # drained each step: the flight recorders are rings
+        if phases is None:
+            return
+        spans.extend(phases.drain())
+        for index, sub in enumerate(phases.communicators):
+            label = "world" if sub is comm else "ranks " + ",".join(map(str, sub.global_ranks))
+            for entry in sub.flight_recorder.dump():
+                collectives.setdefault((index, entry["seq"]), {**entry, "comm": label})
 
     def hook(record: StepRecord) -> None:
         if record.step % HEARTBEAT_STEPS == 0:  # the parent's silence backstop resets
@@ -77,20 +91,22 @@ def _train_job(comm: Communicator, emit: Callable[[Any], None], config: TrainCon
         if trace:
             end = time.time()
             steps.append((record.step, end - record.seconds, end))
-            for entry in comm.flight_recorder.dump():  # drained each step: it is a ring
-                collectives.setdefault(entry["seq"], entry)
+            drain()
 
-    result = train(config, comm, hooks=[hook])
-    if trace:
-        for entry in comm.flight_recorder.dump():
-            collectives.setdefault(entry["seq"], entry)
-    emit({"result": result.without_model(), "steps": steps,
-          "collectives": [collectives[s] for s in sorted(collectives)]})
+    result = train(config, comm, hooks=[hook], phases=phases)
+    drain()
+    emit({"result": result.without_model(), "steps": steps, "phases": spans,
+          "collectives": [collectives[k] for k in sorted(collectives)]})
 
 
 # ---------------------------------------------------------------------------- in the parent
-def run_once(config: BenchConfig, run: Run, trace: bool) -> list[dict[str, Any]]:
-    """One run in fresh processes; every rank's report (rank order). Raises BenchError."""
+Progress = Callable[[Run, int], None]  # (run, steps done) every HEARTBEAT_STEPS steps
+
+
+def run_once(config: BenchConfig, run: Run, trace: bool,
+             on_progress: Progress | None = None) -> list[dict[str, Any]]:
+    """One run in fresh processes; every rank's report (rank order). Raises BenchError.
+    ``on_progress`` hears the steps done every ``HEARTBEAT_STEPS`` steps (all ranks there)."""
     tconfig = train_config(config, run)
     with RankGroup(run.world_size, _train_job, (tconfig, trace),
                    transport=transport_of(config, run), timeout_s=config.timeout_s,
@@ -99,6 +115,8 @@ def run_once(config: BenchConfig, run: Run, trace: bool) -> list[dict[str, Any]]
         for reports in group.reports():  # to the end: the ranks then exit on their own
             if "result" in reports[0]:
                 final = list(reports)
+            elif "heartbeat" in reports[0] and on_progress is not None:
+                on_progress(run, reports[0]["heartbeat"])
     if final is None:
         raise BenchError(f"{run.label}: the ranks finished without a result")
     return final
@@ -170,7 +188,8 @@ def add_comparisons(row: Row, rows: list[Row]) -> None:
     row["reference_final_loss"] = ref["final_loss"] if ref else None
 
 
-def measure(config: BenchConfig, run: Run, trace: bool) -> tuple[Row, list[dict[str, Any]]]:
+def measure(config: BenchConfig, run: Run, trace: bool,
+            on_progress: Progress | None = None) -> tuple[Row, list[dict[str, Any]]]:
     """All repeats of one run: its row (with ``error`` on failure) and the last reports."""
     try:
         checked_setup(train_config(config, run), run.world_size)
@@ -179,7 +198,7 @@ def measure(config: BenchConfig, run: Run, trace: bool) -> tuple[Row, list[dict[
     repeats = []
     try:
         for _ in range(config.repeat):
-            repeats.append(run_once(config, run, trace))
+            repeats.append(run_once(config, run, trace, on_progress))
     except (BenchError, ValueError) as exc:
         return {**base_row(config, run), "error": _error_text(exc)}, []
     return make_row(config, run, repeats), repeats[-1]
@@ -187,15 +206,17 @@ def measure(config: BenchConfig, run: Run, trace: bool) -> tuple[Row, list[dict[
 
 def run_table(config: BenchConfig, on_row: Callable[[Row], None] | None = None,
               on_start: Callable[[int, int, Run], None] | None = None,
-              trace: bool = False) -> Outcome:
-    """Run the whole plan; Ctrl-C ends it early with the rows finished so far."""
+              trace: bool = False, on_progress: Progress | None = None) -> Outcome:
+    """Run the whole plan; Ctrl-C ends it early with the rows finished so far.
+    ``on_start`` hears each run as it begins, ``on_progress`` its steps done every
+    ``HEARTBEAT_STEPS`` steps, ``on_row`` its finished row."""
     outcome = Outcome()
     runs = plan(config)
     try:
         for i, run in enumerate(runs):
             if on_start is not None:
                 on_start(i, len(runs), run)
-            row, reports = measure(config, run, trace)
+            row, reports = measure(config, run, trace, on_progress)
             add_comparisons(row, [*outcome.rows, row])
             outcome.rows.append(row)
             if trace and reports:

@@ -128,7 +128,12 @@ def _run_table(config: BenchConfig, args: argparse.Namespace) -> int:
         what = "FAILED" if row.get("error") else f"{row['samples_per_s']:.1f} samples/s"
         print(f" {what} ({time.monotonic() - started:.0f}s)", file=sys.stderr, flush=True)
 
-    outcome = run_table(config, on_row, on_start, trace=args.trace is not None)
+    def on_progress(run: Run, step: int) -> None:  # every 10 steps, from rank 0's heartbeat
+        print(f" step {step}/{steps}" if steps else f" step {step}", end="",
+              file=sys.stderr, flush=True)
+
+    outcome = run_table(config, on_row, on_start, trace=args.trace is not None,
+                        on_progress=on_progress)
     rows = outcome.rows
     if outcome.interrupted:
         print(" interrupted", file=sys.stderr, flush=True)

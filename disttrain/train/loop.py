@@ -45,6 +45,7 @@ from disttrain.train.precision import autocast_factory
 from disttrain.train.result import EvalPoint, TrainResult
 from disttrain.train.sampler import DistributedSampler
 from disttrain.train.strategies import BuildContext, Strategy, get_strategy, optimizer_factory
+from disttrain.train.strategies.base import PhaseRecorder
 
 Hook = Callable[[StepRecord], None]
 
@@ -55,9 +56,13 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def train(config: TrainConfig, comm: Communicator | None = None, *,
-          hooks: Sequence[Hook] = ()) -> TrainResult:
-    """Run ``config`` on this rank (every rank of ``comm`` calls it) and return the result."""
-    run = _Run(config, comm)
+          hooks: Sequence[Hook] = (), phases: PhaseRecorder | None = None) -> TrainResult:
+    """Run ``config`` on this rank (every rank of ``comm`` calls it) and return the result.
+
+    ``phases``, when given, records every step's compute spans (forward, backward,
+    optimizer; or the whole ``train_step`` of a strategy that overrides it) and receives the
+    strategy's communicators, for timelines (``disttrain bench --trace``)."""
+    run = _Run(config, comm, phases)
     try:
         return run.execute(hooks)
     finally:
@@ -73,8 +78,9 @@ def checked_setup(config: TrainConfig, world_size: int) -> int:
 class _Run:
     """The state of one run; ``execute`` is the loop."""
 
-    def __init__(self, config: TrainConfig, comm: Communicator | None) -> None:
-        self.config, self.comm = config, comm
+    def __init__(self, config: TrainConfig, comm: Communicator | None,
+                 phases: PhaseRecorder | None = None) -> None:
+        self.config, self.comm, self.phases = config, comm, phases
         self.rank = comm.rank if comm is not None else 0
         self.world_size = comm.world_size if comm is not None else 1
         spec = get_strategy(config.strategy)
@@ -87,6 +93,12 @@ class _Run:
         sample = fetch(self.data.train, list(range(min(self.micro, size(self.data.train)))))
         self.strategy: Strategy = spec.build(
             BuildContext(module, comm, optimizer_factory(config), config, sample))
+        if phases is not None:
+            self.strategy.phases = phases
+            phases.communicators = self.strategy.communicators()
+        # a strategy with its own train_step (pipelines) gets one span for the whole call
+        self.whole_step = phases is not None and (
+            type(self.strategy).train_step is not Strategy.train_step)
         try:
             self._setup()
         except BaseException:
@@ -171,7 +183,11 @@ class _Run:
         hidden_before = self._bytes_unobserved()
         micro = [fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro])
                  for m in range(self.config.accumulate)]
-        loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
+        if self.whole_step and self.phases is not None:
+            with self.phases.span("train_step"):
+                loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
+        else:
+            loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
         seconds = time.perf_counter() - start_time
         sent_after = self._bytes_sent()
         self.bytes_unobserved += self._bytes_unobserved() - hidden_before

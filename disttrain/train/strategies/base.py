@@ -17,8 +17,9 @@ The loop is the same for every strategy; a :class:`Strategy` owns what differs:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,6 +99,32 @@ def missing_state(path: str, what: str) -> ValueError:
                       f"or rank layout; resume with the strategy and settings that wrote it")
 
 
+class PhaseRecorder:
+    """Wall-clock spans ``(name, start, end)`` of a step's compute phases (``forward``,
+    ``backward``, ``optimizer``; ``train_step`` for strategies whose step is one call), for
+    timelines. The loop hands one to the strategy (``strategy.phases``); without one,
+    :meth:`Strategy.phase` is a ``nullcontext`` and costs nothing. ``communicators`` is filled
+    by the loop with the strategy's communicators, whose flight recorders hold the
+    collectives."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, float, float]] = []
+        self.communicators: list[Communicator] = []
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        start = time.time()  # the wall clock, like the flight recorder's times
+        try:
+            yield
+        finally:
+            self.spans.append((name, start, time.time()))
+
+    def drain(self) -> list[tuple[str, float, float]]:
+        """The spans recorded since the last drain."""
+        spans, self.spans = self.spans, []
+        return spans
+
+
 class Strategy:
     """Plain training on this rank; parallel strategies swap in a wrapped ``model`` and
     override what differs.
@@ -107,6 +134,7 @@ class Strategy:
 
     counts_bytes = True  # comm.stats sees this strategy's traffic
     theory_bytes_per_step: float | None = None  # what one step should send from this rank
+    phases: PhaseRecorder | None = None  # set by the loop when a timeline is recorded
 
     def __init__(self, module: nn.Module, optimizer: Stepper | None,
                  comm: Communicator | None, model: nn.Module | None = None) -> None:
@@ -127,6 +155,10 @@ class Strategy:
         return self.comm.world_size if self.comm is not None else 1
 
     # ------------------------------------------------------------------ training
+    def phase(self, name: str) -> AbstractContextManager[Any]:
+        """A span named ``name`` in the timeline when one is recorded, else nothing."""
+        return self.phases.span(name) if self.phases is not None else nullcontext()
+
     def no_sync(self) -> AbstractContextManager[Any]:
         """Skip gradient synchronization (all micro-batches but the last of a step)."""
         return nullcontext()
@@ -145,12 +177,14 @@ class Strategy:
         last = len(micro_batches) - 1
         for i, (inputs, targets) in enumerate(micro_batches):
             with self.no_sync() if i < last else nullcontext():
-                with autocast():
+                with self.phase("forward"), autocast():
                     loss = loss_fn(self.model(inputs), targets) / len(micro_batches)
-                loss.backward()
+                with self.phase("backward"):  # with DDP, includes the gradient sync
+                    loss.backward()
             total += loss.detach().float()
         if self.optimizer is not None:
-            self.optimizer.step()
+            with self.phase("optimizer"):
+                self.optimizer.step()
         return total
 
     def after_step(self) -> None:
