@@ -11,7 +11,11 @@ For each world size p, p local ranks run these, with every rank busy at once (ra
   (``ctx.sendrecv``, the step of ring and halving/doubling);
 * γ: ``a.add_(b)`` on 16 MiB float32, per byte (the kernel the reductions run);
 * native_alpha, native_beta: fitted (:func:`~disttrain.comm.cost_model.native_fit`) so that
-  the model's native all_reduce equals torch.distributed's, timed at 4 KiB and 16 MiB.
+  the model's native all_reduce equals torch.distributed's, timed at 4 KiB and 16 MiB;
+* each algorithm's own table (:mod:`~disttrain.comm.cost_tables`): all_reduce, all_gather,
+  reduce_scatter and broadcast timed with every registered algorithm at a few sizes, the
+  way ``disttrain bench comm`` times them (same job, same barrier, slowest rank, median).
+  With those, ``auto`` at this world size compares measured algorithms, not closed forms.
 
 Latencies on a shared host are bimodal (a message either goes through at once or waits for a
 scheduler tick), so each constant is a mean with the slowest 5% trimmed: the model adds step
@@ -23,19 +27,38 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from disttrain.bench.comm_job import Timing, run_plan
 from disttrain.bench.ranks import RankGroup
-from disttrain.bench.timing import slowest_rank
-from disttrain.comm import Communicator
+from disttrain.bench.timing import percentile, slowest_rank
+from disttrain.comm import Communicator, algorithms
 from disttrain.comm.context import CollectiveContext
 from disttrain.comm.cost_model import LinkCosts, native_fit, save_costs, with_world_sizes
+from disttrain.comm.cost_tables import Table, table_key
 
 TINY, LARGE_A, LARGE_B = 4, 1 << 20, 16 << 20
 NATIVE_SMALL, NATIVE_LARGE = 4 << 10, 16 << 20
 Samples = dict[str, list[float]]
+KiB, MiB = 1 << 10, 1 << 20
+TABLE_SIZES = {
+    "all_reduce": (4 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB),
+    "all_gather": (4 * KiB, 1 * MiB, 16 * MiB),
+    "reduce_scatter": (4 * KiB, 1 * MiB, 16 * MiB),
+    "broadcast": (4 * KiB, 1 * MiB, 16 * MiB),
+}
+TABLE_TIMING = Timing(iters=15, warmup=1, budget_s=0.4)
+Plan = list[tuple[str, str, int]]
+
+
+def table_plan() -> Plan:
+    """Every (op, algorithm, size) the tables time; algorithms that cannot run on the
+    transport (``shm`` on torch, ``native`` without a group) are skipped by the job."""
+    return [(op, name, n) for op, sizes in TABLE_SIZES.items() for n in sizes
+            for name in algorithms.names(op)]
 
 
 def trimmed_mean(values: list[float], trim: float = 0.05) -> float:
@@ -117,6 +140,23 @@ def measure(comm: Communicator, emit: Callable[[Any], None], reps: int) -> None:
     samples["native_small"] = _native_times(comm, NATIVE_SMALL, reps * 5)
     samples["native_large"] = _native_times(comm, NATIVE_LARGE, reps)
     emit(samples)
+    run_plan(comm, emit, table_plan(), TABLE_TIMING)  # one report per (op, algorithm, size)
+
+
+def fit_tables(plan: Plan, results: list[list[dict[str, Any]]]) -> tuple[tuple[str, Table], ...]:
+    """Measured tables from the job's per-case reports (``results[i]``: every rank's report
+    for ``plan[i]``): the median over iterations of the slowest rank's time. Pure."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    for (op, name, _), per_rank in zip(plan, results, strict=True):
+        if "skipped" in per_rank[0]:
+            continue
+        if not all(r["correct"] for r in per_rank):
+            raise RuntimeError(f"calibration: {op} with {name} gave a wrong result; "
+                               f"run `disttrain bench comm --ops {op} --algorithms {name}`")
+        seconds = percentile(slowest_rank([r["times"] for r in per_rank]), 50)
+        points.setdefault(table_key(op, name), []).append((int(per_rank[0]["nbytes"]), seconds))
+    return tuple(sorted((key, tuple(sorted(pts))) for key, pts in points.items()
+                        if len(pts) >= 2))
 
 
 def fit(p: int, per_rank: list[Samples], chunk_bytes: int) -> LinkCosts:
@@ -159,6 +199,9 @@ def calibrate(transport: str, world_sizes: tuple[int, ...], timeout_s: float,
         with RankGroup(p, measure, (reps,), transport=transport, timeout_s=timeout_s,
                        describe=functools.partial(_describe, p)) as group:
             reports = list(group.reports())
-        entries[p] = fit(p, reports[0], LinkCosts().chunk_bytes)
-    costs = with_world_sizes(entries[min(entries)], entries)
+        tables = fit_tables(table_plan(), reports[1:])
+        entries[p] = replace(fit(p, reports[0], LinkCosts().chunk_bytes), measured=tables)
+    # tables belong to their world size: the top-level costs (used for uncalibrated world
+    # sizes) keep only the constants
+    costs = with_world_sizes(replace(entries[min(entries)], measured=()), entries)
     return costs, str(save_costs(transport, costs))

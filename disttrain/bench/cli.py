@@ -153,7 +153,7 @@ def _calibrate(config: comm_bench.CommBenchConfig) -> int:
     from disttrain.bench.calibrate import calibrate
 
     print(f"calibrating transport {config.transport!r} on {','.join(map(str, config.world_sizes))}"
-          " ranks (about 10 s per world size)...", flush=True)
+          " ranks (about 30-60 s per world size)...", flush=True)
     costs, path = calibrate(config.transport, config.world_sizes, config.timeout_s)
     print(f"stored in {path} (set DISTTRAIN_CALIBRATION to use another file):")
     print(f"{'ranks':>5s}  {'alpha':>9s}  {'1/beta':>10s}  {'alpha_x':>9s}  {'1/beta_x':>10s}  "
@@ -166,6 +166,11 @@ def _calibrate(config: comm_bench.CommBenchConfig) -> int:
           "chosen by measurement in docs/benchmarks.md)")
     print("alpha: one-way message; alpha_x/beta_x: a step that sends and receives at once; "
           "gamma: reduction; native: torch.distributed's own all_reduce (docs/cost_model.md)")
+    for p, c in costs.by_world_size:
+        print(f"measured tables on {p} ranks (p50, slowest rank; auto compares these):")
+        for key, points in c.measured:
+            print(f"  {key:<32s} " + "  ".join(f"{format_size(n)} {format_time(t)}"
+                                             for n, t in points))
     return 0
 
 

@@ -10,7 +10,10 @@ that share a host's CPUs, where "the network" is the kernel copying bytes:
   exchange) has its own ``alpha_exchange``/``beta_exchange``: both copies run on the same
   cores, and more threads wake at once;
 * costs may be calibrated per world size (``by_world_size``): 4 ranks on 2 cores are not
-  2 ranks on 2 cores.
+  2 ranks on 2 cores;
+* at a calibrated world size each algorithm's own measured times (``measured``, see
+  :mod:`~disttrain.comm.cost_tables`) replace its closed form: piecewise α-β fits per
+  algorithm, because on shared cores algorithms of the same shape differ in effective α, β.
 
 ``native`` (torch.distributed's own kernels, no Python per message) has its own α and β.
 Every formula is written out, with its justification, in docs/cost_model.md;
@@ -27,6 +30,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+from disttrain.comm.cost_tables import (
+    Table,
+    interpolate,
+    table_key,
+    tables_from_json,
+    tables_to_json,
+    validate_tables,
+)
+from disttrain.comm.theory import theory_bytes_sent
+
+__all__ = [
+    "LinkCosts", "calibration_path", "choose", "costs_from_bytes", "costs_to_bytes",
+    "formula_time", "load_costs", "native_fit", "predict", "save_costs", "theory_bytes_sent",
+    "with_world_sizes",
+]
 
 log = logging.getLogger(__name__)
 _FLOATS = ("alpha", "beta", "gamma", "native_alpha", "native_beta")
@@ -47,6 +66,9 @@ class LinkCosts:
     chunk_bytes: int = 4 << 20  # ring streaming sub-chunk (4 MiB measured best of 256K..16M)
     source: str = "defaults"
     by_world_size: tuple[tuple[int, LinkCosts], ...] = ()  # calibrated at these world sizes
+    # each algorithm's own measured times at this entry's world size (docs: cost_tables.py);
+    # read only through by_world_size, so they never apply to another world size
+    measured: tuple[tuple[str, Table], ...] = ()
 
     def __post_init__(self) -> None:
         for name in (*_FLOATS, *_OPTIONAL):
@@ -66,6 +88,7 @@ class LinkCosts:
                     or entry.by_world_size:
                 raise ValueError("LinkCosts.by_world_size must hold (world_size ≥ 1, LinkCosts "
                                  "without by_world_size) pairs")
+        validate_tables(self.measured)
 
     @property
     def ax(self) -> float:
@@ -81,6 +104,13 @@ class LinkCosts:
         if not self.by_world_size:
             return self
         return min(self.by_world_size, key=lambda e: (abs(e[0] - p), e[0]))[1]
+
+    def table(self, op: str, algorithm: str, p: int) -> Table | None:
+        """``algorithm``'s measured times for ``op`` at exactly world size ``p``, if calibrated."""
+        for q, entry in self.by_world_size:
+            if q == p:
+                return dict(entry.measured).get(table_key(op, algorithm))
+        return None
 
 
 def _log2(p: int) -> int:
@@ -166,7 +196,16 @@ _NATIVE_SHAPE = {
 
 
 def predict(op: str, algorithm: str, p: int, nbytes: int, costs: LinkCosts) -> float:
-    """Predicted seconds for one collective; raises KeyError for an unknown pair."""
+    """Predicted seconds for one collective: the algorithm's measured table at world size
+    ``p`` when calibration made one, else its closed form; KeyError for an unknown pair."""
+    table = costs.table(op, algorithm, p) if p > 1 else None
+    if table is not None:
+        return interpolate(table, nbytes)
+    return formula_time(op, algorithm, p, nbytes, costs)
+
+
+def formula_time(op: str, algorithm: str, p: int, nbytes: int, costs: LinkCosts) -> float:
+    """The closed form alone (docs/cost_model.md); raises KeyError for an unknown pair."""
     if algorithm == "native":
         formula = _FORMULAS[(op, _NATIVE_SHAPE[op])]
     else:
@@ -183,9 +222,11 @@ def predict(op: str, algorithm: str, p: int, nbytes: int, costs: LinkCosts) -> f
 
 def choose(op: str, p: int, nbytes: int, costs: LinkCosts, candidates: list[str]) -> str:
     """The candidate with the lowest predicted time (ties: the earlier candidate); candidates
-    without a formula are skipped."""
+    without a formula are skipped. When some candidates have measured tables at ``p``, only
+    those compete: a measurement and a closed form are not comparable estimates."""
+    timed = [name for name in candidates if costs.table(op, name, p) is not None]
     best, best_t = candidates[0], math.inf
-    for name in candidates:
+    for name in timed or candidates:
         try:
             t = predict(op, name, p, nbytes, costs)
         except KeyError:
@@ -228,16 +269,20 @@ def calibration_path() -> Path:
 
 
 def _to_json(costs: LinkCosts) -> dict[str, Any]:
-    data = {f.name: getattr(costs, f.name) for f in fields(costs) if f.name != "by_world_size"}
+    data = {f.name: getattr(costs, f.name) for f in fields(costs)
+            if f.name not in ("by_world_size", "measured")}
     data["by_world_size"] = {str(p): _to_json(entry) for p, entry in costs.by_world_size}
+    if costs.measured:
+        data["measured"] = tables_to_json(costs.measured)
     return data
 
 
 def _from_json(entry: dict[str, Any]) -> LinkCosts:
-    known = {f.name for f in fields(LinkCosts)} - {"by_world_size"}
+    known = {f.name for f in fields(LinkCosts)} - {"by_world_size", "measured"}
     by_p = entry.get("by_world_size") or {}
     return LinkCosts(**{k: v for k, v in entry.items() if k in known},
-                     by_world_size=tuple(sorted((int(p), _from_json(e)) for p, e in by_p.items())))
+                     by_world_size=tuple(sorted((int(p), _from_json(e)) for p, e in by_p.items())),
+                     measured=tables_from_json(entry.get("measured") or {}))
 
 
 def costs_to_bytes(costs: LinkCosts) -> bytes:
@@ -285,55 +330,3 @@ def with_world_sizes(base: LinkCosts, entries: dict[int, LinkCosts]) -> LinkCost
     return replace(base, by_world_size=tuple(sorted(
         (p, replace(e, by_world_size=())) for p, e in entries.items())))
 
-
-# ---------------------------------------------------------------------------- bytes on the wire
-def _gather_tree_max(p: int) -> int:
-    """Blocks forwarded by the busiest non-root rank of a binomial gather: the top of the
-    largest subtree, min(2^k, p − 2^k) blocks for relative rank 2^k."""
-    return max(min(1 << k, p - (1 << k)) for k in range(_log2(p)))
-
-
-def _hd_all_gather_max(p: int) -> int:
-    """Blocks virtual rank 0 sends in recursive doubling after the non-power-of-two fold: at
-    level k its group of 2^k virtual ranks, min(2^k, p − q) of which hold two blocks."""
-    q = _pow2_floor(p)
-    return sum((1 << k) + min(1 << k, p - q) for k in range(_log2(q)))
-
-
-def theory_bytes_sent(op: str, algorithm: str, p: int, nbytes: int) -> float | None:
-    """Bytes the busiest rank sends in one ``op`` with ``algorithm``: None for ``native``
-    (torch.distributed's traffic is invisible), KeyError for an unknown pair.
-
-    ``nbytes`` is the nccl-tests size (see :func:`predict`). Exact when the buffer splits
-    evenly into the algorithm's blocks, as in the benchmark.
-    """
-    if algorithm == "native":
-        return None
-    if p <= 1:
-        return 0.0
-    v, lg, frac, q = float(nbytes), _log2(p), (p - 1) / p, _pow2_floor(p)
-    fold = 0 if q == p else 1
-    table = {
-        ("all_reduce", "naive"): (p - 1) * v,
-        ("all_reduce", "ring"): 2 * frac * v,
-        ("all_reduce", "tree"): lg * v,  # the root broadcasts to ⌈log₂ p⌉ children
-        ("all_reduce", "halving_doubling"): 2 * (q - 1) / q * v + fold * v,  # + the unfold
-        ("broadcast", "naive"): (p - 1) * v,
-        ("broadcast", "tree"): lg * v,
-        ("reduce", "naive"): v,
-        ("reduce", "tree"): v,
-        ("gather", "naive"): v / p,
-        ("gather", "tree"): _gather_tree_max(p) * v / p,
-        ("scatter", "naive"): frac * v,
-        ("scatter", "tree"): frac * v,
-        ("all_gather", "naive"): frac * v,
-        ("all_gather", "ring"): frac * v,
-        ("all_gather", "halving_doubling"): _hd_all_gather_max(p) * v / p + fold * v,
-        ("reduce_scatter", "naive"): frac * v,
-        ("reduce_scatter", "ring"): frac * v,
-        ("reduce_scatter", "halving_doubling"): v if fold else frac * v,  # folded: all of it
-        ("all_to_all", "naive"): frac * v,
-        ("barrier", "naive"): float(p - 1),
-        ("barrier", "tree"): float(lg),
-    }
-    return table[(op, algorithm)]
