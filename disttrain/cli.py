@@ -16,6 +16,7 @@ from collections.abc import Sequence
 # module path of each subcommand, in the order ``disttrain --help`` shows them
 SUBCOMMANDS = [
     "disttrain.bench.cli",
+    "disttrain.simulate.cli",
     "disttrain.train.cli",
     "disttrain.launch.cli",
     "disttrain.launch.info",

@@ -1,0 +1,74 @@
+"""Profiles built on paper, for models too large to measure here: ResNet-101 on ImageNet.
+
+ResNet-101 (He et al. 2016, Table 1): a 7×7 stem, bottleneck blocks (1×1, 3×3, 1×1 with
+4× expansion) in four stages of 3, 4, 23 and 3 blocks at 56², 28², 14² and 7², and a
+2048 → 1000 classifier: 44.5M parameters. Each layer's share of the forward cost is its
+multiply-adds (2·k²·C_in·C_out·H·W FLOPs per convolution), normalised so that the model
+does ``forward_flops`` per image; backward costs twice the forward (gradients of inputs
+and of weights). Saved activations are the block outputs and their three intermediate
+maps (fp32, ×2 for the BatchNorm and ReLU copies). Times are for a device sustaining
+``device_flops``; pass the same number as the cluster's so no rescaling happens.
+"""
+
+from __future__ import annotations
+
+from disttrain.simulate.profile import LayerProfile, ModelProfile
+
+RESNET101_BLOCKS = ((64, 3, 56), (128, 4, 28), (256, 23, 14), (512, 3, 7))
+HE_FORWARD_MULT_ADDS = 7.8e9  # per 224² image (He et al. count multiply-adds as FLOPs)
+
+
+def _conv(k: int, cin: int, cout: int, hw: int) -> tuple[int, int]:
+    """(parameters, multiply-adds) of a bias-free k×k convolution with an hw² output."""
+    return k * k * cin * cout, k * k * cin * cout * hw * hw
+
+
+def _bottleneck(cin: int, width: int, hw: int, stride: int) -> tuple[int, int, int]:
+    """(parameters, multiply-adds, saved activation elements) of one bottleneck block."""
+    out = 4 * width
+    parts = [_conv(1, cin, width, hw * stride), _conv(3, width, width, hw),
+             _conv(1, width, out, hw)]
+    if stride != 1 or cin != out:
+        parts.append(_conv(1, cin, out, hw))
+    bn = 2 * (2 * width + 2 * out)  # BatchNorm γ, β per channel
+    params = sum(p for p, _ in parts) + bn
+    macs = sum(m for _, m in parts)
+    saved = 2 * (width * (hw * stride) ** 2 + width * hw * hw + 2 * out * hw * hw)
+    return params, macs, saved
+
+
+def _layers() -> list[tuple[str, int, int, int, int]]:
+    """(name, params, mult-adds, saved elements, output elements) per layer, per image."""
+    stem_p, stem_m = _conv(7, 3, 64, 112)
+    rows = [("stem", stem_p + 128, stem_m, 2 * 64 * 112 * 112 + 64 * 56 * 56, 64 * 56 * 56)]
+    cin = 64
+    for stage, (width, blocks, hw) in enumerate(RESNET101_BLOCKS):
+        for b in range(blocks):
+            stride = 2 if b == 0 and stage > 0 else 1
+            params, macs, saved = _bottleneck(cin, width, hw, stride)
+            rows.append((f"conv{stage + 2}_{b + 1}", params, macs, saved, 4 * width * hw * hw))
+            cin = 4 * width
+    rows.append(("fc", cin * 1000 + 1000, cin * 1000, cin, 1000))
+    return rows
+
+
+def resnet101(device_flops: float, forward_flops: float = 2 * HE_FORWARD_MULT_ADDS,
+              optimizer_bytes_per_s: float = 700e9) -> ModelProfile:
+    """ResNet-101 for 224² images on a device sustaining ``device_flops`` FLOP/s.
+
+    ``forward_flops`` defaults to He et al.'s 7.8 G multiply-adds = 15.6 GFLOP per image.
+    The optimizer step streams ~20 bytes per parameter (weights, gradient, momentum) at
+    ``optimizer_bytes_per_s`` (HBM bandwidth).
+    """
+    rows = _layers()
+    total_macs = sum(r[2] for r in rows)
+    layers = []
+    for name, params, macs, saved, out in rows:
+        fwd = forward_flops * macs / total_macs / device_flops
+        layers.append(LayerProfile(name, 0.0, fwd, 0.0, 2 * fwd, params, 4.0 * saved,
+                                   4.0 * out))
+    return ModelProfile("resnet101", tuple(layers), device_flops,
+                        20 / optimizer_bytes_per_s, source="analytic (He et al. 2016)")
+
+
+ANALYTIC = {"resnet101": resnet101}

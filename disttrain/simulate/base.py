@@ -1,0 +1,114 @@
+"""What every simulated strategy reads (:class:`Case`) and returns (:class:`StepResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from disttrain.simulate.cluster import Cluster
+from disttrain.simulate.collectives import Group, bytes_sent, collective_time, group_of
+from disttrain.simulate.profile import ModelProfile
+from disttrain.simulate.workload import Workload
+
+
+@dataclass(frozen=True)
+class Case:
+    """One cell of the table: a model profile on ``workers`` devices of ``cluster``."""
+
+    profile: ModelProfile
+    cluster: Cluster
+    workload: Workload
+    workers: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) \
+                or self.workers < 1:
+            raise ValueError(f"workers must be an integer ≥ 1, got {self.workers!r}")
+
+    @property
+    def scale(self) -> float:
+        """Reference-device seconds → seconds on one of this cluster's devices."""
+        return self.cluster.compute_scale(self.profile.reference_flops, self.workers)
+
+    @property
+    def layers(self) -> int:
+        return len(self.profile.layers)
+
+    @property
+    def global_batch(self) -> int:
+        return self.workload.batch(self.workers)
+
+    def forward(self, layer: int, batch: float, factor: float = 1.0) -> float:
+        return self.profile.layers[layer].forward(batch) * self.scale * factor
+
+    def backward(self, layer: int, batch: float, factor: float = 1.0) -> float:
+        return self.profile.layers[layer].backward(batch) * self.scale * factor
+
+    def optimizer(self, params: float) -> float:
+        return self.profile.optimizer(params) * self.scale
+
+    def grad_bytes(self, layers: range | list[int] | None = None) -> float:
+        chosen = range(self.layers) if layers is None else layers
+        return sum(self.profile.layers[i].params for i in chosen) * self.workload.element_bytes
+
+    def ideal_s(self) -> float:
+        """One device processing its 1/W share of the global batch with no communication,
+        no bubble and no straggler: the denominator of scaling efficiency (Horovod's)."""
+        one = Case(self.profile, self.cluster, self.workload, 1)
+        batch = self.global_batch / self.workers
+        return (self.profile.compute(batch) + self.profile.optimizer(self.profile.params)) \
+            * one.scale
+
+    def group(self, size: int, stride: int = 1) -> Group:
+        return group_of(self.cluster, size, stride)
+
+    def collective(self, op: str, group: Group, nbytes: float) -> tuple[float, float, str]:
+        """(seconds, bytes the busiest device sends, algorithm) for one collective."""
+        seconds, algorithm = collective_time(self.cluster, op, self.workload.algorithm, group,
+                                             nbytes)
+        return seconds, bytes_sent(op, algorithm, group, nbytes), algorithm
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One simulated training step of a strategy at a number of workers."""
+
+    strategy: str
+    workers: int
+    global_batch: int
+    step_s: float = float("nan")
+    ideal_s: float = float("nan")
+    memory_bytes: float = 0.0  # peak per device, max over devices
+    bytes_sent: float = 0.0  # per device per step, max over devices
+    device_memory: float = 0.0
+    notes: tuple[str, ...] = ()
+    details: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # the strategy cannot run this case at all (not memory)
+
+    @property
+    def fits(self) -> bool:
+        return self.error is None and self.memory_bytes <= self.device_memory
+
+    @property
+    def efficiency(self) -> float:
+        return self.ideal_s / self.step_s if self.error is None and self.step_s > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch / self.step_s if self.error is None and self.step_s > 0 \
+            else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "workers": self.workers,
+                "global_batch": self.global_batch,
+                "step_s": None if self.error else self.step_s,
+                "samples_per_s": self.samples_per_s or None,
+                "efficiency": self.efficiency or None, "memory_bytes": self.memory_bytes,
+                "device_memory": self.device_memory, "fits": self.fits,
+                "bytes_sent": self.bytes_sent, "notes": list(self.notes),
+                "details": self.details, "error": self.error}
+
+
+def not_applicable(case: Case, strategy: str, why: str) -> StepResult:
+    return StepResult(strategy, case.workers, case.global_batch,
+                      device_memory=case.cluster.device_memory, error=why)

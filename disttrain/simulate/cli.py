@@ -1,0 +1,165 @@
+"""``disttrain simulate``: predict every strategy's step time, memory and scaling at any
+number of workers, and recommend one.
+
+    disttrain simulate --model lenet --cluster cluster-400g --workers 8,64,512,4096
+    disttrain simulate --model resnet101 --cluster roce-25g --batch 64 --strategies ddp
+    disttrain simulate --cluster my_cluster.toml --json rows.jsonl --plot scaling.svg
+    disttrain simulate --validate -n 2,4 --json validate.jsonl   # predicted vs measured here
+
+Exit codes: 0 done, 2 bad arguments, 1 a --validate run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from disttrain.simulate.cluster import PRESETS, Cluster, get_cluster
+from disttrain.simulate.profile import ModelProfile
+from disttrain.simulate.workload import Speeds, Workload
+
+DEFAULT_WORKERS = (8, 64, 512, 4096)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 8,64,512, got {text!r}") \
+            from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers ≥ 1, got {text!r}")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("empty list of strategies")
+    return names
+
+
+def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from disttrain.simulate.strategies import STRATEGIES
+
+    p = subparsers.add_parser(
+        "simulate", help="predict step time, memory and scaling of every strategy on a "
+        "cluster of any size, and recommend one",
+        description="Discrete-event simulation of one training step per strategy, from a "
+        "compute profile of the model and the α-β-γ cost model (docs/simulate.md).")
+    p.add_argument("--model", default="lenet", help="a registered model (profiled here), "
+                   "'resnet101' (analytic profile) or package.module:factory")
+    p.add_argument("--dataset", default=None, help="dataset whose inputs the profile uses "
+                   "(default: synthetic-lm for transformer, digits otherwise)")
+    p.add_argument("--cluster", default="local",
+                   help=f"a preset ({', '.join(PRESETS)}) or a .toml file")
+    p.add_argument("--workers", type=_ints, default=DEFAULT_WORKERS,
+                   help="comma-separated worker counts (default 8,64,512,4096)")
+    p.add_argument("--strategies", type=_names, default=tuple(STRATEGIES),
+                   help=f"comma-separated (default: all of {','.join(STRATEGIES)})")
+    _workload_arguments(p)
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="write one JSON object per row")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.svg",
+                   help="write step time, memory and efficiency plots")
+    p.add_argument("--validate", action="store_true",
+                   help="run each strategy here at -n ranks and print predicted against "
+                   "measured step time")
+    p.add_argument("-n", "--world-sizes", type=_ints, default=(2, 4),
+                   help="--validate: world sizes (default 2,4)")
+    p.add_argument("--steps", type=int, default=30, help="--validate: steps per run")
+    p.set_defaults(func=lambda args: run(args, p))
+
+
+def _workload_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int, default=32, help="samples per worker (default 32)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="fix the global batch instead (strong scaling)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+    p.add_argument("--algorithm", default="auto",
+                   help="collective algorithm: auto, ring, tree, halving_doubling, hierarchical")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP/ZeRO-2 bucket size")
+    p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches")
+    p.add_argument("--pp-size", type=int, default=None,
+                   help="pipeline stages (default: min(workers, layers, 8))")
+    p.add_argument("--servers", type=int, default=None,
+                   help="parameter servers (default: workers // 8)")
+    p.add_argument("--staleness", type=int, default=2, help="ps-ssp bound")
+    p.add_argument("--worker-speeds", type=Speeds.parse, default=Speeds(),
+                   help="none, lognormal:SIGMA or straggler:FRACTION:FACTOR")
+
+
+def load_profile(model: str, dataset: str | None, cluster: Cluster) -> ModelProfile:
+    """The analytic profile for a model we have one for, else measured here."""
+    from disttrain.simulate.analytic import ANALYTIC
+    from disttrain.simulate.profile import measure_registered
+
+    if model in ANALYTIC:
+        return ANALYTIC[model](cluster.device_flops or 4e12)
+    return measure_registered(model, dataset or ("synthetic-lm" if model == "transformer"
+                                                 else "digits"))
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    return Workload(batch_per_worker=args.batch, global_batch=args.global_batch,
+                    precision=args.precision, optimizer=args.optimizer,
+                    algorithm=args.algorithm, bucket_mb=args.bucket_mb,
+                    microbatches=args.microbatches, pp_size=args.pp_size,
+                    servers=args.servers, staleness=args.staleness, speeds=args.worker_speeds)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from disttrain.simulate.collectives import ALGORITHMS
+    from disttrain.simulate.strategies import check_names
+
+    try:
+        if args.algorithm not in ALGORITHMS:
+            raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}")
+        check_names(args.strategies)
+        wl = workload(args)
+        cluster = get_cluster(args.cluster) if not args.validate else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.validate:
+        from disttrain.simulate.validate import run_validation
+
+        return run_validation(args)
+    assert cluster is not None
+    return _simulate(args, cluster, wl)
+
+
+def _simulate(args: argparse.Namespace, cluster: Cluster, wl: Workload) -> int:
+    from disttrain.simulate.recommend import recommend
+    from disttrain.simulate.report import svg, text_table, write_json
+    from disttrain.simulate.strategies import sweep
+
+    try:
+        profile = load_profile(args.model, args.dataset, cluster)
+    except ValueError as exc:
+        print(f"disttrain simulate: {exc}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    rows = sweep(profile, cluster, wl, args.strategies, args.workers)
+    took = time.perf_counter() - start
+    print(f"disttrain simulate: model {profile.name} ({profile.params / 1e6:.3g}M parameters, "
+          f"{len(profile.layers)} layers, profile {profile.source}); cluster {cluster.name}: "
+          f"{cluster.nodes} × {cluster.devices_per_node} devices, {cluster.description}; "
+          f"{wl.precision}, {wl.optimizer}, {args.batch if wl.global_batch is None else ''}"
+          f"{' samples/worker' if wl.global_batch is None else f'global batch {wl.global_batch}'}")
+    print(text_table(rows))
+    print("\n# recommendation")
+    for workers in args.workers:
+        print(recommend(rows, workers).text())
+    print(f"\n(simulated {len(rows)} cases in {took:.2f} s)")
+    meta: dict[str, Any] = {"model": profile.name, "params": profile.params,
+                            "cluster": cluster.name, "workload": repr(wl),
+                            "command": " ".join(sys.argv)}
+    if args.json:
+        write_json(args.json, rows, meta)
+    if args.plot:
+        args.plot.write_text(svg(rows, f"{profile.name} on {cluster.name}"))
+    return 0

@@ -1,0 +1,193 @@
+"""A small discrete-event engine: tasks with durations and dependencies on resources.
+
+A *resource* is anything that does one thing at a time: a device's compute stream, its
+network link, a parameter server's NIC. A *task* occupies one resource for a duration and
+may start only when every task it depends on has finished::
+
+    compute  | F0 F1 F2 B2 B1 B0 opt |
+    link     |          ar(b0)  ar(b1)|      ar(b1) waits for B0 (dependency) and for
+                                             ar(b0) (the link is busy)
+
+Each resource picks its next task by one of two policies:
+
+* ``"fifo"`` (a CUDA stream, a single-threaded program, DDP's progress thread): tasks run
+  in the order they were added to the resource, each as soon as its dependencies allow;
+  a ready task behind an unready one waits.
+* ``"ready"`` (a server answering requests): whichever waiting task became ready first
+  runs next (ties: the order added).
+
+The engine is event-driven (a heap of completion times), so run time grows as
+O(T log T) in the number of tasks T; strategies keep T small by simulating a
+*representative* device when devices are symmetric (see docs/simulate.md).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+POLICIES = ("fifo", "ready")
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a finished task ran: resource, start and end (seconds), and its kind."""
+
+    name: str
+    resource: str
+    kind: str
+    start: float
+    end: float
+
+
+@dataclass
+class _Task:
+    index: int
+    name: str
+    resource: str
+    duration: float
+    deps: tuple[int, ...]
+    kind: str
+    waiting: int = 0  # dependencies not finished yet
+    ready_at: float = 0.0
+    start: float | None = None
+    end: float | None = None
+
+
+@dataclass
+class _Resource:
+    policy: str
+    queue: deque[int] = field(default_factory=deque)  # fifo: every task, in order added
+    ready: list[tuple[float, int]] = field(default_factory=list)  # "ready": heap
+    busy: bool = False
+    busy_time: float = 0.0
+
+
+class Simulation:
+    """Add resources and tasks, then :meth:`run`; tasks must be added after their deps."""
+
+    def __init__(self) -> None:
+        self._tasks: list[_Task] = []
+        self._resources: dict[str, _Resource] = {}
+        self._children: list[list[int]] = []
+        self.makespan = 0.0
+
+    def resource(self, name: str, policy: str = "fifo") -> str:
+        """Declare a resource (idempotent when the policy agrees); returns its name."""
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        known = self._resources.get(name)
+        if known is None:
+            self._resources[name] = _Resource(policy)
+        elif known.policy != policy:
+            raise ValueError(f"resource {name!r} already has policy {known.policy!r}")
+        return name
+
+    def add(self, name: str, resource: str, duration: float, deps: tuple[int, ...] = (),
+            kind: str = "") -> int:
+        """A task of ``duration`` seconds on ``resource`` after ``deps``; returns its id."""
+        if resource not in self._resources:
+            self.resource(resource)
+        if not duration >= 0:
+            raise ValueError(f"task {name!r}: duration must be ≥ 0 seconds, got {duration!r}")
+        index = len(self._tasks)
+        for d in deps:
+            if not 0 <= d < index:
+                raise ValueError(f"task {name!r} depends on unknown task id {d}; add "
+                                 f"dependencies first")
+        task = _Task(index, name, resource, float(duration), tuple(deps), kind or name)
+        self._tasks.append(task)
+        self._children.append([])
+        for d in set(deps):
+            self._children[d].append(index)
+        task.waiting = len(set(deps))
+        self._resources[resource].queue.append(index)
+        return index
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> float:
+        """Place every task in time; returns the makespan (the last end)."""
+        events: list[tuple[float, int]] = []  # (end time, task) of running tasks
+        for task in self._tasks:
+            if task.waiting == 0:
+                self._become_ready(task, 0.0)
+        now = 0.0
+        for res in self._resources.values():
+            self._dispatch(res, now, events)
+        done = 0
+        while events:
+            now, index = heapq.heappop(events)
+            task = self._tasks[index]
+            res = self._resources[task.resource]
+            res.busy = False
+            done += 1
+            for child in self._children[index]:
+                c = self._tasks[child]
+                c.ready_at = max(c.ready_at, now)
+                c.waiting -= 1
+                if c.waiting == 0:
+                    self._become_ready(c, c.ready_at)
+                    self._dispatch(self._resources[c.resource], now, events)
+            self._dispatch(res, now, events)
+        if done != len(self._tasks):
+            stuck = [t.name for t in self._tasks if t.end is None][:5]
+            raise RuntimeError(f"simulation stalled with {len(self._tasks) - done} tasks "
+                               f"unfinished (first: {stuck}); a fifo resource holds a task "
+                               f"whose dependency comes later on the same resource")
+        self.makespan = now
+        return now
+
+    def _become_ready(self, task: _Task, at: float) -> None:
+        task.ready_at = at
+        res = self._resources[task.resource]
+        if res.policy == "ready":
+            heapq.heappush(res.ready, (at, task.index))
+
+    def _dispatch(self, res: _Resource, now: float, events: list[tuple[float, int]]) -> None:
+        if res.busy:
+            return
+        index = self._next(res)
+        if index is None:
+            return
+        task = self._tasks[index]
+        task.start = max(now, task.ready_at)
+        task.end = task.start + task.duration
+        res.busy = True
+        res.busy_time += task.duration
+        heapq.heappush(events, (task.end, index))
+
+    def _next(self, res: _Resource) -> int | None:
+        if res.policy == "fifo":
+            if res.queue and self._tasks[res.queue[0]].waiting == 0:
+                return res.queue.popleft()
+            return None
+        if res.ready:
+            return heapq.heappop(res.ready)[1]
+        return None
+
+    # ------------------------------------------------------------------ results
+    def end(self, task: int) -> float:
+        """When ``task`` finished (after :meth:`run`)."""
+        value = self._tasks[task].end
+        if value is None:
+            raise RuntimeError("call run() first")
+        return value
+
+    def start(self, task: int) -> float:
+        value = self._tasks[task].start
+        if value is None:
+            raise RuntimeError("call run() first")
+        return value
+
+    def busy(self, resource: str) -> float:
+        """Seconds ``resource`` spent running tasks."""
+        return self._resources[resource].busy_time
+
+    def spans(self) -> list[Span]:
+        """Every finished task, in the order added."""
+        return [Span(t.name, t.resource, t.kind, t.start or 0.0, t.end or 0.0)
+                for t in self._tasks]

@@ -1,0 +1,119 @@
+"""Parameter servers (sync, async, SSP) as an event simulation with representative workers.
+
+S servers each hold 1/S of the parameters (key ranges of equal size) and are symmetric, so
+one server is simulated and carries the traffic of every worker. W workers are represented
+by at most 32 (speed factor, weight) pairs (:meth:`Speeds.representatives`): a
+representative of weight w stands for w workers whose messages reach the server together,
+so the server's NIC is busy w times as long. Per clock a worker::
+
+    pull(c) ──▶ compute(c) ──▶ push(c) ──▶ server apply ──▶ pull(c+1)
+                 (× its speed)   server NIC in    server CPU   server NIC out
+
+A transfer lasts max(w·(Ψ/S)·β_server, α + Ψ·β_worker): the server's NIC is shared by
+everyone (it serves requests in arrival order: the "ready" policy), a worker's own NIC sends
+its whole model once. Modes:
+
+* **sync** (BSP): the server applies once all workers of clock c have pushed; everyone
+  then pulls. The step waits for the slowest worker.
+* **async**: every push is applied as it arrives; a fast worker is never held back.
+* **ssp** (bounded staleness s): like async, but a worker starts clock c only after every
+  worker has pushed clock c − s − 1.
+
+Servers sit on their own nodes, one NIC each (the cluster's inter-node link); workers share
+their node's NIC. Step time is the time per W worker updates (one global batch).
+"""
+
+from __future__ import annotations
+
+from disttrain.simulate.base import Case, StepResult
+from disttrain.simulate.events import Simulation
+from disttrain.simulate.memory import activations
+
+MODES = ("sync", "async", "ssp")
+
+
+def _transfer(case: Case, servers: int, weight: float, element_bytes: int) -> float:
+    """Seconds of one representative's push (or pull) of the whole model."""
+    psi = case.profile.params * element_bytes
+    cluster = case.cluster
+    if cluster.intra_costs is not None and cluster.nodes == 1:  # this machine: one host
+        server = worker = cluster.intra_costs.at(case.workers + servers)
+    else:
+        server = cluster.inter_link()
+        worker = cluster.inter_link(min(case.workers, cluster.devices_per_node))
+    return max(server.alpha + weight * psi / servers * server.beta,
+               worker.alpha * servers + psi * worker.beta)
+
+
+def simulate_ps(case: Case, mode: str) -> StepResult:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    wl = case.workload
+    servers = wl.servers or max(1, case.workers // 8)
+    reps = wl.speeds.representatives(case.workers)
+    compute_1 = case.profile.compute(case.global_batch / case.workers) * case.scale
+    sim = Simulation()
+    for name in ("server.in", "server.cpu", "server.out"):
+        sim.resource(name, "ready")
+    transfer = [_transfer(case, servers, w, wl.element_bytes) for _, w in reps]
+    pulled = [sim.add(f"w{r}.pull0", "server.out", transfer[r], (), "comm")
+              for r in range(len(reps))]
+    done: list[list[int]] = []  # per clock: the updates applied (one when sync)
+    for c in range(wl.clocks):
+        done.append(_clock(sim, case, mode, c, reps, transfer, pulled, done, servers,
+                           compute_1))
+    sim.run()
+    return _result(case, mode, sim, reps, pulled, servers, compute_1)
+
+
+def _clock(sim: Simulation, case: Case, mode: str, c: int, reps: list[tuple[float, float]],
+           transfer: list[float], pulled: list[int], done: list[list[int]], servers: int,
+           compute_1: float) -> list[int]:
+    """Clock ``c`` of every representative: compute, push, apply, pull (``pulled`` is
+    updated in place). Returns the clock's apply tasks."""
+    wl = case.workload
+    apply_1 = case.optimizer(case.profile.params / servers)
+    pushes, applies = [], []
+    for r, (factor, w) in enumerate(reps):
+        deps = [pulled[r]]
+        if mode == "ssp" and c - wl.staleness - 1 >= 0:  # wait for the slowest's clock
+            deps += done[c - wl.staleness - 1]
+        comp = sim.add(f"w{r}.c{c}", f"w{r}", compute_1 * factor, tuple(deps), "compute")
+        pushes.append(sim.add(f"w{r}.push{c}", "server.in", transfer[r], (comp,), "comm"))
+        if mode != "sync":  # applied on arrival
+            applies.append(sim.add(f"apply{c}.{r}", "server.cpu", apply_1 * w,
+                                   (pushes[-1],), "optimizer"))
+    if mode == "sync":  # sum every worker's gradient, then one update
+        reduce_s = case.workers * case.profile.params / servers * wl.element_bytes \
+            * case.cluster.gamma
+        applies.append(sim.add(f"apply{c}", "server.cpu", apply_1 + reduce_s, tuple(pushes),
+                               "optimizer"))
+    for r in range(len(reps)):
+        src = applies[0] if mode == "sync" else applies[r]
+        pulled[r] = sim.add(f"w{r}.pull{c + 1}", "server.out", transfer[r], (src,), "comm")
+    return applies
+
+
+def _result(case: Case, mode: str, sim: Simulation, reps: list[tuple[float, float]],
+            pulled: list[int], servers: int, compute_1: float) -> StepResult:
+    wl = case.workload
+    # throughput in worker updates per second: each representative's own rate
+    rate = sum(w * wl.clocks / sim.end(pulled[r]) for r, (_, w) in enumerate(reps))
+    step = case.workers / rate
+    psi = case.profile.params
+    saved = sum(lay.saved_bytes_per_sample for lay in case.profile.layers)
+    batch = case.global_batch / case.workers
+    mem = 2 * psi * wl.element_bytes + activations(saved, batch, wl.element_bytes)
+    worker_bytes = psi * wl.element_bytes  # one push per step (pulls are received)
+    server_busy = sim.busy("server.in") / sim.makespan if sim.makespan else 0.0
+    notes = [f"{servers} server(s), server NIC busy {server_busy:.0%}"]
+    slowest = max(f for f, _ in reps)
+    if slowest > 1:
+        notes.append(f"slowest worker ×{slowest:.2f}")
+    return StepResult(
+        f"ps-{mode}", case.workers, case.global_batch, step, case.ideal_s(), mem, worker_bytes,
+        case.cluster.device_memory, tuple(notes),
+        {"servers": servers, "representatives": len(reps), "compute_s": compute_1,
+         "server_bytes_per_step": case.workers * psi / servers * 2 * wl.element_bytes,
+         "server_memory_bytes": psi / servers * (wl.element_bytes + wl.k_bytes),
+         "server_nic_busy": server_busy, "events": len(sim)})

@@ -1,0 +1,165 @@
+"""Model parallelism and pipelines (GPipe, 1F1B; pp × dp grids), simulated from the
+pipeline's own schedule tables.
+
+The model's layers are cut into pp contiguous stages by
+:func:`~disttrain.parallel.pipeline.partition.balance_by_cost` on forward + backward time
+(what ``--partition time`` does). :func:`~disttrain.parallel.pipeline.schedules.get_schedule`
+gives each stage's action list (``rA0 F0 sA0 … rG0 B0 sG0``); every compute action becomes
+a task on the stage's compute stream, every send a task on its link (α + activation bytes
+· β, intra- or inter-node depending on where the neighbour sits), and every receive a
+dependency on the matching send. The bubble, the idle time at the start and end of the
+step, comes out of the simulation: with equal stage times and free messages it is
+(p − 1)/(m + p − 1).
+
+Every pipeline replica of a pp × dp grid is the same, so one replica is simulated; after
+its backward each stage all-reduces its gradients with its dp copies (ranks pp apart).
+Model parallelism is the schedule with one micro-batch (m = 1) and pp = every device.
+"""
+
+from __future__ import annotations
+
+from disttrain.parallel.pipeline.partition import balance_by_cost, boundaries
+from disttrain.parallel.pipeline.schedules import (
+    Backward,
+    Forward,
+    RecvAct,
+    RecvGrad,
+    Schedule,
+    SendAct,
+    get_schedule,
+)
+from disttrain.simulate import memory
+from disttrain.simulate.base import Case, StepResult, not_applicable
+from disttrain.simulate.events import Simulation
+
+DEFAULT_MAX_STAGES = 8
+
+
+class _Replica:
+    """One pipeline replica's tasks, built by walking the schedule in dependency order."""
+
+    def __init__(self, case: Case, schedule: Schedule, bounds: list[tuple[int, int]],
+                 micro: float, factor: float) -> None:
+        self.case, self.schedule, self.bounds = case, schedule, bounds
+        self.micro, self.factor = micro, factor
+        self.sim = Simulation()
+        self.sent: dict[tuple[str, int, int], int] = {}  # (kind, to stage, mb) → send task
+        self.last_compute: dict[int, int] = {}
+        self.bytes = [0.0] * schedule.num_stages
+
+    def link(self, stage: int, to: int, nbytes: float) -> float:
+        dpn = self.case.cluster.devices_per_node
+        same_node = stage // dpn == to // dpn  # one replica's stages are contiguous ranks
+        costs = self.case.cluster.intra_link() if same_node else self.case.cluster.inter_link()
+        costs = costs.at(self.case.workers)
+        return costs.alpha + nbytes * costs.beta
+
+    def stage_time(self, stage: int, backward: bool) -> float:
+        lo, hi = self.bounds[stage]
+        f = self.case.backward if backward else self.case.forward
+        return sum(f(i, self.micro, self.factor) for i in range(lo, hi))
+
+    def boundary_bytes(self, stage: int) -> float:
+        lay = self.case.profile.layers[self.bounds[stage][1] - 1]
+        return lay.output_bytes_per_sample * self.micro * self.case.workload.element_bytes / 4
+
+    def step(self, s: int, action: object) -> bool:
+        """Add ``action``'s task; False if it waits for a message not yet sent."""
+        sim, mb = self.sim, getattr(action, "microbatch", 0)
+        if isinstance(action, (RecvAct, RecvGrad)):
+            return ("act" if isinstance(action, RecvAct) else "grad", s, mb) in self.sent
+        if isinstance(action, (Forward, Backward)):
+            fwd = isinstance(action, Forward)
+            key = ("act", s, mb) if fwd else ("grad", s, mb)
+            deps = (self.sent[key],) if key in self.sent else ()
+            self.last_compute[s] = sim.add(f"{action}@{s}", f"compute{s}",
+                                           self.stage_time(s, not fwd), deps,
+                                           "forward" if fwd else "backward")
+            return True
+        forward = isinstance(action, SendAct)
+        to = s + 1 if forward else s - 1
+        nbytes = self.boundary_bytes(s if forward else to)
+        self.bytes[s] += nbytes
+        self.sent[("act" if forward else "grad", to, mb)] = sim.add(
+            f"{action}@{s}", f"link{s}", self.link(s, to, nbytes), (self.last_compute[s],),
+            "comm")
+        return True
+
+    def build(self) -> None:
+        pcs = [0] * self.schedule.num_stages
+        pending = True
+        while pending:
+            progressed, pending = False, False
+            for s in range(self.schedule.num_stages):
+                actions = self.schedule.actions(s)
+                while pcs[s] < len(actions) and self.step(s, actions[pcs[s]]):
+                    pcs[s] += 1
+                    progressed = True
+                pending = pending or pcs[s] < len(actions)
+            if pending and not progressed:
+                raise RuntimeError(f"{self.schedule.name} schedule deadlocks in simulation")
+
+
+def default_pp(case: Case) -> int:
+    return case.workload.pp_size or min(case.workers, case.layers, DEFAULT_MAX_STAGES)
+
+
+def simulate_pipeline(case: Case, name: str, pp: int | None = None,
+                      microbatches: int | None = None) -> StepResult:
+    """GPipe or 1F1B on a pp × dp grid (``name`` "gpipe"/"1f1b"), or "model-parallel"."""
+    pp = pp or (case.workers if name == "model-parallel" else default_pp(case))
+    m = 1 if name == "model-parallel" else (microbatches or case.workload.microbatches)
+    if pp > case.layers:
+        return not_applicable(case, name, f"{pp} stages need ≥ {pp} layers; the model has "
+                              f"{case.layers} (use --pp-size ≤ {case.layers})")
+    if case.workers % pp:
+        return not_applicable(case, name, f"--pp-size {pp} does not divide {case.workers} "
+                              f"workers")
+    dp = case.workers // pp
+    replica_batch = case.global_batch / dp
+    if replica_batch < m:
+        return not_applicable(case, name, f"{replica_batch:g} samples per replica < {m} "
+                              f"micro-batches")
+    costs = [lay.forward(1) + lay.backward(1) for lay in case.profile.layers]
+    bounds = boundaries(balance_by_cost(costs, pp))
+    schedule = get_schedule("gpipe" if name == "model-parallel" else name, pp, m)
+    factor = case.workload.speeds.slowest(case.workers)
+    rep = _Replica(case, schedule, bounds, replica_batch / m, factor)
+    rep.build()
+    sent_dp = _finish(case, rep, pp, dp)
+    step = rep.sim.run()
+    return _result(case, name, rep, step, sent_dp, pp, dp, m)
+
+
+def _finish(case: Case, rep: _Replica, pp: int, dp: int) -> list[float]:
+    """Each stage: dp all-reduce of its gradients (after its last backward), optimizer."""
+    sent = []
+    group = case.group(dp, stride=pp)
+    for s, (lo, hi) in enumerate(rep.bounds):
+        seconds, nbytes, _ = case.collective("all_reduce", group, case.grad_bytes(range(lo, hi)))
+        ar = rep.sim.add(f"ar@{s}", f"link{s}", seconds, (rep.last_compute[s],), "comm")
+        params = sum(case.profile.layers[i].params for i in range(lo, hi))
+        rep.sim.add(f"opt@{s}", f"compute{s}", case.optimizer(params), (ar,), "optimizer")
+        sent.append(nbytes)
+    return sent
+
+
+def _result(case: Case, name: str, rep: _Replica, step: float, sent_dp: list[float], pp: int,
+            dp: int, m: int) -> StepResult:
+    wl = case.workload
+    idle = [1 - rep.sim.busy(f"compute{s}") / step for s in range(pp)]
+    bubble = sum(idle) / pp
+    mems = []
+    for s, (lo, hi) in enumerate(rep.bounds):
+        params = sum(case.profile.layers[i].params for i in range(lo, hi))
+        states = memory.model_states("ddp", params, 1, wl.element_bytes, wl.k_bytes).total
+        in_flight = m if name != "1f1b" else min(pp - s, m)
+        saved = sum(case.profile.layers[i].saved_bytes_per_sample for i in range(lo, hi))
+        mems.append(states + memory.activations(saved, rep.micro * in_flight,
+                                                wl.element_bytes))
+    notes = [f"pp={pp} dp={dp}", f"idle {bubble:.0%} at m={m}"]
+    sent = max(b + d for b, d in zip(rep.bytes, sent_dp))
+    return StepResult(name, case.workers, case.global_batch, step, case.ideal_s(), max(mems),
+                      sent, case.cluster.device_memory, tuple(notes),
+                      {"pp": pp, "dp": dp, "microbatches": m, "bubble": bubble,
+                       "balance": [hi - lo for lo, hi in rep.bounds], "events": len(rep.sim)})

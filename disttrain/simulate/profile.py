@@ -1,0 +1,200 @@
+"""Compute profile of a model: per-layer forward and backward time, parameter, gradient and
+activation bytes, measured on this machine.
+
+Each layer of the model (:func:`~disttrain.parallel.pipeline.partition.layers_of`: the
+children of an ``nn.Sequential``) runs on its own, on a detached input, so its forward and
+its backward are timed separately. Times are measured at two batch sizes and fitted as
+``t(b) = fixed + b · per_sample`` per layer: on a CPU the fixed part (Python, kernel
+launch) matters at small batches, on an accelerator the per-sample part dominates. The
+bytes of the tensors autograd saves for backward are counted with
+``torch.autograd.graph.saved_tensors_hooks`` (what a layer's activations cost in memory),
+and the output bytes are what a pipeline stage sends to the next.
+
+Ranks of ``disttrain bench`` run one thread each, so the profile is measured with one
+thread too. ``reference_flops`` is this machine's sustained matmul FLOP/s at that thread
+count: a cluster whose devices sustain F FLOP/s runs the profile ``reference_flops / F``
+times as long (see :meth:`disttrain.simulate.cluster.Cluster.compute_scale`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from disttrain.parallel.pipeline.partition import layers_of
+
+PROFILE_BATCHES = (4, 32)
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer on the reference device; times in seconds, sizes in elements or bytes."""
+
+    name: str
+    forward_fixed: float
+    forward_per_sample: float
+    backward_fixed: float
+    backward_per_sample: float
+    params: int  # trainable elements
+    saved_bytes_per_sample: float  # what autograd keeps for backward
+    output_bytes_per_sample: float  # what the next pipeline stage receives
+
+    def forward(self, batch: float) -> float:
+        return self.forward_fixed + batch * self.forward_per_sample
+
+    def backward(self, batch: float) -> float:
+        return self.backward_fixed + batch * self.backward_per_sample
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Every layer of a model, plus the optimizer's cost and the reference device speed."""
+
+    name: str
+    layers: tuple[LayerProfile, ...]
+    reference_flops: float  # sustained FLOP/s of the device the times are for
+    optimizer_s_per_param: float
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError(f"profile {self.name!r} has no layers")
+        if not self.reference_flops > 0:
+            raise ValueError(f"reference_flops must be > 0, got {self.reference_flops}")
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    def compute(self, batch: float) -> float:
+        """Forward + backward of the whole model on ``batch`` samples (reference device)."""
+        return sum(lay.forward(batch) + lay.backward(batch) for lay in self.layers)
+
+    def optimizer(self, params: float) -> float:
+        return params * self.optimizer_s_per_param
+
+
+def host_flops(size: int = 256, repeats: int = 10) -> float:
+    """Sustained fp32 matmul FLOP/s of this process at its current thread count."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def _saved_bytes(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, total
+
+
+def _time_layer(layer: nn.Module, x: torch.Tensor, loss: bool) -> tuple[float, float, int, int]:
+    """Median (forward s, backward s), saved bytes and output bytes of ``layer`` on ``x``."""
+    fwd, bwd, saved, out_bytes = [], [], 0, 0
+    for run in range(REPEATS + 1):
+        x_in = x.detach().requires_grad_(x.is_floating_point())
+        start = time.perf_counter()
+        y, saved = _saved_bytes(lambda: layer(x_in))  # noqa: B023 (used at once)
+        out_bytes = y.numel() * y.element_size()
+        target = y.float().pow(2).mean() if loss else None  # a scalar loss on the last layer
+        mid = time.perf_counter()
+        if y.requires_grad:
+            (target if target is not None else y).backward(
+                None if target is not None else torch.ones_like(y))
+        end = time.perf_counter()
+        if run:
+            fwd.append(mid - start)
+            bwd.append(end - mid)
+        layer.zero_grad(set_to_none=True)
+    return statistics.median(fwd), statistics.median(bwd), saved, out_bytes
+
+
+def _run_layers(layers: list[nn.Module], sample: torch.Tensor) -> list[tuple[float, float, int,
+                                                                             int]]:
+    rows, x = [], sample
+    for i, layer in enumerate(layers):
+        rows.append(_time_layer(layer, x, loss=i == len(layers) - 1))
+        with torch.no_grad():
+            x = layer(x)
+    return rows
+
+
+def _optimizer_rate(params: list[nn.Parameter]) -> float:
+    """Seconds per parameter of an SGD-with-momentum step (what the training loop runs)."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.SGD(params, lr=0.0, momentum=0.9)
+    opt.step()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    numel = sum(p.numel() for p in params) or 1
+    return statistics.median(times) / numel
+
+
+def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tensor],
+            batches: tuple[int, int] = PROFILE_BATCHES, threads: int = 1) -> ModelProfile:
+    """Profile ``model`` (its ``layers_of`` split) on inputs ``make_input(batch)``."""
+    b1, b2 = batches
+    if not 0 < b1 < b2:
+        raise ValueError(f"batches must be two increasing sizes, got {batches}")
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        layers = layers_of(model)
+        with torch.random.fork_rng(devices=[]):
+            small, large = _run_layers(layers, make_input(b1)), _run_layers(layers,
+                                                                            make_input(b2))
+            opt = _optimizer_rate([p for p in model.parameters() if p.requires_grad])
+            flops = host_flops()
+    finally:
+        model.load_state_dict(state)
+        torch.set_num_threads(old_threads)
+    profiles = []
+    for i, (layer, s, g) in enumerate(zip(layers, small, large)):
+        fwd_slope = max(0.0, (g[0] - s[0]) / (b2 - b1))
+        bwd_slope = max(0.0, (g[1] - s[1]) / (b2 - b1))
+        profiles.append(LayerProfile(
+            f"{i}:{type(layer).__name__}", max(0.0, s[0] - b1 * fwd_slope), fwd_slope,
+            max(0.0, s[1] - b1 * bwd_slope), bwd_slope,
+            sum(p.numel() for p in layer.parameters() if p.requires_grad),
+            g[2] / b2, g[3] / b2))
+    return ModelProfile(name, tuple(profiles), flops, opt, f"measured here ({threads} thread)")
+
+
+def measure_registered(model: str, dataset: str = "digits", seed: int = 0) -> ModelProfile:
+    """Profile a model of the registry (or ``"pkg.mod:factory"``) on ``dataset``'s inputs."""
+    from disttrain.train.data import build_dataset
+    from disttrain.train.models import build_model
+
+    info = build_dataset(dataset).info
+    torch.manual_seed(seed)
+    net = build_model(model, info)
+    net.train()
+
+    def make_input(batch: int) -> torch.Tensor:
+        if info.task == "lm":
+            return torch.randint(0, info.num_classes, (batch, *info.input_shape))
+        return torch.randn(batch, *info.input_shape)
+
+    return measure(model, net, make_input)

@@ -1,0 +1,111 @@
+"""``disttrain simulate --validate``: predicted against measured step time on this machine.
+
+For each strategy that ``disttrain bench`` can run here (a name the training registry does
+not have is skipped, saying so) and each world size, it
+
+1. profiles the model here (:mod:`~disttrain.simulate.profile`, one thread, as ranks run),
+2. simulates the step on the ``local`` cluster (calibrated costs, ranks sharing the cores)
+   with the configuration the benchmark uses: the global batch fixed, the ``ring``
+   algorithm, every rank a pipeline stage, 8 micro-batches;
+3. adds the training loop's per-step overhead that per-layer timing cannot see (fetching
+   the batch, the loss, ``zero_grad``, Python): the single-process reference's measured
+   step minus its simulated compute (the benchmark runs that reference anyway),
+4. runs the strategy with the benchmark's machinery
+   (:func:`disttrain.bench.strategy_bench.run_table`: fresh processes, median step time of
+   the slowest rank after warm-up),
+
+and prints both with their ratio. ``--json FILE`` writes one object per row with
+``strategy, world_size, predicted_step_s, measured_step_s`` (and ``ratio``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from disttrain.bench.experiments import BenchConfig
+from disttrain.bench.strategy_bench import run_table
+from disttrain.simulate.cluster import local
+from disttrain.simulate.profile import ModelProfile, measure_registered
+from disttrain.simulate.strategies import simulate
+from disttrain.simulate.workload import Workload
+from disttrain.train.strategies import STRATEGIES as RUNNABLE
+
+GLOBAL_BATCH = 32
+
+
+def _plan(names: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    runnable = [n for n in names if n in RUNNABLE]
+    skipped = [n for n in names if n not in RUNNABLE]
+    return runnable, skipped
+
+
+def predicted(profile: ModelProfile, strategy: str, world_size: int, global_batch: int,
+              microbatches: int, overhead_s: float = 0.0) -> float:
+    """The simulated step on the local cluster, plus the loop's per-step overhead (reference
+    seconds, slowed like compute when ranks outnumber cores)."""
+    wl = Workload(global_batch=global_batch, algorithm="ring", pp_size=world_size,
+                  microbatches=microbatches)
+    cluster = local()
+    row = simulate(profile, cluster, wl, strategy, world_size)
+    if row.error is not None:
+        return float("nan")
+    return row.step_s + overhead_s * cluster.compute_scale(profile.reference_flops, world_size)
+
+
+def loop_overhead(profile: ModelProfile, single_step_s: float | None,
+                  global_batch: int) -> float:
+    """What the training loop adds to the profiled layers in one process (fetching the
+    batch, the loss, zero_grad, Python): the single-process reference's measured step
+    minus its simulated compute. The benchmark runs that reference anyway."""
+    if not single_step_s:
+        return 0.0
+    modelled = profile.compute(global_batch) + profile.optimizer(profile.params)
+    return max(0.0, single_step_s - modelled)
+
+
+def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
+    names, skipped = _plan(tuple(args.strategies))
+    for name in skipped:
+        print(f"skipping {name}: not runnable by disttrain bench here (not in the training "
+              f"strategy registry)", file=sys.stderr)
+    dataset = args.dataset or ("synthetic-lm" if args.model == "transformer" else "digits")
+    profile = measure_registered(args.model, dataset)
+    config = BenchConfig(strategies=tuple(names), world_sizes=tuple(args.world_sizes),
+                         model=args.model, dataset=dataset, steps=args.steps,
+                         global_batch=args.global_batch or GLOBAL_BATCH, algorithm="ring",
+                         eval_every=10**6)
+    outcome = run_table(config, on_start=lambda i, n, run: print(
+        f"[{i + 1}/{n}] measuring {run.label}", file=sys.stderr, flush=True))
+    single = next((r for r in outcome.rows if r["strategy"] == "single"), {})
+    overhead = loop_overhead(profile, single.get("step_time_s"), config.global_batch)
+    print(f"per-step loop overhead from the single-process reference: {overhead * 1e3:.2f} ms",
+          file=sys.stderr)
+    rows = []
+    for row in outcome.rows:
+        if row["strategy"] == "single":
+            continue
+        pred = predicted(profile, row["strategy"], row["world_size"], config.global_batch,
+                         args.microbatches, overhead)
+        measured = row.get("step_time_s") if row.get("error") is None else None
+        rows.append({"strategy": row["strategy"], "world_size": row["world_size"],
+                     "predicted_step_s": pred, "measured_step_s": measured,
+                     "ratio": pred / measured if measured else None, "error": row.get("error")})
+    return rows
+
+
+def run_validation(args: argparse.Namespace) -> int:
+    rows = rows_for(args)
+    print(f"{'strategy':15s} {'n':>3s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s}")
+    for r in rows:
+        measured = f"{r['measured_step_s'] * 1e3:.2f} ms" if r["measured_step_s"] else "-"
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] else (r["error"] or "-")
+        print(f"{r['strategy']:15s} {r['world_size']:>3d} {r['predicted_step_s'] * 1e3:7.2f} ms "
+              f"{measured:>10s} {ratio:>6s}")
+    if args.json:
+        with args.json.open("w") as out:
+            for r in rows:
+                out.write(json.dumps(r) + "\n")
+    return 1 if any(r["error"] for r in rows) else 0
