@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from disttrain.comm.algorithms import halving_doubling, naive, native, ring, shm, tree
+from disttrain.comm.algorithms import halving_doubling, hierarchical, naive, native, ring, shm, tree
 
 Algorithm = Callable[..., None]
 
@@ -62,6 +62,7 @@ ALGORITHMS: dict[str, dict[str, Algorithm]] = {
     "barrier": {"naive": naive.barrier, "tree": tree.barrier, "native": native.barrier,
                 "shm": shm.barrier},
 }
+hierarchical.register(ALGORITHMS)  # all_reduce, broadcast, all_gather: docs/hierarchical.md
 
 COLLECTIVES = tuple(ALGORITHMS)
 
