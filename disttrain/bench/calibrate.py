@@ -54,11 +54,14 @@ TABLE_TIMING = Timing(iters=15, warmup=1, budget_s=0.4)
 Plan = list[tuple[str, str, int]]
 
 
+AUTO_NEVER = frozenset({"hierarchical"})  # builds sub-communicators: chosen explicitly only
+
+
 def table_plan() -> Plan:
     """Every (op, algorithm, size) the tables time; algorithms that cannot run on the
     transport (``shm`` on torch, ``native`` without a group) are skipped by the job."""
     return [(op, name, n) for op, sizes in TABLE_SIZES.items() for n in sizes
-            for name in algorithms.names(op)]
+            for name in algorithms.names(op) if name not in AUTO_NEVER]
 
 
 def trimmed_mean(values: list[float], trim: float = 0.05) -> float:
