@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from disttrain.bench import comm as comm_bench
-from disttrain.bench import strategy_cli
+from disttrain.bench import pipeline_bench, strategy_cli
 from disttrain.bench.ranks import BenchError
 from disttrain.bench.table import TableWriter, auto_versus_best, format_time
 from disttrain.bench.transports import TRANSPORTS
@@ -89,6 +89,7 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     strategy_cli.add_arguments(bench)
     inner = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_comm_parser(inner)
+    pipeline_bench.add_parser(inner)
     bench.set_defaults(func=lambda args: strategy_cli.run(args, bench))
 
 

@@ -8,8 +8,8 @@ time (no micro-batches).
 
 Only one rank computes at any moment: the idle fraction is (p − 1)/p, the price that
 pipelining (:mod:`disttrain.parallel.pipeline`) cuts by splitting the batch. This is the
-"manual MP" row of the benchmark. The split and the messages (a shape header, then the
-tensor; failures passed on to the neighbours) are the pipeline's own.
+"manual MP" row of the benchmark. The split and the messages (a header in front of each
+tensor, one message each; failures passed on to the neighbours) are the pipeline's own.
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ class ModelParallel:
               loss_fn: LossFn) -> float:
         """Forward, loss, backward on this rank; returns the loss (which travels back from
         the last rank in the gradient headers)."""
+        first, last = int(self.is_first), int(self.is_last)
+        self.link.begin(TRAIN, sends={ACTIVATION: 1 - last, GRADIENT: 1 - first},
+                        recvs={ACTIVATION: 1 - first, GRADIENT: 1 - last})
         x, source = self._input(inputs, TRAIN)
         rows = x.shape[0] if x.dim() else 0
         if self.is_last:
@@ -123,7 +126,8 @@ class ModelParallel:
             self._abort(exc)
             raise
         self.last_step = StepStats(time.perf_counter() - start, self.stage.busy_s, 0.0,
-                                   self.stage.peak_stashed, self.stage.peak_bytes)
+                                   self.stage.peak_stashed, self.stage.peak_bytes,
+                                   self.link.wait_s)
         return loss
 
     def share_from_last(self, value: float) -> float:
@@ -138,6 +142,8 @@ class ModelParallel:
         self._check_usable()
         self._call += 1
         try:
+            self.link.begin(EVAL, sends={ACTIVATION: 1 - int(self.is_last)},
+                            recvs={ACTIVATION: 1 - int(self.is_first)})
             x, source = self._input(inputs, EVAL)
             out = self.stage.forward_only(x, source)
             if self.is_last:

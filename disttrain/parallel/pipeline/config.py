@@ -52,6 +52,7 @@ class StepStats:
     allreduce_s: float  # averaging gradients over the dp group
     peak_stashed: int  # most micro-batches held between forward and backward
     peak_activation_bytes: int  # the bytes autograd saved for them, at that peak
+    wait_s: float = 0.0  # blocked waiting for the neighbours' messages (the bubble and latency)
 
     @property
     def idle_fraction(self) -> float:
@@ -70,11 +71,13 @@ class PipelineTotals:
     allreduce_s: float = 0.0
     peak_stashed: int = 0
     peak_activation_bytes: int = 0
+    wait_s: float = 0.0
 
     def add(self, step: StepStats) -> None:
         self.steps += 1
         self.wall_s += step.wall_s
         self.busy_s += step.busy_s
+        self.wait_s += step.wait_s
         self.allreduce_s += step.allreduce_s
         self.peak_stashed = max(self.peak_stashed, step.peak_stashed)
         self.peak_activation_bytes = max(self.peak_activation_bytes, step.peak_activation_bytes)

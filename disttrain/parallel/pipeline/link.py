@@ -1,56 +1,65 @@
-"""Messages between neighbouring pipeline stages: a small header, then the tensor.
+"""Messages between neighbouring pipeline stages: one message per activation or gradient.
 
-Every activation (to stage s+1) and gradient (to stage s−1) travels as two point-to-point
-messages on the pipeline's communicator::
+Activations go to stage s+1 and gradients to stage s−1 on the pipeline's communicator, each
+as one message, a 128-byte header then the tensor's bytes (:mod:`.wire`). The header is what
+keeps a broken pipeline from hanging or corrupting silently:
 
-    header  int64[15] = magic, status, call, mode, micro-batch, rows, value, dtype, ndim,
-                        shape[6]
-    payload the tensor itself (contiguous), shape and dtype as announced
-
-The header is what keeps a broken pipeline from hanging or corrupting silently:
-
-* the receiver allocates exactly the announced shape, so no shape has to be declared ahead
-  and a stage whose output changed shape cannot overrun a pre-sized buffer;
 * call number, mode and micro-batch number are checked against what the receiver's own
   schedule expects, so ranks running different schedules, micro-batch counts or steps get
   an error naming both stages, not a wrong pairing of tensors;
-* a stage that fails sends ``status = FAILED`` headers to its neighbours, who raise
+* shape and dtype travel with every tensor, so nothing is declared ahead and a stage whose
+  output changed shape cannot be misread;
+* a stage that fails sends ``status = FAILED`` to its neighbours, who raise
   :class:`StageFailedError` at their next receive and pass it on, instead of each waiting
-  for a timeout.
+  for a timeout;
+* ``value`` carries one float64: gradient headers carry the loss known so far, so the loss
+  travels from the last stage to all others with the gradients (no collective to hang in).
 
-``value`` carries one float64 along: gradient headers carry the loss known so far, so the
-loss travels from the last stage to all others with the gradients (no collective, and no
-collective to hang in when a stage fails).
+**Sizes.** A receive needs a buffer of the message's exact size before the message arrives.
+Both ends of a channel remember the payload size of the message at each *position* (the
+k-th message of a train or eval call in that direction) and expect the same next time: in
+steady state every tensor is one message, and receives are posted when a call begins
+(:meth:`StageLink.begin`), so they land while the stage computes. When the size changed
+(the first call, a new batch size) the sender fills the expected size with a ``RESHAPE``
+header and sends the payload alone right after, on a second tag; both ends then remember
+the new size. Bytes on the wire in the first call equal those of every later one.
 
 Sends are posted and not waited for (``isend``: the schedule never blocks on a send, which
 is what :mod:`simulate` assumes); :meth:`StageLink.flush` waits for them at the end of a
-step, so no message outlives the step that sent it (a send abandoned before the receiver
-took it would be lost). Receives block, with the communicator's timeout, and the header
-receives a step will need are posted when it starts (:meth:`StageLink.expect`).
+call, so no message outlives the call that sent it.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from disttrain.comm import CommError, Communicator, Work
+from disttrain.parallel.pipeline import wire
+from disttrain.parallel.pipeline.wire import (
+    DTYPES,
+    EVAL,
+    FAILED,
+    HEADER_BYTES,
+    MAX_NDIM,
+    OK,
+    RESHAPE,
+    TRAIN,
+    Header,
+    PipelineError,
+)
 
-HEADER_LEN = 15
-MAX_NDIM = HEADER_LEN - 9
-_MAGIC = 0x5049_5045
-OK, FAILED = 0, 1
-TRAIN, EVAL = 0, 1
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-          torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+__all__ = ["DTYPES", "EVAL", "HEADER_BYTES", "MAX_NDIM", "TRAIN", "Direction", "Message",
+           "PipelineError", "StageFailedError", "StageLink"]
+
+log = logging.getLogger(__name__)
 _TAG_BASE = 0x7100  # user point-to-point tags; collectives use tags far above
-
-
-class PipelineError(RuntimeError):
-    """A pipeline step failed; the message names the stages (and ranks) involved."""
 
 
 class StageFailedError(PipelineError):
@@ -71,43 +80,11 @@ class Direction(enum.Enum):
     def noun(self) -> str:
         return "activation" if self is Direction.ACTIVATION else "gradient"
 
-
-def _float_bits(value: float) -> int:
-    return int(torch.tensor([value], dtype=torch.float64).view(torch.int64)[0])
-
-
-def _bits_float(bits: int) -> float:
-    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64)[0])
-
-
-@dataclass(frozen=True)
-class Header:
-    """What precedes every tensor. A ``FAILED`` header names the failed stage in
-    ``microbatch`` and carries nothing after it."""
-
-    status: int
-    call: int
-    mode: int
-    microbatch: int
-    rows: int  # rows of the micro-batch at stage 0, carried along for validation
-    value: float  # the loss known so far, on gradient messages
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    def encode(self) -> torch.Tensor:
-        shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
-        return torch.tensor([_MAGIC, self.status, self.call, self.mode, self.microbatch,
-                             self.rows, _float_bits(self.value), DTYPES.index(self.dtype),
-                             len(self.shape), *shape], dtype=torch.int64)
-
-    @staticmethod
-    def decode(t: torch.Tensor) -> Header:
-        v = t.tolist()
-        if v[0] != _MAGIC or not 0 <= v[7] < len(DTYPES) or not 0 <= v[8] <= MAX_NDIM:
-            raise PipelineError(f"received a malformed pipeline header {v}: another message "
-                                f"used the pipeline's tags, or the ranks run different versions")
-        return Header(v[1], v[2], v[3], v[4], v[5], _bits_float(v[6]), DTYPES[v[7]],
-                      tuple(v[9:9 + v[8]]))
+    @property
+    def tags(self) -> tuple[int, int]:
+        """(message tag, tag of payloads that follow a RESHAPE header)."""
+        base = _TAG_BASE + 2 * self.value
+        return base, base + 1
 
 
 @dataclass(frozen=True)
@@ -119,22 +96,46 @@ class Message:
     value: float
 
 
+@dataclass
+class _Channel:
+    """One direction of messages to (or from) one neighbour during the current call."""
+
+    sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # (mode, position) → bytes
+    mode: int = TRAIN
+    position: int = 0  # messages sent (received) so far in this call
+    count: int = 0  # messages this call sends (receives)
+    posted: deque[tuple[torch.Tensor, Work]] = field(default_factory=deque)
+
+    def begin(self, mode: int, count: int) -> None:
+        self.mode, self.position, self.count = mode, 0, count
+
+    def expected(self, position: int) -> int:
+        """Payload bytes both ends expect at ``position`` (0, header only, the first time)."""
+        return self.sizes.get((self.mode, position), 0)
+
+
 def _mode_name(mode: int) -> str:
     return "train" if mode == TRAIN else "eval"
 
 
+def _what(direction: Direction, microbatch: int, mode: int, call: int) -> str:
+    return f"the {direction.noun} of micro-batch {microbatch} ({_mode_name(mode)} call {call})"
+
+
 class StageLink:
     """Stage ``stage``'s messages with stages ``stage − 1`` and ``stage + 1``; the pipeline
-    communicator's rank r is stage r."""
+    communicator's rank r is stage r. Every call (train step or evaluation) starts with
+    :meth:`begin`, which says how many messages go each way."""
 
     def __init__(self, comm: Communicator, stage: int) -> None:
         self.comm = comm
         self.stage = stage
         self.num_stages = comm.world_size
-        self.pending: list[tuple[Work, int, str]] = []  # sends in flight: work, peer, what
-        self._posted: dict[Direction, deque[tuple[torch.Tensor, Work]]] = {
-            d: deque() for d in Direction}
+        self.pending: list[tuple[Work, int, str, torch.Tensor]] = []  # sends in flight
+        self._out = {d: _Channel() for d in Direction}
+        self._in = {d: _Channel() for d in Direction}
         self.orphans: list[Work] = []  # messages abandoned by a failure, kept alive
+        self.wait_s = 0.0  # time blocked waiting for messages, since begin()
 
     def describe(self, stage: int) -> str:
         """``stage 2 (rank 5)``: the stage and its global rank."""
@@ -144,109 +145,151 @@ class StageLink:
         forward = direction is Direction.ACTIVATION
         return self.stage + (1 if forward == sending else -1)
 
-    @staticmethod
-    def _tags(direction: Direction) -> tuple[int, int]:
-        base = _TAG_BASE + 2 * direction.value
-        return base, base + 1
+    def begin(self, mode: int, sends: Mapping[Direction, int],
+              recvs: Mapping[Direction, int]) -> None:
+        """Start a call: this stage will send ``sends[d]`` and receive ``recvs[d]`` messages
+        in direction ``d``. Posts every receive now, sized as the same position last time."""
+        self.wait_s = 0.0
+        for direction in Direction:
+            self._out[direction].begin(mode, sends.get(direction, 0))
+            channel = self._in[direction]
+            channel.begin(mode, recvs.get(direction, 0))
+            for position in range(channel.count):
+                self._post_recv(direction, position)
+
+    def _post_recv(self, direction: Direction, position: int) -> None:
+        channel = self._in[direction]
+        buffer = torch.empty(HEADER_BYTES + channel.expected(position), dtype=torch.uint8)
+        peer = self._peer(direction, sending=False)
+        channel.posted.append((buffer, self.comm.irecv(buffer, peer, direction.tags[0])))
+
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
+        self.pending.append((self.comm.isend(tensor, peer, tag), peer, what, tensor))
 
     def send(self, direction: Direction, tensor: torch.Tensor, *, call: int, mode: int,
              microbatch: int, rows: int, value: float = 0.0) -> None:
-        """Post the header and the tensor to the neighbour in ``direction``."""
+        """Post ``tensor`` with its header to the neighbour in ``direction``."""
         if not isinstance(tensor, torch.Tensor):
             raise PipelineError(f"{self.describe(self.stage)} must send one tensor as its "
                                 f"{direction.noun}, got {type(tensor).__name__}; pipeline "
                                 f"stages exchange single tensors")
-        if tensor.dim() > MAX_NDIM or tensor.dtype not in DTYPES:
+        if tensor.dim() > MAX_NDIM or tensor.dtype not in DTYPES or tensor.device.type != "cpu":
             raise PipelineError(f"{self.describe(self.stage)}: cannot send a {direction.noun} "
-                                f"of shape {tuple(tensor.shape)} and dtype {tensor.dtype} "
-                                f"(at most {MAX_NDIM} dimensions, dtypes {DTYPES})")
-        payload = tensor.detach().contiguous()
-        header = Header(OK, call, mode, microbatch, rows, value, payload.dtype,
-                        tuple(payload.shape))
+                                f"of shape {tuple(tensor.shape)}, dtype {tensor.dtype} on "
+                                f"{tensor.device} (at most {MAX_NDIM} dimensions, dtypes "
+                                f"{DTYPES}, CPU)")
+        channel = self._out[direction]
         peer = self._peer(direction, sending=True)
-        header_tag, payload_tag = self._tags(direction)
-        what = f"the {direction.noun} of micro-batch {microbatch} ({_mode_name(mode)} call {call})"
-        for tensor_, tag in ((header.encode(), header_tag), (payload, payload_tag)):
-            self.pending.append((self.comm.isend(tensor_, peer, tag), peer, what))
+        what = _what(direction, microbatch, mode, call)
+        header = Header(OK, call, mode, microbatch, rows, value, tensor.dtype,
+                        tuple(tensor.shape))
+        key = (channel.mode, channel.position)
+        expected = channel.expected(channel.position)
+        if header.nbytes == expected:
+            self._isend(wire.pack(header, tensor, expected), peer, direction.tags[0], what)
+        else:  # fill the receiver's buffer with the news, then send the payload alone
+            self._isend(wire.pack(replace(header, status=RESHAPE), None, expected), peer,
+                        direction.tags[0], what)
+            self._isend(wire.as_bytes(tensor), peer, direction.tags[1], what)
+            channel.sizes[key] = header.nbytes
+        channel.position += 1
 
     def recv(self, direction: Direction, *, call: int, mode: int, microbatch: int) -> Message:
         """Wait for the next ``direction`` message and check that it is the one this stage's
         schedule expects."""
+        channel = self._in[direction]
         peer = self._peer(direction, sending=False)
-        header_tag, payload_tag = self._tags(direction)
-        what = f"the {direction.noun} of micro-batch {microbatch} ({_mode_name(mode)} call {call})"
-        posted = self._posted[direction]
-        if posted:
-            raw, work = posted.popleft()
-        else:
-            raw = torch.zeros(HEADER_LEN, dtype=torch.int64)
-            work = self.comm.irecv(raw, peer, header_tag)
+        what = _what(direction, microbatch, mode, call)
+        if not channel.posted:  # more receives than begin() announced
+            self._post_recv(direction, channel.position)
+        buffer, work = channel.posted.popleft()
         self._wait(work, peer, what)
-        header = Header.decode(raw)
+        header = self._check(Header.unpack(buffer), peer, what, (call, mode, microbatch))
+        if header.status == RESHAPE:
+            buffer, offset = torch.empty(header.nbytes, dtype=torch.uint8), 0
+            self._wait(self.comm.irecv(buffer, peer, direction.tags[1]), peer, what)
+            channel.sizes[(channel.mode, channel.position)] = header.nbytes
+        elif header.nbytes == buffer.numel() - HEADER_BYTES:
+            offset = HEADER_BYTES
+        else:
+            raise PipelineError(f"{self.describe(self.stage)} received {what} with "
+                                f"{header.nbytes} bytes of payload in a message of "
+                                f"{buffer.numel()} bytes: the ranks run different versions")
+        channel.position += 1
+        return Message(wire.view_payload(buffer, offset, header), header.rows, header.value)
+
+    def _check(self, header: Header, peer: int, what: str,
+               expected: tuple[int, int, int]) -> Header:
         if header.status == FAILED:
             raise StageFailedError(f"{self.describe(self.stage)} stopped: "
                                    f"{self.describe(header.microbatch)} failed (its error is "
                                    f"in that rank's output)", header.microbatch)
-        got = (f"micro-batch {header.microbatch} ({_mode_name(header.mode)} call "
-               f"{header.call})")
-        if (header.call, header.mode, header.microbatch) != (call, mode, microbatch):
+        if (header.call, header.mode, header.microbatch) != expected:
+            got = (f"micro-batch {header.microbatch} ({_mode_name(header.mode)} call "
+                   f"{header.call})")
             raise PipelineError(f"{self.describe(self.stage)} expected {what} from "
                                 f"{self.describe(peer)} but received {got}: the ranks run "
                                 f"different schedules, micro-batch counts or steps; every "
                                 f"rank must use the same pipeline settings")
-        tensor = torch.empty(header.shape, dtype=header.dtype)
-        self._wait(self.comm.irecv(tensor, peer, payload_tag), peer, what)
-        return Message(tensor, header.rows, header.value)
-
-    def expect(self, direction: Direction, count: int) -> None:
-        """Post the header receives of the next ``count`` ``direction`` messages now (the
-        schedule says how many will come), so headers land while this stage computes and
-        the sender's header never waits for the receiver to reach its receive."""
-        peer = self._peer(direction, sending=False)
-        for _ in range(count):
-            raw = torch.zeros(HEADER_LEN, dtype=torch.int64)
-            self._posted[direction].append((raw, self.comm.irecv(raw, peer,
-                                                                 self._tags(direction)[0])))
+        return header
 
     def _wait(self, work: Work, peer: int, what: str) -> None:
+        start = time.perf_counter()
         try:
             work.wait()
         except CommError as exc:
             raise PipelineError(f"{self.describe(self.stage)} gave up waiting for {what} from "
                                 f"{self.describe(peer)}: {exc}") from exc
+        finally:
+            self.wait_s += time.perf_counter() - start
 
     def flush(self) -> None:
         """Wait until every posted send has been received (with the communicator's timeout:
         a neighbour that failed after this stage's last receive is only noticed here)."""
-        for work, peer, what in self.pending:
-            try:
-                work.wait()
-            except CommError as exc:
-                raise PipelineError(f"{self.describe(self.stage)} gave up waiting for "
-                                    f"{self.describe(peer)} to receive {what}; that stage "
-                                    f"probably failed (see its error): {exc}") from exc
+        start = time.perf_counter()
+        try:
+            for work, peer, what, _ in self.pending:
+                try:
+                    work.wait()
+                except CommError as exc:
+                    raise PipelineError(f"{self.describe(self.stage)} gave up waiting for "
+                                        f"{self.describe(peer)} to receive {what}; that stage "
+                                        f"probably failed (see its error): {exc}") from exc
+        finally:
+            self.wait_s += time.perf_counter() - start
         self.pending.clear()
 
     def report_failure(self, exc: BaseException) -> None:
         """Tell the neighbours that a stage failed, without waiting: they raise
         :class:`StageFailedError` on their next receive and pass it on. A failure reported
         to us by a neighbour goes on to the other neighbour only; one this stage raised
-        itself (e.g. a replica of it failed) goes to both."""
+        itself (e.g. a replica of it failed) goes to both.
+
+        The notice takes the place of the next message this call would have sent that way,
+        at that message's expected size, so it fits the receive the neighbour posted. A
+        neighbour this call has already sent everything to is not told (it waits for
+        nothing more from us in this call; its next call times out naming this stage)."""
         if isinstance(exc, StageFailedError) and exc.stage != self.stage:
             failed_stage = exc.stage
             skip: int | None = self.stage - 1 if failed_stage < self.stage else self.stage + 1
         else:
             failed_stage, skip = self.stage, None
-        self.orphans += [work for work, _, _ in self.pending]
-        self.orphans += [work for d in Direction for _, work in self._posted[d]]
+        self.orphans += [work for work, _, _, _ in self.pending]
         self.pending = []
-        self._posted = {d: deque() for d in Direction}
-        header = Header(FAILED, 0, 0, failed_stage, 0, 0.0, torch.int64, ())
-        for direction in Direction:
+        for channel in self._in.values():
+            self.orphans += [work for _, work in channel.posted]
+            channel.posted.clear()
+        header = Header(FAILED, 0, 0, failed_stage, 0, 0.0, torch.int64, (0,))
+        for direction, channel in self._out.items():
             peer = self._peer(direction, sending=True)
-            if 0 <= peer < self.num_stages and peer != skip:
-                try:
-                    work = self.comm.isend(header.encode(), peer, self._tags(direction)[0])
-                except CommError:  # the communicator itself failed: nothing more to tell
-                    return
-                self.orphans.append(work)
+            if not 0 <= peer < self.num_stages or peer == skip:
+                continue
+            if channel.position >= channel.count:
+                log.debug("stage %d: nothing left to send to stage %d this call; not told of "
+                          "the failure", self.stage, peer)
+                continue
+            notice = wire.pack(header, None, channel.expected(channel.position))
+            try:
+                self.orphans.append(self.comm.isend(notice, peer, direction.tags[0]))
+            except CommError:  # the communicator itself failed: nothing more to tell
+                return

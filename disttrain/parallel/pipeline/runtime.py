@@ -54,7 +54,7 @@ from disttrain.parallel.pipeline.link import (
 )
 from disttrain.parallel.pipeline.schedules import SCHEDULES, get_schedule
 from disttrain.parallel.pipeline.stage import Stage
-from disttrain.parallel.pipeline.step import StepRun
+from disttrain.parallel.pipeline.step import StepRun, begin_step
 
 log = logging.getLogger(__name__)
 
@@ -153,17 +153,21 @@ class PipelineParallel:
                 raise
         end = time.perf_counter()
         self.last_step = StepStats(end - start, self.stage.busy_s, end - reduce_start,
-                                   self.stage.peak_stashed, self.stage.peak_bytes)
+                                   self.stage.peak_stashed, self.stage.peak_bytes,
+                                   self.link.wait_s if self.link is not None else 0.0)
         self.totals.add(self.last_step)
         return loss
 
     def _run_schedule(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
                       loss_fn: LossFn) -> float:
         m = self.config.microbatches
+        actions = self.schedule.actions(self.stage_index)
+        if self.link is not None:  # first: a failure from here on can reach the neighbours
+            begin_step(self.link, actions)
         xs = split_batch(inputs, m, "inputs") if self.is_first else None
         ys = split_batch(targets, m, "targets") if self.is_last else None
         run = StepRun(self.stage, self.link, self._call, xs, ys, loss_fn)
-        run.execute(self.schedule.actions(self.stage_index))
+        run.execute(actions)
         loss = run.loss()
         if self.link is not None:
             self.link.flush()
@@ -213,12 +217,14 @@ class PipelineParallel:
         output, the other stages None."""
         self._check_usable()
         self._call += 1
+        m = self.config.microbatches
         try:
-            xs = split_batch(inputs, self.config.microbatches, "inputs") if self.is_first else None
+            if self.link is not None:
+                self.link.begin(EVAL, sends={Direction.ACTIVATION: 0 if self.is_last else m},
+                                recvs={Direction.ACTIVATION: 0 if self.is_first else m})
+            xs = split_batch(inputs, m, "inputs") if self.is_first else None
             outputs = []
-            if self.link is not None and not self.is_first:
-                self.link.expect(Direction.ACTIVATION, self.config.microbatches)
-            for mb in range(self.config.microbatches):
+            for mb in range(m):
                 x, source = self._eval_input(mb, xs)
                 out = self.stage.forward_only(x, source)
                 if self.link is not None and not self.is_last:

@@ -44,6 +44,7 @@ class Stage:
         self.busy_s = 0.0
         self.peak_stashed = 0
         self.peak_bytes = 0
+        self._not_activations = _storages(module)
 
     @property
     def stashed(self) -> int:
@@ -54,6 +55,7 @@ class Stage:
         self.busy_s = 0.0
         self.peak_stashed = len(self._stash)
         self.peak_bytes = self._held_bytes
+        self._not_activations = _storages(self.module)  # once per step, not per micro-batch
 
     def _run_layers(self, x: torch.Tensor, source: str | None) -> torch.Tensor:
         for offset, layer in enumerate(self.module):
@@ -80,7 +82,7 @@ class Stage:
         stash what backward needs. With ``loss``, return and stash ``loss(output)`` instead."""
         if source is not None and x.is_floating_point():
             x.requires_grad_(True)
-        saved = _SavedBytes(self.module)
+        saved = _SavedBytes(self._not_activations)
         start = time.perf_counter()
         with saved.counting():
             out = self._run_layers(x, source)
@@ -130,10 +132,9 @@ class _SavedBytes:
     counted once and the module's parameters and buffers left out (they are not
     activations: they live whether or not a micro-batch is in flight)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, exclude: set[int]) -> None:
         self.nbytes = 0
-        self._seen = {t.untyped_storage().data_ptr()
-                      for t in (*module.parameters(), *module.buffers())}
+        self._seen = set(exclude)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -146,3 +147,8 @@ class _SavedBytes:
     def counting(self) -> Iterator[None]:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield
+
+
+def _storages(module: nn.Module) -> set[int]:
+    """Addresses of the storages of ``module``'s parameters and buffers."""
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}

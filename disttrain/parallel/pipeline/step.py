@@ -28,6 +28,16 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ACTIVATION, GRADIENT = Direction.ACTIVATION, Direction.GRADIENT
 
 
+def begin_step(link: StageLink, actions: Sequence[Action]) -> None:
+    """Tell the link how many messages this step sends and receives each way (it posts the
+    receives now, so they land while the stage computes)."""
+    def count(kind: type[Action]) -> int:
+        return sum(isinstance(a, kind) for a in actions)
+
+    link.begin(TRAIN, sends={ACTIVATION: count(SendAct), GRADIENT: count(SendGrad)},
+               recvs={ACTIVATION: count(RecvAct), GRADIENT: count(RecvGrad)})
+
+
 class StepRun:
     """The state of one ``train_step`` on one stage."""
 
@@ -53,9 +63,7 @@ class StepRun:
         }
 
     def execute(self, actions: Sequence[Action]) -> None:
-        if self.link is not None:
-            for direction, kind in ((ACTIVATION, RecvAct), (GRADIENT, RecvGrad)):
-                self.link.expect(direction, sum(isinstance(a, kind) for a in actions))
+        """Run ``actions`` in order (after :func:`begin_step` announced their messages)."""
         for action in actions:
             self.handlers[type(action)](action.microbatch)
 

@@ -13,7 +13,7 @@ output) and ``share_from_last`` gives its scores to every rank.
 Bytes per rank per step (what :func:`pipeline_theory` computes, exact): stage s < p−1 sends
 the activations at its output boundary, B·a_out bytes for a local batch of B samples, and
 stage s > 0 sends the same-sized gradients back at its input boundary, B·a_in, each of the
-m micro-batches with a 120-byte header; in a pp × dp grid each stage also all-reduces its
+m micro-batches with a 128-byte header; in a pp × dp grid each stage also all-reduces its
 gradients (and the loss) over its dp group.
 """
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
+from disttrain.parallel.pipeline.wire import HEADER_BYTES  # in front of every message
 from disttrain.train.precision import autocast_factory
 from disttrain.train.strategies.base import (
     Autocast,
@@ -43,7 +44,6 @@ from disttrain.train.strategies.base import (
 )
 
 DEFAULT_MICROBATCHES = 8
-HEADER_BYTES = 15 * 8  # disttrain.parallel.pipeline.link: 15 int64 per message
 
 
 def activation_sizes(module: nn.Module, sample: Any, autocast: Autocast = nullcontext

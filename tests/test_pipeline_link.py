@@ -1,0 +1,153 @@
+"""Stage-to-stage messages: the wire format, one message per tensor once sizes are known,
+sizes that change (batch size, eval between steps), and failures reported at the sizes the
+neighbours expect."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.parallel.pipeline import build_pipeline
+from disttrain.parallel.pipeline.wire import (
+    DTYPES,
+    HEADER_BYTES,
+    OK,
+    Header,
+    PipelineError,
+    pack,
+    view_payload,
+)
+from tests.test_pipeline_runtime import _capture, _fresh, make_model
+
+
+# ---------------------------------------------------------------- the wire format, no processes
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (0, 3), (2, 3, 5), (1, 1, 1, 1, 1, 2)])
+def test_header_and_payload_round_trip(dtype, shape):
+    n = torch.Size(shape).numel()
+    dims = tuple(reversed(range(len(shape))))
+    # built reversed and permuted back: a non-contiguous tensor (no copy needed to send it)
+    tensor = (torch.arange(n) % 3).to(dtype).reshape(shape[::-1]).permute(dims)
+    header = Header(OK, 7, 1, 3, 4, 0.125, dtype, tuple(shape))
+    message = pack(header, tensor, header.nbytes)
+    assert message.numel() == HEADER_BYTES + n * tensor.element_size()
+    got = Header.unpack(message)
+    assert got == header
+    assert torch.equal(view_payload(message, HEADER_BYTES, got), tensor)
+
+
+def test_a_malformed_header_is_an_error():
+    with pytest.raises(PipelineError, match="malformed pipeline header"):
+        Header.unpack(torch.zeros(HEADER_BYTES, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------- on real ranks
+def _messages(comm) -> tuple[int, int]:
+    sent = comm.stats.snapshot().get("send", {})
+    return sent.get("msgs_sent", 0), sent.get("bytes_sent", 0)
+
+
+def count_messages(comm) -> list[tuple[int, int]]:
+    """Messages and bytes this rank sends in each of 3 steps of GPipe, m = 4."""
+    comm = _fresh(comm)
+    pipe = build_pipeline(make_model(), comm, schedule="gpipe", microbatches=4)
+    x, y = torch.randn(12, 6, dtype=torch.float64), torch.randint(0, 4, (12,))
+    per_step = []
+    for _ in range(3):
+        before = _messages(comm)
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                        F.cross_entropy)
+        after = _messages(comm)
+        per_step.append((after[0] - before[0], after[1] - before[1]))
+    return per_step
+
+
+def test_one_message_per_tensor_once_sizes_are_known(pools):
+    for per_step in pools(2).run(count_messages):
+        (first, first_bytes), *later = per_step
+        assert first == 8  # a header in the size the receiver expects, then the payload
+        assert later == [(4, first_bytes)] * 2  # one message each, the same bytes
+
+
+def reference_with_evals(data, evals) -> tuple[list[float], list[torch.Tensor], dict]:
+    """Single-process: a step on each batch of ``data`` followed by an evaluation of the
+    matching batch of ``evals``."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, outputs = [], []
+    for (x, y), inputs in zip(data, evals, strict=True):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        with torch.no_grad():
+            outputs.append(model(inputs))
+    return losses, outputs, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def changing_sizes(comm, schedule: str) -> None:
+    """Batches of 12, 9 (uneven micro-batches), 12 and 5 rows, each followed by an
+    evaluation of another size: every size change is announced, nothing is misread."""
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(rows, 6, generator=gen, dtype=torch.float64),
+             torch.randint(0, 4, (rows,), generator=gen)) for rows in (12, 9, 12, 5)]
+    evals = [torch.randn(rows, 6, generator=gen, dtype=torch.float64) for rows in (7, 4, 7, 16)]
+    losses, outputs, params = reference_with_evals(data, evals)
+    pipe = build_pipeline(make_model(), comm, schedule=schedule, microbatches=4)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for step, ((x, y), inputs) in enumerate(zip(data, evals, strict=True)):
+        opt.zero_grad()
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
+                               F.cross_entropy)
+        assert loss == pytest.approx(losses[step], rel=1e-12)
+        opt.step()
+        out = pipe.eval_forward(inputs if pipe.is_first else None)
+        if pipe.is_last:
+            torch.testing.assert_close(out, outputs[step])
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.detach(), params[name], msg=f"param {name}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_changing_batch_sizes_and_evaluations_match_single_process(pools, schedule):
+    pools(3).run(changing_sizes, schedule)
+
+
+class _FailsOnCall(nn.Module):
+    """Identity that raises on its ``when``-th forward."""
+
+    def __init__(self, when: int) -> None:
+        super().__init__()
+        self.when, self.calls = when, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.when:
+            raise RuntimeError("forward exploded")
+        return x
+
+
+def failure_after_sizes_are_known(comm) -> list[str]:
+    """Stage 1 of 3 fails in the first forward of the third step, when both neighbours
+    expect payload-sized messages from it: the notices must fit those receives."""
+    comm = _fresh(comm)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), _FailsOnCall(when=7),
+                          nn.Tanh(), nn.Linear(8, 3))
+    pipe = build_pipeline(model, comm, schedule="gpipe", microbatches=3, partition=[2, 2, 2])
+    x, y = torch.randn(6, 6), torch.randint(0, 3, (6,))
+    return [_capture(lambda: pipe.train_step(x, y, F.cross_entropy)) for _ in range(3)]
+
+
+def test_a_failure_after_sizes_are_known_reaches_both_neighbours(pools):
+    per_rank = pools(3).run(failure_after_sizes_are_known)
+    for rank, (first, second, third) in enumerate(per_rank):
+        assert first == second == "no error", (rank, first, second)
+        if rank == 1:
+            assert third == "RuntimeError: forward exploded"
+        else:
+            assert third.startswith("StageFailedError"), (rank, third)
+            assert "stage 1 (rank 1) failed" in third
