@@ -182,6 +182,11 @@ def test_list_names_every_registered_strategy(capsys):
     (["--repeat", "0"], "--repeat must be an integer ≥ 1"),
     (["--transport", "carrier-pigeon"], "unknown transport 'carrier-pigeon'"),
     (["--epochs", "1", "--steps", "2"], "not allowed with argument"),
+    (["--servers", "0"], "--servers must be an integer ≥ 1"),
+    (["--staleness", "-1"], "--staleness must be an integer ≥ 0"),
+    (["--straggler", "1"], "is not RANK:FACTOR"),
+    (["--straggler", "1:0.5"], "must be a finite number ≥ 1"),
+    (["--eval-every", "-1"], "--eval-every must be ≥ 0"),
 ])
 def test_bad_arguments_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -201,3 +206,38 @@ def test_bench_comm_is_still_a_subcommand(capsys):
         main(["bench", "comm", "--help"])
     assert exit_info.value.code == 0
     assert "collectives" in capsys.readouterr().out
+
+
+def test_parameter_server_rows_add_their_servers_and_take_their_options():
+    from disttrain.bench.strategy_bench import train_config
+
+    config = BenchConfig(strategies=("ps-sync", "ps-ssp", "ddp"), world_sizes=(2, 4),
+                         servers=2, staleness=1, straggler=((1, 2.0),))
+    runs = plan(config)
+    assert [(r.label, r.ranks) for r in runs] == [
+        ("single n=1", 1), ("ddp n=2", 2), ("ddp n=4", 4), ("ps-sync n=2+2", 4),
+        ("ps-sync n=4+2", 6), ("ps-ssp n=2+2", 4), ("ps-ssp n=4+2", 6)]
+    options = {r.label: train_config(config, r).parallel for r in runs}
+    assert options["ps-ssp n=2+2"].staleness == 1 and options["ps-sync n=2+2"].staleness is None
+    assert (options["ps-sync n=4+2"].straggler, options["ps-sync n=4+2"].servers) == (
+        ((1, 2.0),), 2)
+    assert options["ddp n=2"].straggler == () and options["ddp n=2"].servers is None
+
+
+@pytest.mark.timeout(240)
+def test_a_parameter_server_row_reports_the_workers_rate_and_staleness():
+    from disttrain.bench.strategy_bench import add_comparisons, measure
+
+    config = BenchConfig(strategies=("ps-async",), world_sizes=(2,), steps=6, eval_every=0,
+                         model="mlp", warmup_steps=1, timeout_s=30.0, straggler=((1, 2.0),))
+    run = plan(config)[1]  # the reference is left out: it is not what this test is about
+    row, _ = measure(config, run, trace=False)
+    add_comparisons(row, [row])
+    rows = [row]
+    assert row["error"] is None and (row["world_size"], row["servers"]) == (2, 1)
+    assert row["samples_per_s"] == row["extras"]["samples_per_s"] > 0
+    assert sum(row["extras"]["staleness"].values()) == 2 * 6  # one update per worker step
+    assert row["bytes_sent_per_rank_per_step"] == row["theory_bytes_per_rank_per_step"]
+    table = text_table(rows)
+    assert "ps-async  2+1" in table and "ps-async n=2+1: staleness {" in table
+    assert "straggler rank 1 ×2" in table

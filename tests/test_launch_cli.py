@@ -14,7 +14,7 @@ import torch
 from disttrain.cli import main
 from disttrain.comm.cost_model import LinkCosts, save_costs
 from disttrain.launch.config import free_port
-from tests.launch_scripts.harness import SCRIPTS, run_cli
+from tests.launch_scripts.harness import SCRIPTS, json_lines, run_cli
 
 SCRIPT = str(SCRIPTS / "plain.py")
 
@@ -35,6 +35,9 @@ SCRIPT = str(SCRIPTS / "plain.py")
     (["--nnodes", "1:4", SCRIPT], "elastic ranges like 1:4 are not supported"),
     (["-m", SCRIPT], "-m expects a module name like 'pkg.train'"),
     (["--master-port", "99999", SCRIPT], "is not a TCP port"),
+    (["--servers", "-1", SCRIPT], "--servers must be a whole number ≥ 0"),
+    (["--servers", "1", "--nnodes", "2", "--master-addr", "h", "--master-port", "29500",
+      SCRIPT], "--servers starts the servers on this one machine"),
 ])
 def test_bad_launch_input_is_refused_with_a_message(capsys, argv, needle):
     assert main(["launch", *argv]) == 2
@@ -89,3 +92,34 @@ def test_info_text_names_each_section(capsys, monkeypatch, tmp_path):
     for needle in (f"torch {torch.__version__}", "backends   gloo: yes", "numa", "gpus",
                    "none stored", "placement  rank 0 of 1"):
         assert needle in out, out
+
+
+ROLE_SCRIPT = """
+import json, os
+names = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "DISTTRAIN_PS_SERVERS", "ROLE_NAME",
+         "ROLE_RANK", "ROLE_WORLD_SIZE")
+print(json.dumps({n: os.environ.get(n) for n in names}), flush=True)
+"""
+
+
+def test_servers_start_after_the_workers_and_everyone_is_told(capfd, tmp_path):
+    script = tmp_path / "roles.py"
+    script.write_text(ROLE_SCRIPT)
+    assert main(["launch", "-n", "2", "--servers", "1", str(script)]) == 0
+    seen = json_lines(capfd.readouterr().out)
+    assert sorted(seen) == [0, 1, 2]
+    for rank, env in seen.items():
+        role, index, size = ("worker", rank, "2") if rank < 2 else ("server", rank - 2, "1")
+        assert env == {"RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
+                       "DISTTRAIN_PS_SERVERS": "1", "ROLE_NAME": role,
+                       "ROLE_RANK": str(index), "ROLE_WORLD_SIZE": size}
+
+
+def test_launched_ps_sync_run_reports_from_worker_zero(capfd):
+    argv = ["launch", "-n", "2", "--servers", "1", "-m", "disttrain", "run", "--strategy",
+            "ps-sync", "--model", "mlp", "--steps", "4", "--log-every", "0"]
+    assert main(argv) == 0
+    out = capfd.readouterr().out
+    assert "[rank 0] result strategy=ps-sync world_size=3 global_batch=32 steps=4" in out
+    assert "[rank 0] ps mode=sync workers=2 servers=1 staleness={0: 8}" in out
+    assert "[rank 2] result" not in out  # the server's loop reports nothing

@@ -109,12 +109,12 @@ def _check(results: list[dict[str, Any]], victim: int, expect: dict[int, str]) -
 
 
 def test_killed_worker_is_reported_by_the_server_and_the_other_worker() -> None:
-    results = run_fresh(rank_main, 3, 2, timeout_s=100)
+    results = run_fresh(rank_main, 3, 1, timeout_s=100)  # workers: ranks 0, 1; server: 2
     # the server names the dead worker, and tells the worker it holds at the sync gate
-    _check(results, 2, {0: "worker 1 (rank 2)", 1: "worker 1 (rank 2)"})
-    assert results[1]["message"].startswith("server 0 (rank 0) stopped serving because")
+    _check(results, 1, {2: "worker 1 (rank 1)", 0: "worker 1 (rank 1)"})
+    assert results[0]["message"].startswith("server 0 (rank 2) stopped serving because")
 
 
 def test_killed_server_is_reported_by_every_worker() -> None:
-    results = run_fresh(rank_main, 3, 0, timeout_s=100)
-    _check(results, 0, {1: "server 0 (rank 0)", 2: "server 0 (rank 0)"})
+    results = run_fresh(rank_main, 3, 2, timeout_s=100)
+    _check(results, 2, {0: "server 0 (rank 2)", 1: "server 0 (rank 2)"})

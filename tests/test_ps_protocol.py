@@ -24,7 +24,7 @@ from disttrain.parallel.parameter_server.protocol import (
 )
 from tests.ps_cases import CLICKS, ps_train, reference
 
-SERVER, BAD_WORKER = 0, 1
+SERVER, BAD_WORKER, OTHER_WORKER = 2, 0, 1  # 1 server + 2 workers: workers come first
 F64, F32, I64 = 2, 1, 5  # dtype codes
 USERS, MLP_WEIGHT = 0, 2  # tensor indices in ClickModel: users.weight, …, mlp.0.weight
 TOTAL = CLICKS.num_users * 8 + CLICKS.num_items * 8 + 16 * 16 + 16 + 16 + 1
@@ -58,7 +58,7 @@ def _bad_before_training() -> list[tuple[Header, tuple[torch.Tensor, ...], Statu
         (Header(**{**pull, "protocol": 7}), (), Status.BAD_VERSION),
         (Header(**{**pull, "type": 99}), (), Status.BAD_TYPE),
         (Header(**{**pull, "type": Msg.GRANT}), (), Status.BAD_TYPE),
-        (Header(**{**pull, "sender": 2}), (), Status.BAD_SENDER),
+        (Header(**{**pull, "sender": OTHER_WORKER}), (), Status.BAD_SENDER),
         (Header(**{**pull, "dtype": 99}), (), Status.BAD_DTYPE),
         (Header(**{**pull, "type": Msg.PUSH, "dtype": F32}), (), Status.BAD_DTYPE),
         (Header(**{**pull, "type": Msg.PUSH, "count": 10**12}), (), Status.TOO_LARGE),
@@ -103,13 +103,13 @@ def test_server_rejects_bad_messages_and_keeps_serving(pools: Any) -> None:
     steps, b = 4, 8
     results = pools(3).run(ps_train, 1, steps, b, model_name="clicks", sparse=True,
                            mode="sync", hook=send_bad_messages)
-    sent = [s for r in results[1:] for batch in r["hook_results"] for s in batch]
+    sent = [s for r in results[:SERVER] for batch in r["hook_results"] for s in batch]
     assert len(sent) == len(_bad_before_training()) + 2
     report = results[SERVER]["report"]
     assert report.rejected == {Status(s).name: n for s, n in Counter(sent).items()}
     assert report.version == steps
     expected = reference("clicks", "sgd", steps, 2 * b)
-    for worker in results[1:]:
+    for worker in results[:SERVER]:
         for got, want in zip(worker["params"], expected, strict=True):
             torch.testing.assert_close(got, want)
 

@@ -98,7 +98,7 @@ def test_ssp_with_bound_zero_is_sync(pools: Any) -> None:
 def test_ssp_staleness_stays_within_the_bound_with_a_straggler(pools: Any) -> None:
     steps = 10
     results = pools(3).run(ps_train, 1, steps, B, mode="ssp", staleness=2,
-                           straggler={2: 5.0}, compute_s=0.01)
+                           straggler={1: 5.0}, compute_s=0.01)
     hist = _staleness(results)
     assert hist.total == 2 * steps and 0 < hist.max <= 2, hist
     fast, slow = (w["report"] for w in _workers(results))
@@ -117,7 +117,7 @@ def _linreg_loss(params: list[torch.Tensor]) -> float:
 def test_async_converges_and_records_staleness(pools: Any) -> None:
     steps = 25
     results = pools(3).run(ps_train, 1, steps, B, model_name="linreg", opt="plain-sgd",
-                           mode="async", straggler={2: 4.0}, compute_s=0.005)
+                           mode="async", straggler={1: 4.0}, compute_s=0.005)
     hist = _staleness(results)
     assert hist.total == 2 * steps  # one update per worker step, applied on arrival
     assert hist.max > 0, hist  # the fast worker's updates land while the straggler computes

@@ -21,6 +21,7 @@ from disttrain.parallel.parameter_server import (
     make_click_data,
     parse_straggler,
     partition,
+    servers_from_env,
     specs_of,
 )
 from disttrain.parallel.parameter_server.flat import gather_flat, scatter_flat
@@ -37,16 +38,24 @@ from disttrain.parallel.parameter_server.shard import save_checkpoint
 
 
 # ---------------------------------------------------------------- roles and config
-def test_roles_put_servers_first() -> None:
+def test_roles_put_workers_first_and_servers_last() -> None:
     roles = assign_roles(5, 2)
-    assert roles.server_ranks == (0, 1) and roles.worker_ranks == (2, 3, 4)
-    assert [str(roles.role(r)) for r in (1, 3)] == ["server 1 (rank 1)", "worker 1 (rank 3)"]
+    assert roles.worker_ranks == (0, 1, 2) and roles.server_ranks == (3, 4)
+    assert [str(roles.role(r)) for r in (1, 4)] == ["worker 1 (rank 1)", "server 1 (rank 4)"]
     with pytest.raises(ValueError, match="leaves no worker"):
         assign_roles(2, 2)
     with pytest.raises(ValueError, match="world size ≥ 2"):
         assign_roles(1, 1)
     with pytest.raises(ValueError, match="not in this job"):
         roles.role(5)
+
+
+def test_servers_from_env_reads_the_launcher_variable() -> None:
+    assert servers_from_env({}) is None
+    assert servers_from_env({"DISTTRAIN_PS_SERVERS": "2"}) == 2
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ValueError, match="DISTTRAIN_PS_SERVERS"):
+            servers_from_env({"DISTTRAIN_PS_SERVERS": bad})
 
 
 def test_straggler_flag_parses_and_rejects_nonsense() -> None:

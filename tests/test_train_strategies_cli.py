@@ -47,8 +47,23 @@ def test_run_1f1b_two_stages_matches_single():
     (["--strategy", "1f1b", "-n", "2", "--partition", "3;3"], "--partition must be 'params'"),
     (["--strategy", "torch-gpipe", "-n", "2", "--microbatches", "5"],
      "torch-gpipe needs equal micro-batches"),
-    (["--strategy", "ps-async", "-n", "2"], "strategy 'ps-async' (parameter server, "
-     "asynchronous SGD) is not available yet"),
+    (["--strategy", "ps-sync", "-n", "2", "--staleness", "1"],
+     "--staleness does not apply to strategy 'ps-sync'; it applies to: ps-ssp"),
+    (["--strategy", "ddp", "-n", "2", "--servers", "1"],
+     "--servers does not apply to strategy 'ddp'; it applies to: ps-sync, ps-async, ps-ssp"),
+    (["--strategy", "ddp", "-n", "2", "--straggler", "1:2"],
+     "--straggler does not apply to strategy 'ddp'"),
+    (["--strategy", "ps-async", "-n", "2", "--straggler", "2:2"],
+     "--straggler ranks [2] are not workers: with 2 worker(s) the workers are ranks 0..1"),
+    (["--strategy", "ps-async", "-n", "2", "--straggler", "1"],
+     "--straggler: straggler '1' is not RANK:FACTOR"),
+    (["--strategy", "ps-async", "-n", "2", "--straggler", "1:0.5"],
+     "must be a finite number ≥ 1"),
+    (["--strategy", "ps-ssp", "-n", "2", "--staleness", "-1"], "staleness must be an int ≥ 0"),
+    (["--strategy", "ps-sync", "-n", "2", "--servers", "0"], "servers must be an int ≥ 1"),
+    (["--strategy", "ps-sync", "-n", "3"], "does not split evenly over 3 data-parallel"),
+    (["--strategy", "ps-sync", "-n", "2", "--checkpoint-dir", "ckpt"],
+     "'ps-sync' writes no loop checkpoints yet"),
 ])
 def test_bad_flag_combinations_exit_2_with_the_fix(capsys, args, message):
     assert main(["run", "--steps", "1", "--log-every", "0", *args]) == 2
@@ -70,3 +85,25 @@ def test_strategy_pipeline_is_the_schedule(schedule, strategy):
 def test_partition_flag_parses_layer_counts():
     args = build_parser().parse_args(["run", "--strategy", "gpipe", "--partition", "3,2,1"])
     assert config_from_args(args).parallel.partition == (3, 2, 1)
+
+
+def test_ps_flags_map_onto_parallel_options():
+    argv = ["run", "--strategy", "ps-ssp", "-n", "4", "--servers", "2", "--staleness", "3",
+            "--straggler", "3:1.5,1:2"]
+    parallel = config_from_args(build_parser().parse_args(argv)).parallel
+    assert (parallel.servers, parallel.staleness) == (2, 3)
+    assert parallel.straggler == ((1, 2.0), (3, 1.5))
+
+
+@pytest.mark.parametrize("env,args,message", [
+    ({"WORLD_SIZE": "1"}, [], "needs at least one worker, but the job has 1 rank(s)"),
+    ({"WORLD_SIZE": "3", "DISTTRAIN_PS_SERVERS": "1"}, ["--servers", "2"],
+     "--servers 2 disagrees with DISTTRAIN_PS_SERVERS=1"),
+    ({"WORLD_SIZE": "3", "DISTTRAIN_PS_SERVERS": "x"}, [], "DISTTRAIN_PS_SERVERS='x'"),
+])
+def test_ps_in_a_launched_job_checks_the_servers(monkeypatch, capsys, env, args, message):
+    monkeypatch.setenv("RANK", "0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--strategy", "ps-sync", "--steps", "1", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -10,6 +10,9 @@ same idea it is compared with (``ddp`` against ``torch-ddp``, ``zero1``/``zero2`
 The list is read from the strategy registry at run time, so a strategy registered there is a
 row here with nothing else to do; :data:`TORCH_COUNTERPART` is the one entry to add when a
 new disttrain strategy has a torch equivalent.
+
+Parameter-server rows (``ps-sync``, ``ps-async``, ``ps-ssp``): ``-n W`` means W workers, and
+each run starts ``servers`` more ranks; ``straggler`` and ``staleness`` apply to them only.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class Experiment:
     compare_to: str | None  # the torch baseline of the same idea, when there is one
     takes_algorithm: bool  # the strategy accepts ParallelOptions.algorithm
     max_world_size: int | None
+    parameter_server: bool = False  # -n counts workers; the servers are extra ranks
+    takes_staleness: bool = False
 
 
 def experiments() -> dict[str, Experiment]:
@@ -47,7 +52,8 @@ def experiments() -> dict[str, Experiment]:
             name=name, description=spec.description, is_baseline=name.startswith("torch-"),
             compare_to=TORCH_COUNTERPART.get(name) if TORCH_COUNTERPART.get(name)
             in STRATEGIES else None,
-            takes_algorithm="algorithm" in spec.options, max_world_size=spec.max_world_size)
+            takes_algorithm="algorithm" in spec.options, max_world_size=spec.max_world_size,
+            parameter_server=spec.layout == "ps", takes_staleness="staleness" in spec.options)
     order = sorted(found, key=lambda n: (n != REFERENCE, not found[n].is_baseline))
     return {name: found[name] for name in order}
 
@@ -72,6 +78,9 @@ class BenchConfig:
     warmup_steps: int = 2  # left out of samples/s
     eval_every: int = 10  # steps between evaluations (the accuracy curves)
     seed: int = 0
+    servers: int = 1  # parameter-server rows: server ranks beside the -n workers
+    staleness: int | None = None  # ps-ssp rows (None: the strategy's default, 2)
+    straggler: tuple[tuple[int, float], ...] = ()  # parameter-server rows: slowed workers
     extra: dict[str, str] = field(default_factory=dict)  # recorded in the environment
 
     def __post_init__(self) -> None:
@@ -86,6 +95,15 @@ class BenchConfig:
                                  f"got {value!r}")
         if not self.world_sizes or any(n < 1 for n in self.world_sizes):
             raise ValueError(f"-n needs world sizes ≥ 1, got {self.world_sizes}")
+        if isinstance(self.servers, bool) or not isinstance(self.servers, int) or (
+                self.servers < 1):
+            raise ValueError(f"--servers must be an integer ≥ 1, got {self.servers!r}")
+        if self.staleness is not None and (isinstance(self.staleness, bool) or not isinstance(
+                self.staleness, int) or self.staleness < 0):
+            raise ValueError(f"--staleness must be an integer ≥ 0, got {self.staleness!r}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be ≥ 0 (0: only at the end), got "
+                             f"{self.eval_every}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         known = experiments()
@@ -114,10 +132,17 @@ class Run:
 
     experiment: Experiment
     world_size: int
+    servers: int = 0  # parameter-server rows: server ranks started beside the workers
 
     @property
     def label(self) -> str:
-        return f"{self.experiment.name} n={self.world_size}"
+        extra = f"+{self.servers}" if self.servers else ""
+        return f"{self.experiment.name} n={self.world_size}{extra}"
+
+    @property
+    def ranks(self) -> int:
+        """Processes the run starts (the workers, plus a parameter server's servers)."""
+        return self.world_size + self.servers
 
 
 def plan(config: BenchConfig) -> list[Run]:
@@ -130,5 +155,5 @@ def plan(config: BenchConfig) -> list[Run]:
             continue
         for n in config.world_sizes:
             if exp.max_world_size is None or n <= exp.max_world_size:
-                runs.append(Run(exp, n))
+                runs.append(Run(exp, n, config.servers if exp.parameter_server else 0))
     return runs

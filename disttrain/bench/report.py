@@ -12,6 +12,11 @@ Columns (one row per strategy × world size, the global batch the same for every
   and what the strategy's formula says (``-`` where torch's own code sends, uncounted);
 * ``acc`` and ``loss``: final held-out accuracy and last training loss; the reference's are
   in its own row, and ``Δacc`` is the difference.
+
+Parameter-server rows show ``n`` as ``workers+servers`` (``2+1``); their samples/s is the sum
+of the workers' own rates (a straggler slows only itself in async mode), their ``sent/step``
+is what a worker sends per step (its pushed gradients and request headers), and a line
+under the table gives each one's staleness distribution and straggler.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ def _size(value: float | None) -> str:
 
 def cells(row: Row) -> list[str]:
     """One row's cells, in the order of :data:`COLUMNS`."""
-    head = [row["strategy"], str(row["world_size"]), str(row["global_batch"])]
+    servers = f"+{row['servers']}" if row.get("servers") else ""
+    head = [row["strategy"], f"{row['world_size']}{servers}", str(row["global_batch"])]
     if row.get("error"):
         return head + ["FAILED"] + [""] * (len(COLUMNS) - 4)
     speed = f"{row['samples_per_s']:.1f}"
@@ -65,11 +71,30 @@ def text_table(rows: list[Row]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in grid]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    notes = ps_notes(rows)
+    if notes:
+        lines += ["", *notes]
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines.append("")
         lines += [f"FAILED {r['strategy']} n={r['world_size']}: {r['error']}" for r in failed]
     return "\n".join(lines)
+
+
+def ps_notes(rows: list[Row]) -> list[str]:
+    """One line per parameter-server row: its staleness distribution and straggler."""
+    notes = []
+    for r in rows:
+        ps = r.get("extras") or {}
+        if r.get("error") or "staleness" not in ps:
+            continue
+        hist = ", ".join(f"{k}: {n}" for k, n in ps["staleness"].items())
+        slow = ", ".join(f"rank {k} ×{f:g}" for k, f in ps["straggler"].items()) or "none"
+        steps = ", ".join(f"{1e3 * t:.1f}" for t in ps.get("worker_step_s", []))
+        notes.append(f"{r['strategy']} n={r['world_size']}+{ps['servers']}: staleness "
+                     f"{{{hist}}} (mean {ps['staleness_mean']:.2f}, max "
+                     f"{ps['staleness_max']}); straggler {slow}; step ms by worker [{steps}]")
+    return notes
 
 
 def markdown_table(rows: list[Row], env: dict[str, Any]) -> str:
@@ -81,6 +106,9 @@ def markdown_table(rows: list[Row], env: dict[str, Any]) -> str:
            f"{env.get('date')}", "",
            "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
+    notes = ps_notes(rows)
+    if notes:
+        out += ["", *[f"* {note}" for note in notes]]
     failed = [r for r in rows if r.get("error")]
     if failed:
         out.append("")
@@ -120,6 +148,8 @@ def environment(config: Any, command: str) -> dict[str, Any]:
             "python": platform.python_version(), "platform": platform.platform(),
             "commit": git_commit(), "model": config.model, "dataset": config.dataset,
             "epochs": config.length[0], "steps": config.length[1], "repeat": config.repeat,
+            "servers": getattr(config, "servers", None),
+            "straggler": dict(getattr(config, "straggler", ())),
             "warmup_steps": config.warmup_steps,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

@@ -47,6 +47,9 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
     exp = run.experiment
     parallel = ParallelOptions(algorithm=config.algorithm) if exp.takes_algorithm else (
         ParallelOptions())
+    if exp.parameter_server:
+        parallel = ParallelOptions(servers=run.servers, straggler=config.straggler,
+                                   staleness=config.staleness if exp.takes_staleness else None)
     epochs, steps = config.length
     return TrainConfig(model=config.model, dataset=config.dataset, strategy=exp.name,
                        parallel=parallel, epochs=epochs, steps=steps,
@@ -108,7 +111,7 @@ def run_once(config: BenchConfig, run: Run, trace: bool,
     """One run in fresh processes; every rank's report (rank order). Raises BenchError.
     ``on_progress`` hears the steps done every ``HEARTBEAT_STEPS`` steps (all ranks there)."""
     tconfig = train_config(config, run)
-    with RankGroup(run.world_size, _train_job, (tconfig, trace),
+    with RankGroup(run.ranks, _train_job, (tconfig, trace),
                    transport=transport_of(config, run), timeout_s=config.timeout_s,
                    describe=lambda _: f"{run.label}: training") as group:
         final = None
@@ -134,16 +137,17 @@ def _error_text(exc: BaseException) -> str:
 
 def base_row(config: BenchConfig, run: Run) -> Row:
     return {"strategy": run.experiment.name, "world_size": run.world_size,
-            "global_batch": config.global_batch, "transport": transport_of(config, run),
+            "servers": run.servers, "global_batch": config.global_batch,
+            "transport": transport_of(config, run),
             "algorithm": algorithm_of(config, run), "compare_to": run.experiment.compare_to,
             "error": None}
 
 
 def make_row(config: BenchConfig, run: Run, repeats: list[list[dict[str, Any]]]) -> Row:
     """The row of a run from every repeat's reports (each: one report per rank)."""
-    speeds = [reports[0]["result"].samples_per_s for reports in repeats]
+    speeds = [samples_per_s(reports[0]["result"]) for reports in repeats]
     median = statistics.median(speeds)
-    chosen = min(repeats, key=lambda r: abs(r[0]["result"].samples_per_s - median))
+    chosen = min(repeats, key=lambda r: abs(samples_per_s(r[0]["result"]) - median))
     results: list[TrainResult] = [report["result"] for report in chosen]
     first = results[0]
     warm = config.warmup_steps
@@ -165,6 +169,12 @@ def make_row(config: BenchConfig, run: Run, repeats: list[list[dict[str, Any]]])
         "losses": first.losses, "extras": first.extras,
     })
     return row
+
+
+def samples_per_s(result: TrainResult) -> float:
+    """A run's samples/s: rank 0's, unless the strategy reports an aggregate in ``extras``
+    (parameter-server workers step at their own pace: the sum of their rates)."""
+    return float(result.extras.get("samples_per_s", result.samples_per_s))
 
 
 def add_comparisons(row: Row, rows: list[Row]) -> None:
@@ -192,7 +202,7 @@ def measure(config: BenchConfig, run: Run, trace: bool,
             on_progress: Progress | None = None) -> tuple[Row, list[dict[str, Any]]]:
     """All repeats of one run: its row (with ``error`` on failure) and the last reports."""
     try:
-        checked_setup(train_config(config, run), run.world_size)
+        checked_setup(train_config(config, run), run.ranks)
     except ValueError as exc:
         return {**base_row(config, run), "error": f"not runnable here: {exc}"}, []
     repeats = []

@@ -4,6 +4,9 @@
     disttrain bench --list                            # the named experiments
     disttrain bench --strategies ddp,torch-ddp -n 1,2,4 --steps 50 --repeat 3
     disttrain bench --json rows.json --markdown table.md --html report.html --trace traces/
+    # the straggler experiment: one worker slowed 2x, sync vs async vs SSP in the same run
+    disttrain bench --strategies ps-sync,ps-async,ps-ssp -n 2,4 --servers 1 \
+        --straggler 1:2 --staleness 2 --eval-every 0 --steps 200 --global-batch 256
 
 Exit codes: 0 every row ran, 1 some row failed (named in the table), 2 bad arguments,
 130 interrupted (the finished rows are still printed and written).
@@ -68,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--algorithm", default=d.algorithm,
                         help="collective algorithm of ddp and zero (default ring: its bytes "
                         "are counted and compared with theory; 'auto' lets the cost model pick)")
+    parser.add_argument("--eval-every", type=int, default=d.eval_every,
+                        help="steps between evaluations, the accuracy curves (default "
+                        "%(default)s; 0: only at the end, so nothing makes parameter-server "
+                        "workers wait for each other)")
+    _ps_arguments(parser, d)
     parser.add_argument("--timeout", type=float, default=d.timeout_s,
                         help="seconds any collective may wait; a rank silent for 4× this "
                         "is stopped (default %(default)s)")
@@ -77,6 +85,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a self-contained HTML report with plots")
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="write a Chrome-trace JSON per run (all ranks) into DIR")
+
+
+def _ps_arguments(parser: argparse.ArgumentParser, d: BenchConfig) -> None:
+    ps = parser.add_argument_group("parameter-server rows (ps-sync, ps-async, ps-ssp)")
+    ps.add_argument("--servers", type=int, default=d.servers,
+                    help="server ranks started beside the -n workers (default %(default)s)")
+    ps.add_argument("--staleness", type=int, default=None,
+                    help="ps-ssp: steps a worker may run ahead of the slowest (default 2)")
+    ps.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
+                    help="slow worker RANK's steps to FACTOR× its own work, e.g. 1:2 (workers "
+                    "are ranks 0..n-1; other rows are not slowed)")
 
 
 def list_experiments() -> str:
@@ -89,13 +108,16 @@ def list_experiments() -> str:
 
 def make_config(args: argparse.Namespace) -> BenchConfig:
     from disttrain.bench.transports import check_transport
+    from disttrain.train.cli import parse_straggler_flag
 
     check_transport(args.transport)
     return BenchConfig(strategies=args.strategies, world_sizes=args.world_sizes,
                        model=args.model, dataset=args.dataset, epochs=args.epochs, steps=args.steps,
                        global_batch=args.global_batch, repeat=args.repeat,
                        transport=args.transport, algorithm=args.algorithm,
-                       timeout_s=args.timeout)
+                       timeout_s=args.timeout, eval_every=args.eval_every,
+                       servers=args.servers, staleness=args.staleness,
+                       straggler=parse_straggler_flag(args.straggler))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

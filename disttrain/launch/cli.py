@@ -14,11 +14,14 @@ from disttrain.launch.config import LaunchConfig, LaunchError
 _EPILOG = """examples:
   disttrain launch -n 4 train.py --lr 0.1
   disttrain launch -n 2 -m mypkg.train
+  # parameter server: 4 workers (ranks 0-3) and 1 server (rank 4)
+  disttrain launch -n 4 --servers 1 -m disttrain run --strategy ps-async --epochs 3
   # two machines, run on each with its own --node-rank:
   disttrain launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -n 8 train.py
 
 environment: DISTTRAIN_TIMEOUT (seconds per blocking wait), DISTTRAIN_DEBUG=1 (desync
-checks), DISTTRAIN_FLIGHT_DIR (where flight-recorder dumps go). See docs/launching.md."""
+checks), DISTTRAIN_FLIGHT_DIR (where flight-recorder dumps go). With --servers S every
+process gets DISTTRAIN_PS_SERVERS=S and ROLE_NAME=worker|server. See docs/launching.md."""
 
 
 def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -30,6 +33,9 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
                    type=int, default=1, metavar="N", help="workers on this node (default 1)")
+    p.add_argument("--servers", type=int, default=0, metavar="S",
+                   help="also start S parameter-server processes, ranks N..N+S-1, and tell "
+                   "every process (DISTTRAIN_PS_SERVERS=S; one machine only; default 0)")
     p.add_argument("--nnodes", default="1", metavar="M", help="machines in the job (default 1)")
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
                    metavar="K", help="this machine's index, 0..M-1")
@@ -67,7 +73,7 @@ def build_config(args: argparse.Namespace) -> LaunchConfig:
         node_rank=0 if args.node_rank is None else args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port,
         store_bind_addr=args.store_bind_addr, grace_s=args.grace_s,
-        run_dir=args.run_dir, prefix_output=args.prefix_output)
+        run_dir=args.run_dir, prefix_output=args.prefix_output, servers=args.servers)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,10 +39,14 @@ class LaunchConfig:
     grace_s: float = 5.0  # between SIGTERM and SIGKILL when stopping workers
     run_dir: str | None = None  # error records and flight dumps; None: a new temp dir
     prefix_output: bool = True
+    # Parameter servers started beside the workers (ranks nproc..nproc+servers-1); every
+    # process gets DISTTRAIN_PS_SERVERS so that roles.servers_from_env() knows the split.
+    servers: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("-n/--nproc-per-node", self.nproc_per_node, "the number of workers on "
                       "this node, e.g. -n 2")
+        self._check_servers()
         _positive_int("--nnodes", self.nnodes, "the number of machines in the job")
         self._check_node_rank()
         self._check_target()
@@ -63,6 +67,16 @@ class LaunchConfig:
         if not (isinstance(self.grace_s, (int, float)) and 0 <= self.grace_s < math.inf):
             raise ValueError(f"--grace-period must be a non-negative number of seconds, got "
                              f"{self.grace_s!r}")
+
+    def _check_servers(self) -> None:
+        if isinstance(self.servers, bool) or not isinstance(self.servers, int) or (
+                self.servers < 0):
+            raise ValueError(f"--servers must be a whole number ≥ 0 (parameter-server "
+                             f"processes to start beside the workers), got {self.servers!r}")
+        if self.servers and self.nnodes > 1:
+            raise ValueError("--servers starts the servers on this one machine; across "
+                             "machines count them in -n on every node and export "
+                             "DISTTRAIN_PS_SERVERS=S (the last S ranks of the job serve)")
 
     def _check_node_rank(self) -> None:
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int):
@@ -91,7 +105,12 @@ class LaunchConfig:
 
     @property
     def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
+        return self.nnodes * self.nproc_per_node + self.servers
+
+    @property
+    def local_processes(self) -> int:
+        """Processes this launcher starts: the workers, then the servers (single node)."""
+        return self.nproc_per_node + self.servers
 
     @property
     def hosts_store(self) -> bool:

@@ -39,6 +39,7 @@ from disttrain.launch.env import LOOPBACK, worker_env
 from disttrain.launch.process import Worker
 
 log = logging.getLogger(__name__)
+SERVERS_VAR = "DISTTRAIN_PS_SERVERS"  # read by parallel.parameter_server.servers_from_env
 
 _POLL_S = 0.05
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -95,18 +96,30 @@ def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker])
     """Start every worker, appending each to ``workers`` as it starts (so a failure half way
     still lets the caller stop the ones already running)."""
     addr = config.master_addr or LOOPBACK
-    for local_rank in range(config.nproc_per_node):
-        rank = config.node_rank * config.nproc_per_node + local_rank
+    local = config.local_processes  # with --servers (one node only): workers + servers
+    for local_rank in range(local):
+        rank = config.node_rank * local + local_rank
         error_file = os.path.join(run_dir, f"error-rank{rank}.json")
         extra = {records.RUN_DIR_VAR: run_dir, records.ERROR_FILE_VAR: error_file,
-                 records.TORCH_ERROR_FILE_VAR: error_file}
+                 records.TORCH_ERROR_FILE_VAR: error_file, **_role_env(config, rank)}
         if not os.environ.get(records.FLIGHT_DIR_VAR):
             extra[records.FLIGHT_DIR_VAR] = run_dir
-        env = worker_env(os.environ, local_rank=local_rank,
-                         nproc_per_node=config.nproc_per_node, nnodes=config.nnodes,
-                         node_rank=config.node_rank, master_addr=addr, master_port=port,
-                         extra=extra)
+        env = worker_env(os.environ, local_rank=local_rank, nproc_per_node=local,
+                         nnodes=config.nnodes, node_rank=config.node_rank, master_addr=addr,
+                         master_port=port, extra=extra)
         workers.append(Worker(rank, local_rank, config.command(), env))
+
+
+def _role_env(config: LaunchConfig, rank: int) -> dict[str, str]:
+    """With ``--servers S``: DISTTRAIN_PS_SERVERS, and torchrun's role variables saying
+    whether this rank is a worker or a server (ROLE_RANK counts within the role)."""
+    if not config.servers:
+        return {}
+    workers = config.nproc_per_node
+    role, index, size = ("worker", rank, workers) if rank < workers else (
+        "server", rank - workers, config.servers)
+    return {SERVERS_VAR: str(config.servers), "ROLE_NAME": role, "ROLE_RANK": str(index),
+            "ROLE_WORLD_SIZE": str(size)}
 
 
 def _watch(workers: list[Worker], caught: _Signals, run_dir: str, host: str) -> _Outcome:

@@ -5,15 +5,19 @@
     disttrain run --strategy zero2 -n 2 --optimizer adam --lr 1e-3 --epochs 3
     disttrain run --strategy 1f1b -n 2 --microbatches 4 --model mlp --epochs 1
     disttrain run --strategy pipeline --schedule gpipe -n 4 --pp-size 2 --microbatches 8
+    disttrain run --strategy ps-ssp -n 4 --servers 1 --staleness 2 --straggler 1:2
 
-With ``-n N > 1`` it starts N local ranks itself; inside a launched job (``RANK`` and
-``WORLD_SIZE`` set by torchrun, ``disttrain launch`` or Slurm) it runs as that rank.
+With ``-n N > 1`` it starts N local ranks itself (the parameter-server strategies start N
+workers and --servers more ranks); inside a launched job (``RANK`` and ``WORLD_SIZE`` set by
+torchrun, ``disttrain launch`` or Slurm) it runs as that rank, and the last
+``DISTTRAIN_PS_SERVERS`` ranks (``disttrain launch --servers S``) serve.
 Exit codes: 0 done, 1 a rank failed (named on stderr), 2 bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -24,7 +28,7 @@ from disttrain.train.data import DATASETS, DataOptions
 from disttrain.train.models import MODELS
 from disttrain.train.registry import resolve
 from disttrain.train.result import TrainResult
-from disttrain.train.strategies import STRATEGIES, get_strategy
+from disttrain.train.strategies import STRATEGIES, get_strategy, ranks_needed
 
 
 def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -106,6 +110,15 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
     pipe.add_argument("--pp-size", type=int, default=None,
                       help="stages per pipeline (gpipe, 1f1b): -n/pp-size data-parallel "
                            "replicas (default: one pipeline over all ranks)")
+    ps = p.add_argument_group("parameter server (ps-sync, ps-async, ps-ssp)")
+    ps.add_argument("--servers", type=int, default=None,
+                    help="server processes besides the -n workers (default 1; in a launched "
+                         "job: DISTTRAIN_PS_SERVERS)")
+    ps.add_argument("--staleness", type=int, default=None,
+                    help="ps-ssp: steps a worker may run ahead of the slowest (default 2)")
+    ps.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
+                    help="slow worker RANK's steps to FACTOR× its own work (e.g. 1:2; several: "
+                         "1:2,3:1.5); workers are ranks 0..N-1")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -122,7 +135,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                algorithm=args.algorithm, schedule=args.schedule,
                                microbatches=args.microbatches,
                                partition=parse_partition(args.partition),
-                               pp_size=args.pp_size)
+                               pp_size=args.pp_size, servers=args.servers,
+                               staleness=args.staleness,
+                               straggler=parse_straggler_flag(args.straggler))
     return TrainConfig(
         model=args.model, dataset=args.dataset, strategy=args.strategy, data=data,
         parallel=parallel, epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
@@ -144,6 +159,34 @@ def parse_partition(text: str | None) -> str | tuple[int, ...] | None:
                          f"3,2,2, got {text!r}") from None
 
 
+def parse_straggler_flag(text: str | None) -> tuple[tuple[int, float], ...]:
+    """``--straggler 1:2`` (or ``1:2,3:1.5``) → ``((1, 2.0), (3, 1.5))``."""
+    if text is None:
+        return ()
+    from disttrain.parallel.parameter_server import parse_straggler
+
+    try:
+        return tuple(sorted(parse_straggler(text).items()))
+    except ValueError as exc:
+        raise ValueError(f"--straggler: {exc}") from None
+
+
+def _servers_from_job(config: TrainConfig) -> TrainConfig:
+    """In a launched job, a PS strategy takes its server count from ``disttrain launch
+    --servers`` (DISTTRAIN_PS_SERVERS) unless --servers is given; both must agree."""
+    from disttrain.parallel.parameter_server import SERVERS_ENV, servers_from_env
+
+    announced = servers_from_env()
+    if announced is None or get_strategy(config.strategy).layout != "ps":
+        return config
+    given = config.parallel.servers
+    if given is not None and given != announced:
+        raise ValueError(f"--servers {given} disagrees with {SERVERS_ENV}={announced} set by "
+                         f"the launcher; drop --servers inside a launched job")
+    parallel = dataclasses.replace(config.parallel, servers=announced)
+    return dataclasses.replace(config, parallel=parallel)
+
+
 def run(args: argparse.Namespace) -> int:
     from disttrain.train import spawn
     from disttrain.train.loop import checked_setup, train
@@ -151,7 +194,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         in_job = spawn.in_launched_job()
+        if in_job:
+            config = _servers_from_job(config)
         world_size = _world_size(args.nproc, in_job)
+        if not in_job:  # -n counts workers; a parameter-server run adds its servers
+            world_size = ranks_needed(config, world_size)
         checked_setup(config, world_size)
         resolve(MODELS, config.model, "model")
         resolve(DATASETS, config.dataset, "dataset")
@@ -194,7 +241,7 @@ def _report(result: TrainResult, json_path: str | None) -> None:
     eval_loss = "-" if result.eval_loss is None else f"{result.eval_loss:.4f}"
     print(f"result strategy={result.strategy} world_size={result.world_size} "
           f"global_batch={result.global_batch} steps={result.steps} "
-          f"samples/s={result.samples_per_s:.1f} "
+          f"samples/s={samples_per_s(result):.1f} "
           f"peak_mem_MB={result.peak_mem_bytes_max / 1e6:.1f}")
     print(f"accuracy={accuracy} eval_loss={eval_loss} final_loss={result.final_loss:.4f}")
     sent, theory = result.bytes_sent_per_step_max, result.theory_bytes_per_step_max
@@ -203,6 +250,23 @@ def _report(result: TrainResult, json_path: str | None) -> None:
         expected = "-" if theory is None else f"{theory:.0f}"
         print(f"bytes_per_rank_per_step={measured} theory={expected} "
               f"bytes_unobserved={result.bytes_unobserved}")
+    ps = result.extras
+    if "staleness" in ps:
+        print(f"ps mode={ps['mode']} workers={ps['workers']} servers={ps['servers']} "
+              f"staleness={_histogram(ps['staleness'])} (mean {ps['staleness_mean']:.2f}, "
+              f"max {ps['staleness_max']}) worker_bytes_per_step="
+              f"{ps['worker_bytes_per_step']:.0f} dense={ps['dense_bytes_per_step']:.0f} "
+              f"step_ms_by_worker=[{', '.join(f'{1e3 * t:.1f}' for t in ps['worker_step_s'])}]")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result.summary(), f, indent=2)
+
+
+def samples_per_s(result: TrainResult) -> float:
+    """The run's samples/s: a strategy whose workers step at their own pace (ps-async)
+    reports the sum of their rates in ``extras``; the others, rank 0's figure."""
+    return float(result.extras.get("samples_per_s", result.samples_per_s))
+
+
+def _histogram(counts: dict[str, int]) -> str:
+    return "{" + ", ".join(f"{k}: {n}" for k, n in counts.items()) + "}"

@@ -7,6 +7,8 @@ in :func:`check_world` once the communicator is known.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from disttrain.train.data import DataOptions
@@ -36,6 +38,10 @@ class ParallelOptions:
     microbatches: int | None = None  # micro-batches per step (None: 8)
     partition: str | tuple[int, ...] | None = None  # "params", "time" or layers per stage
     pp_size: int | None = None  # stages per pipeline (None: every rank is a stage)
+    # parameter server ("ps-sync", "ps-async", "ps-ssp")
+    servers: int | None = None  # server processes beside the workers (None: 1)
+    staleness: int | None = None  # "ps-ssp": clocks a worker may run ahead (None: 2)
+    straggler: tuple[tuple[int, float], ...] = ()  # (worker rank, factor ≥ 1): slowed workers
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
@@ -43,9 +49,12 @@ class ParallelOptions:
         if self.schedule is not None and self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got "
                              f"{self.schedule!r}")
-        for name in ("microbatches", "pp_size"):
+        for name in ("microbatches", "pp_size", "servers"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.staleness is not None:
+            _positive("staleness", self.staleness, allow_zero=True)
+        object.__setattr__(self, "straggler", _stragglers(self.straggler))
         partition = self.partition
         if isinstance(partition, str):
             if partition not in PARTITIONS:
@@ -58,6 +67,28 @@ class ParallelOptions:
             if not balance:
                 raise ValueError("partition needs one layer count per stage, got ()")
             object.__setattr__(self, "partition", balance)
+
+
+def _stragglers(value: object) -> tuple[tuple[int, float], ...]:
+    """``{rank: factor}`` or ``((rank, factor), ...)`` → sorted pairs, validated."""
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, (tuple, list)) and all(
+            isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+        pairs = [tuple(p) for p in value]
+    else:
+        raise ValueError(f"straggler must be {{rank: factor}} or ((rank, factor), ...), "
+                         f"got {value!r}")
+    checked: dict[int, float] = {}
+    for rank, factor in pairs:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 or rank in checked:
+            raise ValueError(f"straggler ranks must be distinct ints ≥ 0, got {value!r}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                1.0 <= factor < math.inf):
+            raise ValueError(f"straggler factor for rank {rank} must be a finite number ≥ 1 "
+                             f"(2 = twice as slow), got {factor!r}")
+        checked[rank] = float(factor)
+    return tuple(sorted(checked.items()))
 
 
 def _positive(name: str, value: object, allow_zero: bool = False) -> None:

@@ -7,7 +7,7 @@ fixed validated header plus raw tensors over the Communicator's point-to-point c
 al., "Scaling Distributed Machine Learning with the Parameter Server", OSDI 2014; Ho et al.,
 NIPS 2013). See docs/parameter_server.md.
 
-    roles = assign_roles(comm.world_size, num_servers)
+    roles = assign_roles(comm.world_size, num_servers)   # workers ranks 0..W−1, servers last
     if roles.role(comm.rank).kind == "server":
         report = run_parameter_server(comm, roles, model, make_optimizer, config)
     else:
@@ -38,13 +38,24 @@ from disttrain.parallel.parameter_server.recsys import (
     make_click_data,
 )
 from disttrain.parallel.parameter_server.reports import ServerReport, WorkerReport
-from disttrain.parallel.parameter_server.roles import PSRoles, Role, assign_roles
-from disttrain.parallel.parameter_server.server import ParameterServer, run_parameter_server
+from disttrain.parallel.parameter_server.roles import (
+    SERVERS_ENV,
+    PSRoles,
+    Role,
+    assign_roles,
+    servers_from_env,
+)
+from disttrain.parallel.parameter_server.server import (
+    ParameterServer,
+    build_parameter_server,
+    run_parameter_server,
+)
 from disttrain.parallel.parameter_server.shard import ServerShard, load_checkpoint
 from disttrain.parallel.parameter_server.worker import PSWorker
 
 __all__ = [
     "MODES",
+    "SERVERS_ENV",
     "SPARSE_PARAMS",
     "ClickData",
     "ClickModel",
@@ -68,10 +79,12 @@ __all__ = [
     "TensorSpec",
     "WorkerReport",
     "assign_roles",
+    "build_parameter_server",
     "load_checkpoint",
     "make_click_data",
     "parse_straggler",
     "partition",
     "run_parameter_server",
+    "servers_from_env",
     "specs_of",
 ]

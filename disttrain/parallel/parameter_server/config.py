@@ -32,8 +32,9 @@ class PSConfig:
       Start-up (a worker's HELLO, the server waiting for it) may take up to 90% of the
       communicator's timeout whatever this is: loading a model or checkpoint takes time.
     * ``max_message_elems``: the largest payload a server accepts in one message.
-    * ``straggler``: ``{worker rank: factor}`` slows those workers to ``factor`` × their
-      compute time (sleeping the difference) for straggler experiments.
+    * ``straggler``: ``{worker rank: factor}`` slows those workers' steps to ``factor`` × their
+      own work (compute, pull and push; sleeping the difference before each push) for
+      straggler experiments.
     """
 
     mode: str = "sync"

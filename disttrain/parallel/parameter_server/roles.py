@@ -1,20 +1,27 @@
 """Who is a server and who is a worker: a pure function of the rank, the same on every rank.
 
-Servers take the lowest ranks, workers the rest::
+Workers take the lowest ranks, servers the last S::
 
-    rank:   0        …   S−1        S        …   S+W−1
-    role:   server 0 …   server S−1 worker 0 …   worker W−1
+    rank:   0        …   W−1          W        …   W+S−1
+    role:   worker 0 …   worker W−1   server 0 …   server S−1
 
-so a launcher flag ``--servers S`` and the world size are all a process needs to know its
-role. Every error message names a peer by role and rank ("worker 1 (rank 3)").
+so a launcher flag ``--servers S`` (``disttrain launch`` exports it as
+``DISTTRAIN_PS_SERVERS``, read by :func:`servers_from_env`) and the world size are all a
+process needs to know its role. Workers come first so that rank 0, which logs and reports
+the result in every disttrain tool, is a worker, and worker *i* is rank *i* (``--straggler
+1:2`` slows worker 1). Every error message names a peer by role and rank ("worker 1
+(rank 1)", "server 0 (rank 2)").
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 RoleKind = Literal["server", "worker"]
+SERVERS_ENV = "DISTTRAIN_PS_SERVERS"  # set by ``disttrain launch --servers S``
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,7 @@ class Role:
 
 @dataclass(frozen=True)
 class PSRoles:
-    """``num_servers`` servers on ranks 0..S−1, ``num_workers`` workers on ranks S..S+W−1."""
+    """``num_workers`` workers on ranks 0..W−1, ``num_servers`` servers on ranks W..W+S−1."""
 
     num_servers: int
     num_workers: int
@@ -49,20 +56,20 @@ class PSRoles:
 
     @property
     def server_ranks(self) -> tuple[int, ...]:
-        return tuple(range(self.num_servers))
+        return tuple(range(self.num_workers, self.world_size))
 
     @property
     def worker_ranks(self) -> tuple[int, ...]:
-        return tuple(range(self.num_servers, self.world_size))
+        return tuple(range(self.num_workers))
 
     def role(self, rank: int) -> Role:
         """The role of ``rank``; a ValueError if the rank is not part of the job."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank!r} is not in this job of {self.num_servers} server(s) "
                              f"and {self.num_workers} worker(s) (ranks 0..{self.world_size - 1})")
-        if rank < self.num_servers:
-            return Role("server", rank, rank)
-        return Role("worker", rank - self.num_servers, rank)
+        if rank < self.num_workers:
+            return Role("worker", rank, rank)
+        return Role("server", rank - self.num_workers, rank)
 
     def server_rank(self, index: int) -> int:
         return self.server_ranks[index]
@@ -86,3 +93,22 @@ def assign_roles(world_size: int, num_servers: int) -> PSRoles:
         raise ValueError(f"num_servers={num_servers} leaves no worker among {world_size} ranks; "
                          f"use at most {world_size - 1} servers or start more ranks")
     return PSRoles(num_servers, world_size - num_servers)
+
+
+def servers_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """The number of servers ``disttrain launch --servers S`` announced (``DISTTRAIN_PS_SERVERS``),
+    or None when the variable is not set::
+
+        roles = assign_roles(comm.world_size, servers_from_env() or 1)
+    """
+    value = (os.environ if environ is None else environ).get(SERVERS_ENV)
+    if value is None or value == "":
+        return None
+    try:
+        servers = int(value)
+    except ValueError:
+        servers = 0
+    if servers < 1:
+        raise ValueError(f"{SERVERS_ENV}={value!r} must be a whole number ≥ 1 (the last that "
+                         f"many ranks of the job are parameter servers)")
+    return servers

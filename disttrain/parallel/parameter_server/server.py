@@ -69,6 +69,19 @@ def run_parameter_server(comm: Communicator, roles: PSRoles, model: nn.Module | 
     the checkpoint saved there; with ``checkpoint_dir`` it is saved there at the end and,
     if ``checkpoint_every`` > 0, every that many parameter versions. ``on_update(version)``
     is called after each applied update (progress, experiments)."""
+    return build_parameter_server(comm, roles, model, optimizer_factory, config,
+                                  checkpoint_dir=checkpoint_dir, restore_dir=restore_dir,
+                                  checkpoint_every=checkpoint_every,
+                                  on_update=on_update).serve()
+
+
+def build_parameter_server(comm: Communicator, roles: PSRoles, model: nn.Module | Callable[[],
+                           nn.Module], optimizer_factory: OptimizerFactory, config: PSConfig, *,
+                           checkpoint_dir: str | None = None, restore_dir: str | None = None,
+                           checkpoint_every: int = 0,
+                           on_update: Callable[[int], None] | None = None) -> ParameterServer:
+    """:func:`run_parameter_server` without the serving: the server, ready to ``serve()``
+    (afterwards ``server.shard.param`` holds this server's final values)."""
     if comm.world_size != roles.world_size:
         raise ValueError(f"the communicator has {comm.world_size} ranks but the roles describe "
                          f"{roles.world_size} ({roles.num_servers} servers + "
@@ -89,7 +102,7 @@ def run_parameter_server(comm: Communicator, roles: PSRoles, model: nn.Module | 
                              checkpoint_every=checkpoint_every, on_update=on_update)
     if restore_dir is not None:
         server.restore(checkpoint_path(restore_dir, role.index))
-    return server.serve()
+    return server
 
 
 class ParameterServer:

@@ -71,6 +71,7 @@ class PSWorker:
         self._steps = 0
         self._compute_s = self._comm_s = self._sleep_s = 0.0
         self._computing_since: float | None = None
+        self._pull_s = self._push_s = 0.0  # this step's pull, the previous push (stragglers)
         self._bytes0 = (comm.stats.bytes_sent, comm.stats.bytes_recv)
         self._closed = False
         self._hello()
@@ -94,26 +95,33 @@ class PSWorker:
                 raise ValueError(f"sparse_ids[{name!r}] has ids outside 0..{rows - 1}")
             unique[t] = flat
         plans = [self._pull_requests(s, unique) for s in range(self.roles.num_servers)]
+        begin = time.perf_counter()
         self._run(plans)
         self._computing_since = time.perf_counter()
+        self._pull_s = self._computing_since - begin
 
-    def pull_all(self) -> None:
-        """Fetch every parameter (each server's whole key range)."""
+    def pull_all(self, *, track: bool = True) -> None:
+        """Fetch every parameter (each server's whole key range). ``track=False`` for a read
+        outside a step (evaluation): it does not count as what the next push was computed
+        from, so it cannot make that update look staler than it is."""
         plans = []
         for s in range(self.roles.num_servers):
             start, end = self.partition.server_range(s)
-            plans.append([self._dense_pull(s, start, end - start)] if end > start else [])
+            plans.append([self._dense_pull(s, start, end - start, track)] if end > start else [])
         self._run(plans)
 
     def push(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """Send gradients (default: each trainable parameter's ``.grad``) and finish this
-        clock. A straggler sleeps first, to ``factor`` × its compute time since ``pull``."""
+        clock. A straggler sleeps first, so that its step takes ``factor`` × its own work
+        (see :meth:`_straggle`)."""
         self._straggle()
         grads = list(grads) if grads is not None else [p.grad for p in self.params]
         if len(grads) != len(self.params):
             raise ValueError(f"push got {len(grads)} gradients for {len(self.params)} "
                              f"trainable parameters")
+        begin = time.perf_counter()
         self._run([self._push_requests(s, grads) for s in range(self.roles.num_servers)])
+        self._push_s = time.perf_counter() - begin
         self.clock += 1
         self._steps += 1
         self._pulled.clear()
@@ -153,11 +161,12 @@ class PSWorker:
                           f"come from different runs")
         self.clock = clocks[0]
 
-    def _dense_pull(self, s: int, offset: int, length: int) -> Request:
+    def _dense_pull(self, s: int, offset: int, length: int, track: bool = True) -> Request:
         def store(h: Header, values: torch.Tensor | None) -> None:
             assert values is not None
             scatter_flat(self.params, self.partition, offset, values)
-            self._note_read(s, h)
+            if track:
+                self._note_read(s, h)
 
         return Request(Msg.PULL, key=offset, count=length, dtype=dtype_code(self.dtype),
                        clock=self.clock, reply_elems=length, reply_dtype=self.dtype,
@@ -230,12 +239,18 @@ class PSWorker:
             self._comm_s += time.perf_counter() - begin
 
     def _straggle(self) -> None:
+        """A straggler's step takes ``factor`` × its own work: it sleeps (factor − 1) × (its
+        compute since ``pull`` + that pull + its previous push), before pushing, so its
+        gradients are as stale as a slow machine's and the sleep takes no CPU from others.
+        The slowest worker's pulls never wait at a consistency gate (everyone waits for it),
+        so for it they measure its own communication."""
         if self._computing_since is None:
             return
         compute = time.perf_counter() - self._computing_since
         self._compute_s += compute
         self._computing_since = None
-        extra = (self.config.straggler_factor(self.comm.rank) - 1.0) * compute
+        factor = self.config.straggler_factor(self.comm.rank)
+        extra = (factor - 1.0) * (compute + self._pull_s + self._push_s)
         if extra > 0:
             time.sleep(extra)
             self._sleep_s += extra

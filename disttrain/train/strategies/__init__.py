@@ -12,11 +12,16 @@ accepts, and how its ranks divide the data (its *layout*)::
     "model-parallel"  consecutive layers on consecutive ranks, one batch at a time
     "gpipe", "1f1b"   disttrain.parallel.pipeline with that schedule (pp × dp with pp_size)
     "torch-gpipe"     torch.distributed.pipelining's ScheduleGPipe on the same split (baseline)
+    "ps-sync"         parameter server (disttrain.parallel.parameter_server), synchronous SGD
+    "ps-async"        parameter server, asynchronous SGD (updates applied on arrival)
+    "ps-ssp"          parameter server, stale-synchronous: at most --staleness steps ahead
     ("pipeline" is accepted as the strategy name: it means parallel.schedule, 1f1b by default)
 
 Layouts: ``data`` (every rank a replica reading its own shard), ``pipeline`` (world/pp_size
 replicas of a pp_size-stage pipeline; every stage of a replica reads the same shard),
-``model`` (one model split over every rank, one shard).
+``model`` (one model split over every rank, one shard), ``ps`` (the first world − servers
+ranks are data-parallel workers, the last ``servers`` ranks hold the parameters: ``-n W``
+means W workers, and :func:`ranks_needed` adds the servers).
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ from disttrain.train.strategies.base import (
 )
 from disttrain.train.strategies.baselines import build_torch_ddp, build_torch_zero1
 from disttrain.train.strategies.data_parallel import build_ddp, build_single
+from disttrain.train.strategies.parameter_server import (
+    build_parameter_server_strategy,
+    num_servers,
+)
 from disttrain.train.strategies.pipeline import (
     DEFAULT_MICROBATCHES,
     build_model_parallel_strategy,
@@ -52,11 +61,13 @@ OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
     "bucket_cap_mb": "--bucket-cap-mb", "find_unused_parameters": "--find-unused-parameters",
     "broadcast_buffers": "broadcast_buffers", "compression": "--compression",
     "algorithm": "--algorithm", "schedule": "--schedule", "microbatches": "--microbatches",
-    "partition": "--partition", "pp_size": "--pp-size",
+    "partition": "--partition", "pp_size": "--pp-size", "servers": "--servers",
+    "staleness": "--staleness", "straggler": "--straggler",
 }
 TORCH_DP = frozenset({"bucket_cap_mb", "find_unused_parameters", "broadcast_buffers"})
 PIPELINE = frozenset({"schedule", "microbatches", "partition", "pp_size"})
-LAYOUTS = ("data", "pipeline", "model")
+PS = frozenset({"servers", "straggler"})
+LAYOUTS = ("data", "pipeline", "model", "ps")
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,9 @@ class StrategySpec:
         """How many ranks read different shards of each global batch."""
         if self.layout == "model":
             return 1
+        if self.layout == "ps":
+            servers = num_servers(config) if config is not None else 1
+            return world_size - servers
         if self.layout == "pipeline":
             pp = config.parallel.pp_size if config is not None else None
             return world_size // (pp or world_size)
@@ -95,7 +109,12 @@ class StrategySpec:
         if self.layout == "pipeline" and pp is not None and world_size % pp:
             raise ValueError(f"--pp-size {pp} does not divide the world size {world_size}: "
                              f"the ranks form world_size/pp_size pipelines of pp_size stages")
-        if self.layout != "data" and config.accumulate != 1:
+        if self.layout == "ps" and world_size <= num_servers(config):
+            raise ValueError(f"strategy {name!r} with {num_servers(config)} server(s) needs "
+                             f"at least one worker, but the job has {world_size} rank(s); "
+                             f"start more ranks (-n counts workers in 'disttrain run') or "
+                             f"use fewer --servers")
+        if self.layout in ("pipeline", "model") and config.accumulate != 1:
             raise ValueError(f"strategy {name!r} runs each step as one batch through its "
                              f"stages; --accumulate must be 1 (pipelines split batches with "
                              f"--microbatches)")
@@ -141,6 +160,24 @@ def _check_pipeline(config: TrainConfig, world_size: int, dp: int) -> None:
                              "use --strategy gpipe for checkpointed pipeline training")
 
 
+def _check_ps(config: TrainConfig, world_size: int, dp: int) -> None:
+    late = sorted(r for r, _ in config.parallel.straggler if r >= dp)
+    if late:
+        raise ValueError(f"--straggler ranks {late} are not workers: with {dp} worker(s) the "
+                         f"workers are ranks 0..{dp - 1} (the servers come after them)")
+    if config.checkpoint_dir is not None or config.resume:
+        raise ValueError(f"strategy {config.strategy!r} writes no loop checkpoints yet; drop "
+                         f"--checkpoint-dir (run_parameter_server(checkpoint_dir=...) "
+                         f"checkpoints the servers' shards, see docs/parameter_server.md)")
+
+
+def ranks_needed(config: TrainConfig, workers: int) -> int:
+    """Processes a run with ``workers`` data-parallel workers starts (PS: + the servers)."""
+    spec = STRATEGIES.get(config.strategy)
+    return workers + num_servers(config) if spec is not None and spec.layout == "ps" else (
+        workers)
+
+
 STRATEGIES: dict[str, StrategySpec] = {
     "single": StrategySpec(build_single, "one process, the reference", max_world_size=1,
                            needs_comm=False),
@@ -167,15 +204,16 @@ STRATEGIES: dict[str, StrategySpec] = {
                                 "on the same split (baseline)",
                                 frozenset({"schedule", "microbatches", "partition"}), "model",
                                 check=_check_pipeline),
-    # "ps-sync", "ps-async", "ps-ssp": the parameter-server strategies register here once
-    # disttrain.parallel.parameter_server is ready (see PLANNED).
+    "ps-sync": StrategySpec(build_parameter_server_strategy, "parameter server, synchronous "
+                            "SGD (workers + --servers ranks)", PS, "ps", check=_check_ps),
+    "ps-async": StrategySpec(build_parameter_server_strategy, "parameter server, asynchronous "
+                             "SGD (updates applied on arrival)", PS, "ps", check=_check_ps),
+    "ps-ssp": StrategySpec(build_parameter_server_strategy, "parameter server, stale-"
+                           "synchronous SGD (at most --staleness steps ahead)",
+                           PS | {"staleness"}, "ps", check=_check_ps),
 }
 
-PLANNED: dict[str, str] = {
-    "ps-sync": "parameter server, synchronous SGD",
-    "ps-async": "parameter server, asynchronous SGD",
-    "ps-ssp": "parameter server, stale-synchronous (bounded staleness) SGD",
-}
+PLANNED: dict[str, str] = {}
 """Names the benchmark issue reserves whose implementation is not in the registry yet."""
 
 
@@ -204,4 +242,5 @@ __all__ = [
     "get_strategy",
     "optimizer_class",
     "optimizer_factory",
+    "ranks_needed",
 ]

@@ -1,0 +1,79 @@
+"""The parameter-server strategies in the shared training loop: ``ps-sync`` trains exactly the
+single process's model on the global batch (workers and servers all end with it), with
+gradient accumulation and an evaluation in the middle of training; ``ps-ssp`` with a
+straggler keeps its staleness bound; the loop's results and extras add up over workers and
+servers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from disttrain.train import ParallelOptions, TrainConfig, train
+from disttrain.train.strategies.parameter_server import HEADER_BYTES
+
+ONE_SAMPLE = 1.01 / 359  # one held-out digit
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32; only the order of the gradient sums differs
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def quiet(**kwargs: Any) -> TrainConfig:
+    return TrainConfig(model="mlp", log_every=0, progress=False, **kwargs)
+
+
+def rank_train(comm: Any, config: TrainConfig) -> tuple[dict[str, torch.Tensor], Any]:
+    result = train(config, comm)
+    state = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
+    return state, result.without_model()
+
+
+def test_ps_sync_strategy_equals_single_on_the_global_batch(pools: Any) -> None:
+    # one evaluation mid-training; two micro-batches per worker and step, pushed once
+    config = quiet(steps=6, global_batch=32, accumulate=2, eval_every=3)
+    reference = train(config)
+    want = {k: v.detach() for k, v in reference.model.state_dict().items()}
+    ps = dataclasses.replace(config, strategy="ps-sync")
+    per_rank = pools(3).run(rank_train, ps)  # workers: ranks 0, 1; server: rank 2
+    for rank, (got, result) in enumerate(per_rank):
+        for name, tensor in got.items():  # the servers end with the final model too
+            torch.testing.assert_close(tensor, want[name], **TOL, msg=f"rank {rank} {name}")
+        assert result.steps == 6 and result.dp_size == 2
+        assert result.final_loss == pytest.approx(reference.final_loss, rel=1e-5)
+    worker = per_rank[0][1]
+    for mine, theirs in zip(worker.evaluations, reference.evaluations, strict=True):
+        assert mine.step == theirs.step
+        assert mine.accuracy == pytest.approx(theirs.accuracy, abs=ONE_SAMPLE)
+    params = sum(t.numel() * 4 for t in want.values())
+    assert worker.bytes_sent_per_step_max == worker.theory_bytes_per_step_max == (
+        params + 2 * HEADER_BYTES)
+    extras = worker.extras
+    assert extras["staleness"] == {"0": 2 * 6} and extras["staleness_max"] == 0
+    assert extras["samples_per_s"] > 0 and extras["workers"] == 2
+    assert extras["dense_bytes_per_step"] == 2 * params  # push and pull of every value
+
+
+def test_ps_ssp_strategy_keeps_its_bound_with_a_straggler(pools: Any) -> None:
+    options = ParallelOptions(servers=2, staleness=1, straggler={1: 3.0})
+    config = quiet(strategy="ps-ssp", steps=8, global_batch=32, eval_every=0,
+                   parallel=options)
+    per_rank = pools(4).run(rank_train, config)  # workers 0, 1; servers 2, 3
+    results = [r for _, r in per_rank]
+    extras = results[0].extras
+    assert sum(extras["staleness"].values()) == 2 * 2 * 8  # servers × workers × steps
+    assert 0 < extras["staleness_max"] <= 1, extras["staleness"]
+    assert extras["straggler_sleep_s"] > 0 and extras["servers"] == 2
+    first = per_rank[0][0]
+    for state, _ in per_rank[1:]:  # the final broadcast: every rank holds the same model
+        for name, tensor in state.items():
+            torch.testing.assert_close(tensor, first[name], rtol=0, atol=0)
+    assert all(r.final_loss == pytest.approx(results[0].final_loss) for r in results)
