@@ -4,14 +4,18 @@ neighbours expect."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from disttrain.parallel.pipeline import build_pipeline
+from disttrain.parallel.pipeline.link import StageLink
 from disttrain.parallel.pipeline.wire import (
     DTYPES,
+    FAILED,
     HEADER_BYTES,
     OK,
     Header,
@@ -19,6 +23,7 @@ from disttrain.parallel.pipeline.wire import (
     pack,
     view_payload,
 )
+from tests.dist import init_gloo, run_fresh
 from tests.test_pipeline_runtime import _capture, _fresh, make_model
 
 
@@ -41,6 +46,33 @@ def test_header_and_payload_round_trip(dtype, shape):
 def test_a_malformed_header_is_an_error():
     with pytest.raises(PipelineError, match="malformed pipeline header"):
         Header.unpack(torch.zeros(HEADER_BYTES, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("field", [{"status": 7}, {"mode": 2}, {"mode": -1},
+                                   {"shape": (2, -3)}, {"shape": (-1, -4)}])
+def test_a_header_with_unknown_fields_or_negative_sizes_is_malformed(field):
+    # packed as a (buggy or foreign) sender would; -1 × -4 even makes a positive size
+    header = Header(**{**Header(OK, 1, 0, 0, 2, 0.0, torch.float32, (2, 3)).__dict__, **field})
+    buffer = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    header.pack_into(buffer)
+    with pytest.raises(PipelineError, match="malformed pipeline header"):
+        Header.unpack(buffer)
+
+
+class _TwoRanks:
+    world_size, global_ranks = 2, [4, 5]
+
+
+@pytest.mark.parametrize("failed", [-1, 2, 99])
+def test_a_failure_notice_naming_no_stage_is_an_error(failed):
+    link = StageLink(_TwoRanks(), 1)  # type: ignore[arg-type]  # no messages: _check only
+    notice = Header(FAILED, 0, 0, failed, 0, 0.0, torch.int64, (0,))
+    with pytest.raises(PipelineError, match=f"naming stage {failed} of 2") as exc:
+        link._check(notice, 0, "x", (1, 0, 0))
+    assert "stage 1 (rank 5)" in str(exc.value) and "stage 0 (rank 4)" in str(exc.value)
+    # a stage that exists is reported as failed
+    with pytest.raises(PipelineError, match=r"stage 0 \(rank 4\) failed"):
+        link._check(replace(notice, microbatch=0), 0, "x", (1, 0, 0))
 
 
 # ---------------------------------------------------------------- on real ranks
@@ -151,3 +183,34 @@ def test_a_failure_after_sizes_are_known_reaches_both_neighbours(pools):
         else:
             assert third.startswith("StageFailedError"), (rank, third)
             assert "stage 1 (rank 1) failed" in third
+
+
+MISMATCH_TIMEOUT_S = 3.0
+
+
+def train_against_eval(rank: int, world_size: int, store: str) -> list[str]:
+    """A step and an evaluation of 40 rows on both stages, then stage 0 evaluates again
+    while stage 1 trains: stage 0's eval activations (10 rows) are larger than the train
+    receives stage 1 posted (3 rows), which on a shared tag made Gloo abort stage 1."""
+    comm = init_gloo(rank, world_size, store, comm_timeout_s=MISMATCH_TIMEOUT_S)
+    pipe = build_pipeline(make_model(), comm, schedule="gpipe", microbatches=4)
+    x, y = torch.randn(12, 6, dtype=torch.float64), torch.randint(0, 4, (12,))
+    big = torch.randn(40, 6, dtype=torch.float64)
+    first = pipe.is_first
+
+    def train() -> None:
+        pipe.train_step(x if first else None, y if pipe.is_last else None, F.cross_entropy)
+
+    def evaluate() -> None:
+        pipe.eval_forward(big if first else None)
+
+    return [_capture(train), _capture(evaluate), _capture(evaluate if first else train)]
+
+
+def test_a_stage_evaluating_while_its_neighbour_trains_times_out_naming_both():
+    per_rank = run_fresh(train_against_eval, 2)
+    for rank, (trained, evaluated, mismatched) in enumerate(per_rank):
+        assert trained == evaluated == "no error", (rank, trained, evaluated)
+        assert mismatched.startswith("PipelineError"), (rank, mismatched)
+        assert "stage 0 (rank 0)" in mismatched and "stage 1 (rank 1)" in mismatched, (
+            rank, mismatched)

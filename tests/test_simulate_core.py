@@ -110,6 +110,39 @@ def test_auto_picks_the_fastest_and_a_flat_ring_runs_at_the_nic() -> None:
     assert inside < ring  # NVLink only
 
 
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("group", [Group(8, 8), Group(32, 8), Group(24, 8)])
+def test_tree_without_a_tree_is_the_fastest_algorithm_the_op_has(op: str, group: Group
+                                                                  ) -> None:
+    cluster, n = _two_level(), 1e8
+    each = {a: collective_time(cluster, op, a, group, n) for a in ("ring", "halving_doubling")}
+    assert collective_time(cluster, op, "tree", group, n) == min(each.values())
+    assert collective_time(cluster, op, "hierarchical", group, n) == each["ring"]
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_halving_doubling_folds_neighbours_on_their_node(op: str) -> None:
+    # p = 24 folds 8 pairs (2v, 2v+1) onto q = 16: the same steps as p = 16 plus the fold
+    cluster, n = _two_level(nodes=8), 1e8
+    small = n / 24
+
+    def fold(per_node: int) -> float:
+        t24, _ = collective_time(cluster, op, "halving_doubling", Group(24, per_node), n)
+        t16, _ = collective_time(cluster, op, "halving_doubling", Group(16, per_node), n)
+        return t24 - t16
+
+    def expected(c: LinkCosts) -> float:
+        a, b, g = c.alpha, c.beta, cluster.intra_link().gamma
+        return {"all_reduce": 2 * (a + n * b) + n * g,
+                "reduce_scatter": 2 * a + (n + small) * b + n * g,
+                "all_gather": 2 * a + (small + n) * b}[op]
+
+    # 8 per node: every pair on one node; 3 per node: pair (2, 3) spans nodes 0 and 1
+    assert fold(8) == pytest.approx(expected(cluster.intra_link()))
+    assert fold(3) == pytest.approx(expected(cluster.inter_link()))
+    assert fold(8) < fold(3)
+
+
 # ---------------------------------------------------------------------------- memory
 def test_zero_paper_memory_table() -> None:
     table = zero_paper_table(psi=7_500_000_000, devices=64, k_bytes=12)

@@ -110,7 +110,10 @@ def test_every_strategy_at_4096_workers_keeps_events_bounded() -> None:
     wl = Workload(batch_per_worker=32, speeds=Speeds("lognormal", sigma=0.1))
     rows = sweep(resnet101(1.5e14), cluster, wl, tuple(STRATEGIES), (4096,))
     assert len(rows) == len(STRATEGIES)
-    assert all(r.details.get("events", 0) < 5000 for r in rows)
+    simulated = [r for r in rows if r.error is None]
+    assert {r.strategy for r in simulated} >= {"ddp", "zero1", "zero2", "zero3", "ps-sync"}
+    assert all(0 < r.details["events"] < 5000 for r in simulated), [
+        (r.strategy, r.details.get("events")) for r in simulated]
     assert any(r.error for r in rows)  # model parallel over 4096 devices: marked
     ddp = next(r for r in rows if r.strategy == "ddp")
     assert 0 < ddp.efficiency <= 1
@@ -145,10 +148,43 @@ def test_cli_table_json_plot_and_recommendation(tmp_path: Path,
     assert plot.read_text().startswith("<svg") and "efficiency" in plot.read_text()
 
 
+@pytest.mark.parametrize("algorithm", ["tree", "hierarchical", "halving_doubling"])
+def test_cli_runs_every_strategy_with_every_algorithm(tmp_path: Path, algorithm: str,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    # roce-25g has 4 devices per node: 3 workers on one node, 8 on two, 12 on three (p not
+    # a power of two: halving/doubling folds). reduce_scatter and all_gather have no tree.
+    out = tmp_path / "rows.jsonl"
+    code = main(["simulate", "--model", "resnet101", "--cluster", "roce-25g", "--workers",
+                 "3,8,12", "--algorithm", algorithm, "--json", str(out)])
+    assert code == 0
+    capsys.readouterr()
+    rows = [json.loads(x) for x in out.read_text().splitlines()[1:]]
+    assert {r["strategy"] for r in rows} == set(STRATEGIES)
+    for r in rows:
+        if r["strategy"] in ("ddp", "zero1", "zero2", "zero3"):
+            assert r.get("error") is None and r["step_s"] > 0, r
+            used = set(r["details"]["algorithm"].split(","))
+            allowed = {algorithm, "ring", "halving_doubling"}
+            assert used <= allowed, r
+            if r["strategy"] == "ddp":  # all_reduce has them all (hierarchical: > 1 node)
+                one_node = algorithm == "hierarchical" and r["workers"] <= 4
+                assert used == {"ring" if one_node else algorithm}, r
+
+
 def test_cli_rejects_unknown_strategy(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["simulate", "--strategies", "ddp,magic"])
     assert "magic" in capsys.readouterr().err
+
+
+def test_validate_rejects_micro_batches_the_bench_does_not_run(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:  # before anything is profiled or measured
+        main(["simulate", "--validate", "--microbatches", "4", "-n", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--microbatches 4 cannot be validated" in err and "--microbatches 8" in err
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

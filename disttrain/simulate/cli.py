@@ -122,6 +122,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_names(args.strategies)
         wl = workload(args)
         cluster = get_cluster(args.cluster) if not args.validate else None
+        if args.validate:
+            from disttrain.simulate.validate import check_arguments
+
+            check_arguments(args)
     except ValueError as exc:
         parser.error(str(exc))
     if args.validate:

@@ -9,8 +9,12 @@ group of a 4-stage pipeline grid has 2 per node). Algorithms:
   larger of the two β (one ring crosses each NIC once per direction). A binomial tree pays
   the intra-node link for its first ⌈log₂ per_node⌉ rounds and the NIC for the others (one
   flow per NIC). Recursive halving/doubling pays the NIC for its steps at distance ≥
-  per_node, where every device of a node crosses it at once (per_node flows share it).
-* ``hierarchical`` (all_reduce; Horovod's and NCCL's two-level scheme)::
+  per_node, where every device of a node crosses it at once (per_node flows share it);
+  its fold step (p not a power of two) pairs neighbouring ranks, on one node unless a node
+  boundary falls between them. reduce_scatter and all_gather have no tree: asked for one,
+  they use the fastest algorithm they have.
+* ``hierarchical`` (all_reduce across nodes; Horovod's and NCCL's two-level scheme; other
+  ops, or one node: a ring, which already stays hop-local)::
 
       reduce_scatter inside each node  (ring over per_node devices, N bytes)
       all_reduce across nodes          (per_node rings in parallel, N/per_node each,
@@ -95,13 +99,23 @@ def _halving_doubling(cluster: Cluster, group: Group, op: str, nbytes: float) ->
             c.alpha, c.beta, nbytes / (1 << j))
         rounds = 2 if op == "all_reduce" else 1
         total += rounds * (a + chunk * b) + (0 if op == "all_gather" else chunk * c.gamma)
-    if q != group.size:  # fold the extra ranks into partners q apart (other nodes)
+    if q != group.size:  # fold the extra ranks into their neighbours (fold_map)
         small = nbytes / group.size
-        a, b, g = inter.alpha, inter.beta, intra.gamma
+        fold = cluster.inter_link(group.flows) if _fold_crosses(group, q) else intra
+        a, b, g = fold.alpha, fold.beta, intra.gamma
         total += {"all_reduce": 2 * (a + nbytes * b) + nbytes * g,
                   "reduce_scatter": 2 * a + (nbytes + small) * b + nbytes * g,
                   "all_gather": 2 * a + (small + nbytes) * b}[op]
     return total
+
+
+def _fold_crosses(group: Group, q: int) -> bool:
+    """Whether a fold pair spans two nodes. :func:`~disttrain.comm.algorithms.chunking.
+    fold_map` pairs ranks 2v and 2v+1 for v < p − q: on one node unless a node boundary
+    falls between them, i.e. 2v+1 is a multiple of per_node, which happens only for an odd
+    per_node ≤ 2(p − q) − 1 (per_node 1: every pair)."""
+    k = group.per_node
+    return k % 2 == 1 and k <= 2 * (group.size - q) - 1
 
 
 def _hierarchical(cluster: Cluster, group: Group, nbytes: float) -> float:
@@ -124,11 +138,12 @@ def collective_time(cluster: Cluster, op: str, algorithm: str, group: Group,
         return 0.0, "none"
     candidates = (*_FLAT[op], "hierarchical") if op == "all_reduce" and group.nodes > 1 \
         else _FLAT[op]
-    if algorithm != "auto":
-        if algorithm == "hierarchical" and op != "all_reduce":
-            algorithm = "ring"  # reduce-scatter/all-gather: a ring already stays hop-local
-        candidates = (algorithm,) if algorithm != "hierarchical" or group.nodes > 1 \
-            else ("ring",)
+    if algorithm == "hierarchical" and (op != "all_reduce" or group.nodes == 1):
+        candidates = ("ring",)  # a ring already stays hop-local; on one node: a flat ring
+    elif algorithm in _FLAT[op] or algorithm == "hierarchical":
+        candidates = (algorithm,)
+    elif algorithm != "auto":  # tree has no reduce-scatter/all-gather: the best that exists
+        candidates = _FLAT[op]
     best = (math.inf, "none")
     for name in candidates:
         if name == "hierarchical":

@@ -80,7 +80,8 @@ def _result(case: Case, name: str, sim: Simulation, compute_s: float, states: fl
     return StepResult(name, case.workers, case.global_batch, step, case.ideal_s(), mem, sent,
                       case.cluster.device_memory, tuple(notes),
                       {"exposed_comm_s": exposed, "compute_s": compute_s,
-                       "algorithm": ",".join(sorted(algorithms - {"none"})) or "none"})
+                       "algorithm": ",".join(sorted(algorithms - {"none"})) or "none",
+                       "events": len(sim)})
 
 
 def _states(case: Case, strategy: str) -> float:

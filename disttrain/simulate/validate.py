@@ -6,7 +6,8 @@ not have is skipped, saying so) and each world size, it
 1. profiles the model here (:mod:`~disttrain.simulate.profile`, one thread, as ranks run),
 2. simulates the step on the ``local`` cluster (calibrated costs, ranks sharing the cores)
    with the configuration the benchmark uses: the global batch fixed, the ``ring``
-   algorithm, every rank a pipeline stage, 8 micro-batches;
+   algorithm, every rank a pipeline stage, 8 micro-batches (the only count the benchmark
+   runs: another ``--microbatches`` is rejected);
 3. adds the training loop's per-step overhead that per-layer timing cannot see (fetching
    the batch, the loss, ``zero_grad``, Python): the single-process reference's measured
    step minus its simulated compute (the benchmark runs that reference anyway),
@@ -32,6 +33,7 @@ from disttrain.simulate.profile import ModelProfile, measure_registered
 from disttrain.simulate.strategies import simulate
 from disttrain.simulate.workload import Workload
 from disttrain.train.strategies import STRATEGIES as RUNNABLE
+from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
 
 GLOBAL_BATCH = 32
 
@@ -40,6 +42,17 @@ def _plan(names: tuple[str, ...]) -> tuple[list[str], list[str]]:
     runnable = [n for n in names if n in RUNNABLE]
     skipped = [n for n in names if n not in RUNNABLE]
     return runnable, skipped
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError for a setting the benchmark cannot measure: it runs pipelines with
+    :data:`DEFAULT_MICROBATCHES` micro-batches (``disttrain bench`` has no option for it),
+    so a prediction for another count would be compared with the wrong measurement."""
+    if args.microbatches != DEFAULT_MICROBATCHES:
+        raise ValueError(f"--validate measures pipelines with {DEFAULT_MICROBATCHES} "
+                         f"micro-batches (disttrain bench has no --microbatches), so "
+                         f"--microbatches {args.microbatches} cannot be validated; drop "
+                         f"--microbatches or use --microbatches {DEFAULT_MICROBATCHES}")
 
 
 def predicted(profile: ModelProfile, strategy: str, world_size: int, global_batch: int,

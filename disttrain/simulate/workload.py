@@ -81,7 +81,7 @@ class Speeds:
         return [*pairs, (self.slowest(workers), 1.0)]
 
     def slowest(self, workers: int) -> float:
-        """The expected slowest worker's factor among ``workers`` (Blom's plotting position
+        """The expected slowest worker's factor among ``workers`` (Hazen's plotting position
         (W − 0.5)/W for the maximum)."""
         if self.kind == "none":
             return 1.0

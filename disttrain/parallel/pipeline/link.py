@@ -7,6 +7,9 @@ keeps a broken pipeline from hanging or corrupting silently:
 * call number, mode and micro-batch number are checked against what the receiver's own
   schedule expects, so ranks running different schedules, micro-batch counts or steps get
   an error naming both stages, not a wrong pairing of tensors;
+* train and eval calls use their own tags, so a stage evaluating while its neighbour trains
+  waits (and times out naming both stages) instead of receiving a message of a size it did
+  not post (Gloo aborts the process on that);
 * shape and dtype travel with every tensor, so nothing is declared ahead and a stage whose
   output changed shape cannot be misread;
 * a stage that fails sends ``status = FAILED`` to its neighbours, who raise
@@ -80,10 +83,12 @@ class Direction(enum.Enum):
     def noun(self) -> str:
         return "activation" if self is Direction.ACTIVATION else "gradient"
 
-    @property
-    def tags(self) -> tuple[int, int]:
-        """(message tag, tag of payloads that follow a RESHAPE header)."""
-        base = _TAG_BASE + 2 * self.value
+    def tags(self, mode: int) -> tuple[int, int]:
+        """(message tag, tag of payloads that follow a RESHAPE header) of ``mode``'s calls.
+        Train and eval calls use different tags: a message from a neighbour in the other
+        mode never matches a receive this stage posted (whose size it need not fit, which
+        Gloo punishes by aborting the process), so the wait times out naming both stages."""
+        base = _TAG_BASE + 4 * mode + 2 * self.value
         return base, base + 1
 
 
@@ -161,7 +166,8 @@ class StageLink:
         channel = self._in[direction]
         buffer = torch.empty(HEADER_BYTES + channel.expected(position), dtype=torch.uint8)
         peer = self._peer(direction, sending=False)
-        channel.posted.append((buffer, self.comm.irecv(buffer, peer, direction.tags[0])))
+        tag = direction.tags(channel.mode)[0]
+        channel.posted.append((buffer, self.comm.irecv(buffer, peer, tag)))
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
         self.pending.append((self.comm.isend(tensor, peer, tag), peer, what, tensor))
@@ -185,12 +191,13 @@ class StageLink:
                         tuple(tensor.shape))
         key = (channel.mode, channel.position)
         expected = channel.expected(channel.position)
+        tags = direction.tags(channel.mode)
         if header.nbytes == expected:
-            self._isend(wire.pack(header, tensor, expected), peer, direction.tags[0], what)
+            self._isend(wire.pack(header, tensor, expected), peer, tags[0], what)
         else:  # fill the receiver's buffer with the news, then send the payload alone
             self._isend(wire.pack(replace(header, status=RESHAPE), None, expected), peer,
-                        direction.tags[0], what)
-            self._isend(wire.as_bytes(tensor), peer, direction.tags[1], what)
+                        tags[0], what)
+            self._isend(wire.as_bytes(tensor), peer, tags[1], what)
             channel.sizes[key] = header.nbytes
         channel.position += 1
 
@@ -207,7 +214,8 @@ class StageLink:
         header = self._check(Header.unpack(buffer), peer, what, (call, mode, microbatch))
         if header.status == RESHAPE:
             buffer, offset = torch.empty(header.nbytes, dtype=torch.uint8), 0
-            self._wait(self.comm.irecv(buffer, peer, direction.tags[1]), peer, what)
+            tag = direction.tags(channel.mode)[1]
+            self._wait(self.comm.irecv(buffer, peer, tag), peer, what)
             channel.sizes[(channel.mode, channel.position)] = header.nbytes
         elif header.nbytes == buffer.numel() - HEADER_BYTES:
             offset = HEADER_BYTES
@@ -221,6 +229,11 @@ class StageLink:
     def _check(self, header: Header, peer: int, what: str,
                expected: tuple[int, int, int]) -> Header:
         if header.status == FAILED:
+            if not 0 <= header.microbatch < self.num_stages:
+                raise PipelineError(f"{self.describe(self.stage)} received a failure notice "
+                                    f"from {self.describe(peer)} naming stage "
+                                    f"{header.microbatch} of {self.num_stages}: the ranks run "
+                                    f"different versions")
             raise StageFailedError(f"{self.describe(self.stage)} stopped: "
                                    f"{self.describe(header.microbatch)} failed (its error is "
                                    f"in that rank's output)", header.microbatch)
@@ -237,7 +250,7 @@ class StageLink:
         start = time.perf_counter()
         try:
             work.wait()
-        except CommError as exc:
+        except (CommError, ValueError) as exc:  # shm: ValueError when the size is wrong
             raise PipelineError(f"{self.describe(self.stage)} gave up waiting for {what} from "
                                 f"{self.describe(peer)}: {exc}") from exc
         finally:
@@ -251,7 +264,7 @@ class StageLink:
             for work, peer, what, _ in self.pending:
                 try:
                     work.wait()
-                except CommError as exc:
+                except (CommError, ValueError) as exc:  # shm: ValueError on a wrong size
                     raise PipelineError(f"{self.describe(self.stage)} gave up waiting for "
                                         f"{self.describe(peer)} to receive {what}; that stage "
                                         f"probably failed (see its error): {exc}") from exc
@@ -290,6 +303,7 @@ class StageLink:
                 continue
             notice = wire.pack(header, None, channel.expected(channel.position))
             try:
-                self.orphans.append(self.comm.isend(notice, peer, direction.tags[0]))
+                tag = direction.tags(channel.mode)[0]
+                self.orphans.append(self.comm.isend(notice, peer, tag))
             except CommError:  # the communicator itself failed: nothing more to tell
                 return

@@ -27,7 +27,9 @@ MAX_NDIM = 6
 _FORMAT = struct.Struct("<qqqqqqdqq6qq")  # 16 fields of 8 bytes: see the module docstring
 _MAGIC = 0x5049_5045
 OK, FAILED, RESHAPE = 0, 1, 2  # RESHAPE: the payload was not the size the receiver expected
+STATUSES = (OK, FAILED, RESHAPE)
 TRAIN, EVAL = 0, 1
+MODES = (TRAIN, EVAL)
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _DTYPE_INDEX = {dtype: i for i, dtype in enumerate(DTYPES)}
@@ -69,15 +71,18 @@ class Header:
 
     @staticmethod
     def unpack(buffer: torch.Tensor) -> Header:
-        """Read and check the header at the start of ``buffer``."""
+        """Read and check the header at the start of ``buffer``: the magic number, a known
+        status, mode and dtype, at most :data:`MAX_NDIM` sizes, none negative, and a payload
+        size they make."""
         v = _FORMAT.unpack_from(buffer.numpy().data, 0)
         magic, status, call, mode, microbatch, rows, value, dtype, ndim = v[:9]
-        if magic != _MAGIC or not 0 <= dtype < len(DTYPES) or not 0 <= ndim <= MAX_NDIM:
+        shape = tuple(v[9:9 + ndim]) if 0 <= ndim <= MAX_NDIM else (-1,)
+        if magic != _MAGIC or status not in STATUSES or mode not in MODES or not (
+                0 <= dtype < len(DTYPES)) or any(d < 0 for d in shape):
             raise PipelineError(f"received a malformed pipeline header {list(v)}: another "
                                 f"message used the pipeline's tags, or the ranks run different "
                                 f"versions")
-        header = Header(status, call, mode, microbatch, rows, value, DTYPES[dtype],
-                        tuple(v[9:9 + ndim]))
+        header = Header(status, call, mode, microbatch, rows, value, DTYPES[dtype], shape)
         if header.nbytes != v[15]:
             raise PipelineError(f"received a pipeline header whose shape {header.shape} and "
                                 f"dtype {header.dtype} do not make its {v[15]} payload bytes")
