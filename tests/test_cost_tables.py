@@ -108,5 +108,4 @@ def test_fit_tables_takes_the_median_of_the_slowest_rank_per_iteration():
     ]
     assert fit_tables(plan, results) == (("all_reduce/ring", ((4 * KiB, 3.0), (MiB, 6.0))),)
     results[0][1] = _report([1.0, 1.0, 1.0], 4 * KiB, correct=False)
-    with pytest.raises(RuntimeError, match="wrong result"):
-        fit_tables(plan, results)
+    assert fit_tables(plan, results) == ()  # a wrong result: no table, auto skips it

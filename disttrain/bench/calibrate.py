@@ -25,6 +25,7 @@ costs, and means add where medians do not.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -40,6 +41,7 @@ from disttrain.comm.context import CollectiveContext
 from disttrain.comm.cost_model import LinkCosts, native_fit, save_costs, with_world_sizes
 from disttrain.comm.cost_tables import Table, table_key
 
+log = logging.getLogger(__name__)
 TINY, LARGE_A, LARGE_B = 4, 1 << 20, 16 << 20
 NATIVE_SMALL, NATIVE_LARGE = 4 << 10, 16 << 20
 Samples = dict[str, list[float]]
@@ -148,18 +150,23 @@ def measure(comm: Communicator, emit: Callable[[Any], None], reps: int) -> None:
 
 def fit_tables(plan: Plan, results: list[list[dict[str, Any]]]) -> tuple[tuple[str, Table], ...]:
     """Measured tables from the job's per-case reports (``results[i]``: every rank's report
-    for ``plan[i]``): the median over iterations of the slowest rank's time. Pure."""
+    for ``plan[i]``): the median over iterations of the slowest rank's time. An algorithm
+    that computed a wrong result gets no table (a warning says so), so ``auto`` skips it."""
     points: dict[str, list[tuple[int, float]]] = {}
+    wrong: set[str] = set()
     for (op, name, _), per_rank in zip(plan, results, strict=True):
         if "skipped" in per_rank[0]:
             continue
         if not all(r["correct"] for r in per_rank):
-            raise RuntimeError(f"calibration: {op} with {name} gave a wrong result; "
-                               f"run `disttrain bench comm --ops {op} --algorithms {name}`")
+            log.warning("calibration: %s with %s gave a wrong result: no table for it, so auto "
+                        "will not pick it; run `disttrain bench comm --ops %s --algorithms %s`",
+                        op, name, op, name)
+            wrong.add(table_key(op, name))
+            continue
         seconds = percentile(slowest_rank([r["times"] for r in per_rank]), 50)
         points.setdefault(table_key(op, name), []).append((int(per_rank[0]["nbytes"]), seconds))
     return tuple(sorted((key, tuple(sorted(pts))) for key, pts in points.items()
-                        if len(pts) >= 2))
+                        if len(pts) >= 2 and key not in wrong))
 
 
 def fit(p: int, per_rank: list[Samples], chunk_bytes: int) -> LinkCosts:
