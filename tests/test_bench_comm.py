@@ -17,9 +17,23 @@ import pytest
 
 from disttrain.bench import cases
 from disttrain.bench.calibrate import LARGE_A, LARGE_B, NATIVE_LARGE, NATIVE_SMALL, fit
-from disttrain.bench.comm import CommBenchConfig, make_row, plan
+from disttrain.bench.comm import (
+    COPY_BYTES,
+    CommBenchConfig,
+    copy_after,
+    copy_row,
+    make_row,
+    plan,
+)
+from disttrain.bench.comm_job import start_barrier
 from disttrain.bench.ranks import BenchError, RankGroup
-from disttrain.bench.timing import bandwidths, busbw_factor, percentile, slowest_rank
+from disttrain.bench.timing import (
+    bandwidths,
+    busbw_factor,
+    copy_bandwidth,
+    percentile,
+    slowest_rank,
+)
 from disttrain.bench.units import format_size, parse_size, parse_sizes, size_range
 from disttrain.comm import ALGORITHMS, LinkCosts
 from disttrain.comm.cost_model import predict, theory_bytes_sent
@@ -290,3 +304,54 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _processes_with(marker) == [], "ranks outlived Ctrl-C"
+
+
+# ---------------------------------------------------------------------------- shm rows
+def test_copy_bandwidth_and_its_reference_row():
+    seconds, gbps = copy_bandwidth(1 << 20, repeats=2)
+    assert seconds > 0 and gbps == pytest.approx((1 << 20) / seconds / 1e9)
+    with pytest.raises(ValueError, match="nbytes > 0"):
+        copy_bandwidth(0)
+    row = copy_row(4, "shm", 0.004, 16.8)
+    assert KEYS <= row.keys() and row["op"] == "copy" and row["world_size"] == 4
+    assert row["busbw_GBps"] == row["algbw_GBps"] == 16.8 and row["bytes"] == COPY_BYTES
+    assert row["bytes_sent_per_rank"] is None and row["correct"] is True
+
+
+def test_copy_row_follows_the_largest_all_reduce():
+    config = CommBenchConfig(ops=("all_reduce", "broadcast"), algorithms=("auto", "native"),
+                             sizes=(4096, 1 << 20), transport="shm")
+    cases_p = plan(config)
+    at = copy_after(cases_p)
+    assert cases_p[at] == ("all_reduce", "native", 1 << 20)
+    assert copy_after([("broadcast", "auto", 4096), ("broadcast", "native", 4096)]) == 1
+
+
+class _Transport:
+    def __init__(self, name, native_group):
+        self.name, self.native_group = name, native_group
+
+
+class _Comm:
+    def __init__(self, name, native_group):
+        self.transport = _Transport(name, native_group)
+
+
+def test_timed_calls_start_from_the_tightest_barrier():
+    assert start_barrier(_Comm("shm", object())) == "shm"  # shm rows and native rows alike
+    assert start_barrier(_Comm("torch", object())) == "native"
+    assert start_barrier(_Comm("torch", None)) is None
+
+
+def test_bench_comm_on_shm_reports_the_copy_bandwidth(tmp_path):
+    out = tmp_path / "out.json"
+    env = {**os.environ, "DISTTRAIN_CALIBRATION": str(tmp_path / "none.json")}
+    result = _disttrain("bench", "comm", "--transport", "shm", "--algorithms", "auto,native",
+                        "--sizes", "4KiB", "--ops", "all_reduce", "-n", "2", "--iters", "3",
+                        "--warmup", "1", "--json", str(out), env=env)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["op"], r["chosen"]) for r in rows] == [
+        ("all_reduce", "shm"), ("all_reduce", "native"), ("copy", "np.copyto 1 core")]
+    assert rows[0]["bytes_sent_per_rank"] == 4096 and all(r["correct"] for r in rows)
+    assert rows[2]["busbw_GBps"] > 0 and "np.copyto 1 core" in result.stdout

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from disttrain.comm import CommConfig, Communicator, ReduceOp, TrafficStats, Transport
+from disttrain.comm import CommConfig, Communicator, ReduceOp, TrafficStats, Transport, checks
 from disttrain.comm.algorithms import chunking
 from disttrain.comm.checks import rank_arg, splits_arg
 from disttrain.comm.flight_recorder import FlightRecorder
@@ -293,3 +293,76 @@ def test_close_leaves_a_shared_transport_open():
     owner = Communicator(shared, CommConfig())
     owner.close()
     assert shared.closed == 1
+
+
+# ----------------------------------------------------------------------------- the fast path
+
+
+def test_traffic_stats_count_adds_one_round_in_one_call():
+    stats = TrafficStats()
+    stats.count("all_reduce", 4096, 12288)
+    stats.count("all_reduce", 4096, 0)  # a round that read nothing is no received message
+    stats.count("broadcast", 0, 64)
+    snap = stats.snapshot()
+    assert snap["all_reduce"] == {"calls": 0, "bytes_sent": 8192, "bytes_recv": 12288,
+                                  "msgs_sent": 2, "msgs_recv": 1}
+    assert snap["broadcast"] == {"calls": 0, "bytes_sent": 0, "bytes_recv": 64,
+                                 "msgs_sent": 0, "msgs_recv": 1}
+
+
+def test_flight_recorder_recent_returns_only_records_since_a_time():
+    fr = FlightRecorder(capacity=8)
+    old = fr.queued(1, "all_reduce", "shm", 4)
+    old.queued_at = 100.0
+    for seq in (2, 3):
+        fr.queued(seq, "all_reduce", "shm", 4).queued_at = 200.0 + seq
+    assert [r["seq"] for r in fr.recent(200.0)] == [2, 3]
+    assert [r["seq"] for r in fr.recent(0.0)] == [1, 2, 3]
+    assert fr.recent(1e12) == []
+    fr.recent(0.0)[0]["op"] = "changed"
+    assert fr.dump()[0]["op"] == "all_reduce"  # copies, like dump()
+
+
+def test_reduce_op_fast_lookup_agrees_with_parse_op():
+    for name in ("sum", "avg", "prod", "min", "max", "SUM", "Max", ReduceOp.MIN):
+        assert checks.reduce_op(name) is parse_op(name)
+    with pytest.raises(ValueError, match="not a reduce op"):
+        checks.reduce_op("median")
+    with pytest.raises(ValueError, match="not a reduce op"):
+        checks.reduce_op(["sum"])
+
+
+def test_flat_detaches_only_tracked_tensors_and_shares_memory():
+    plain = torch.zeros(2, 3)
+    assert checks.flat(plain).shape == (6,) and checks.flat(plain).data_ptr() == plain.data_ptr()
+    vector = torch.zeros(5)
+    assert checks.flat(vector) is vector  # no new tensor object on the hot path
+    tracked = torch.zeros(4, requires_grad=True)
+    out = checks.flat(tracked)
+    assert not out.requires_grad and out.data_ptr() == tracked.data_ptr()
+    out += 1  # in place, as algorithms write
+    assert tracked.detach().tolist() == [1.0] * 4
+
+
+def test_tensor_arg_fast_path_keeps_every_check():
+    assert checks.tensor_arg("t", torch.ones(3), "cpu") is not None
+    with pytest.raises(TypeError, match=r"t must be a torch\.Tensor"):
+        checks.tensor_arg("t", [1.0], "cpu")
+    with pytest.raises(ValueError, match="not contiguous"):
+        checks.tensor_arg("t", torch.ones(4, 4).t(), "cpu")
+    with pytest.raises(ValueError, match="is on cpu"):
+        checks.tensor_arg("t", torch.ones(3), "cuda")
+
+
+def test_algorithm_choices_are_remembered_and_errors_are_not():
+    comm = Communicator(_OneRank(), CommConfig())
+    chooser = comm._algorithm
+    assert chooser("all_reduce", "ring", 64) == "ring"
+    assert chooser("all_reduce", None, 64) == chooser("all_reduce", "auto", 64)
+    assert ("all_reduce", "ring", 64) in chooser._known
+    for _ in range(2):  # a bad name raises every time, it is never remembered
+        with pytest.raises(ValueError, match="choose one of"):
+            chooser("all_reduce", "bogus", 64)
+    with pytest.raises(ValueError, match="cannot run"):
+        chooser("all_reduce", "shm", 64)  # not the shared-memory transport
+    comm.close()

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disttrain.comm import Communicator
+from disttrain.comm import CommConfig, Communicator
+from disttrain.comm.transports import make_transport
 from disttrain.parallel import DataParallel, UnusedParametersError
 
 STEPS = 3
@@ -292,3 +293,37 @@ def test_config_errors_say_what_to_fix():
         DataParallelConfig(algorithm="bogus")
     with pytest.raises(ValueError, match="find_unused_parameters must be True or False"):
         DataParallelConfig(find_unused_parameters="yes")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- shared memory
+def ddp_train_on_shm(_comm: Communicator, opt_name: str, accum: int) -> dict[str, Any]:
+    """ddp_train over the shared-memory transport and its own all-reduce algorithm."""
+    comm = Communicator(make_transport("shm"), CommConfig(timeout_s=20))
+    try:
+        return ddp_train(comm, opt_name, accum, {**SMALL_CAPS, "algorithm": "shm"}, accum == 1)
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_equivalence_on_shared_memory(pools, world_size):
+    results = pools(world_size).run(ddp_train_on_shm, "adam", 2)
+    assert all(res["buckets"] == 3 for res in results)
+    assert_replicas_match(results, reference_train("adam", world_size * BATCH * 2))
+
+
+def threads_of_each_bucket(comm: Communicator) -> dict[str, int]:
+    """How many of one backward's bucket all-reduces ran on the progress thread (one bucket:
+    the default caps hold the whole model)."""
+    ddp = DataParallel(make_model(0), comm)
+    before = comm._progress.completed
+    x, y = make_batch(0, BATCH)
+    F.cross_entropy(ddp(x), y).backward()
+    return {"queued": comm._progress.completed - before, "buckets": len(ddp.buckets)}
+
+
+def test_last_bucket_is_reduced_on_the_backward_thread(pools):
+    """Nothing is left to overlap the last bucket with: when the progress thread is idle
+    (always, with one bucket) it runs where backward runs, with no thread hand-off."""
+    for res in pools(2).run(threads_of_each_bucket):
+        assert res == {"queued": 0, "buckets": 1}

@@ -17,7 +17,7 @@ from typing import Any
 from disttrain.bench import cases
 from disttrain.bench.comm_job import Timing, run_plan
 from disttrain.bench.ranks import RankGroup
-from disttrain.bench.timing import bandwidths, percentile, slowest_rank
+from disttrain.bench.timing import bandwidths, copy_bandwidth, percentile, slowest_rank
 from disttrain.bench.transports import check_transport
 from disttrain.bench.units import size_range
 from disttrain.comm import ALGORITHMS
@@ -112,15 +112,43 @@ def _or_none(formula: Callable[[], float | None]) -> float | None:
         return None
 
 
+COPY_BYTES = 64 << 20
+
+
+def copy_row(p: int, transport: str, seconds: float, gbps: float) -> Row:
+    """The reference row ``op="copy"``: one core copying 64 MiB (``np.copyto``), measured by
+    the parent before any rank starts, printed after the largest all_reduce of each world
+    size so that shared-memory busbw reads against it. Its algbw and busbw are the copy's
+    GB/s; it moves nothing between ranks."""
+    return {
+        "op": "copy", "algorithm": "np.copyto 1 core", "chosen": "np.copyto 1 core",
+        "transport": transport, "world_size": p, "bytes": COPY_BYTES, "iters": 1,
+        "time_p50_s": seconds, "time_p99_s": seconds, "time_min_s": seconds,
+        "algbw_GBps": gbps, "busbw_GBps": gbps, "bytes_sent_per_rank": None,
+        "theory_bytes_per_rank": None, "model_s": None, "correct": True,
+    }
+
+
+def copy_after(cases_p: list[tuple[str, str, int]]) -> int:
+    """Index of the case after which the copy reference row goes: the last all_reduce (at
+    the largest size: cases are grouped by size, in the order given), else the last case."""
+    reduces = [i for i, (op, _, _) in enumerate(cases_p) if op == "all_reduce"]
+    return reduces[-1] if reduces else len(cases_p) - 1
+
+
 def run(config: CommBenchConfig, on_row: Callable[[Row], None] = lambda row: None,
         on_skip: Callable[[str], None] = lambda why: None) -> list[Row]:
     """Run every world size in turn; ``on_row`` sees each row as soon as it is measured,
-    ``on_skip`` the reason for each algorithm that cannot run on this transport."""
+    ``on_skip`` the reason for each algorithm that cannot run on this transport. With a
+    shared-memory transport (``shm``, ``auto``) a :func:`copy_row` follows the largest
+    all_reduce of each world size (it is not part of the returned rows)."""
     costs = functools.cache(load_costs)
     timing = Timing(config.iters, config.warmup, config.budget_s)
+    copy = copy_bandwidth(COPY_BYTES) if config.transport != "torch" else None
     rows: list[Row] = []
     for p in config.world_sizes:
         cases_p = plan(config)
+        copy_at = copy_after(cases_p) if copy is not None else -1
 
         def describe(i: int, cases_p: list[tuple[str, str, int]] = cases_p, p: int = p) -> str:
             if i >= len(cases_p):
@@ -130,11 +158,13 @@ def run(config: CommBenchConfig, on_row: Callable[[Row], None] = lambda row: Non
 
         with RankGroup(p, run_plan, (cases_p, timing), transport=config.transport,
                        timeout_s=config.timeout_s, describe=describe) as group:
-            for (op, algorithm, _), per_rank in zip(cases_p, group.reports()):
+            for i, ((op, algorithm, _), per_rank) in enumerate(zip(cases_p, group.reports())):
                 if "skipped" in per_rank[0]:
                     on_skip(f"{op}/{algorithm}: {per_rank[0]['skipped']}")
-                    continue
-                row = make_row(op, algorithm, p, per_rank, costs)
-                rows.append(row)
-                on_row(row)
+                else:
+                    row = make_row(op, algorithm, p, per_rank, costs)
+                    rows.append(row)
+                    on_row(row)
+                if i == copy_at and copy is not None:
+                    on_row(copy_row(p, per_rank[0].get("transport", config.transport), *copy))
     return rows

@@ -1,8 +1,9 @@
 """What each rank runs for ``disttrain bench comm``: time every (op, size, algorithm) case.
 
 For each case: one checked call (it also warms up), ``warmup`` untimed calls, then the timed
-block. Every timed iteration is ``reset`` (untimed) → barrier → timed call → check, so every
-iteration starts together and every result is verified (nccl-tests ``-c``). The rank reports
+block. Every timed iteration is ``reset`` (untimed) → barrier (:func:`start_barrier`) → timed
+call → check, so every iteration starts together and every result is verified (nccl-tests
+``-c``). The rank reports
 its own times; the parent takes the slowest rank per iteration.
 
 Iteration count: ``iters``, or fewer when ``budget_s`` > 0 and ``iters`` calls would take
@@ -34,11 +35,23 @@ class Timing:
     budget_s: float
 
 
-def _timed_call(comm: Communicator, case: cases.Case, algorithm: str) -> float:
+def start_barrier(comm: Communicator) -> str | None:
+    """The barrier that lines ranks up before each timed call: the one that releases all
+    ranks closest together, because a rank that leaves it early times its wait for the last
+    one as part of the call. That is the shared-memory barrier where the transport has one
+    (ranks leave it within microseconds of the last arrival), else torch.distributed's own
+    (Gloo's exit skew is a message latency, tens of µs to ms). Neither depends on the cost
+    model, so rows stay comparable across calibrations; every row of one run (``native``
+    included) starts from the same barrier."""
+    if comm.transport.name == "shm":
+        return "shm"
+    return "native" if comm.transport.native_group is not None else None
+
+
+def _timed_call(comm: Communicator, case: cases.Case, algorithm: str,
+                barrier: str | None) -> float:
     case.reset()
-    # torch.distributed's own barrier where there is one (as calibration uses): its cost and
-    # exit skew do not depend on the cost model, so rows stay comparable across calibrations
-    comm.barrier(algorithm="native" if comm.transport.native_group is not None else None)
+    comm.barrier(algorithm=barrier)
     start = time.perf_counter()
     case.run(algorithm)
     return time.perf_counter() - start
@@ -58,17 +71,18 @@ def measure(comm: Communicator, case: cases.Case, algorithm: str,
     """One case on this rank: its times, bytes sent, correctness and chosen algorithm; or
     ``{"skipped": why}`` when the algorithm cannot run here (e.g. ``native`` without a
     torch.distributed group): algorithms refuse with a ValueError before any byte moves."""
+    barrier = start_barrier(comm)
     try:
-        warm = [_timed_call(comm, case, algorithm)]
+        warm = [_timed_call(comm, case, algorithm, barrier)]
     except ValueError as exc:
         return {"skipped": str(exc)}
     correct = case.check()
-    warm += [_timed_call(comm, case, algorithm) for _ in range(timing.warmup)]
+    warm += [_timed_call(comm, case, algorithm, barrier) for _ in range(timing.warmup)]
     iters = _agree_iters(comm, warm, timing)
     sent_before = comm.stats.snapshot().get(case.op, {}).get("bytes_sent", 0)
     times = []
     for _ in range(iters):
-        times.append(_timed_call(comm, case, algorithm))
+        times.append(_timed_call(comm, case, algorithm, barrier))
         correct = case.check() and correct
     sent = comm.stats.snapshot().get(case.op, {}).get("bytes_sent", 0) - sent_before
     chosen = comm.flight_recorder.dump()[-1]["algorithm"]

@@ -15,7 +15,10 @@ travels); broadcast and reduce 1.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def slowest_rank(per_rank: Sequence[Sequence[float]]) -> list[float]:
@@ -67,3 +70,21 @@ def bandwidths(op: str, p: int, nbytes: int, seconds: float) -> tuple[float, flo
         raise ValueError(f"a measured time must be positive, got {seconds}")
     algbw = nbytes / seconds / 1e9
     return algbw, algbw * busbw_factor(op, p)
+
+
+def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> tuple[float, float]:
+    """(seconds, GB/s) of the fastest of ``repeats`` single-core copies of ``nbytes``
+    (``np.copyto`` between two private buffers, pages touched beforehand): what one core
+    can stream, the ceiling of any shared-memory collective that copies through one core.
+    GB/s counts the bytes copied once (not read + written), like algbw."""
+    if nbytes <= 0 or repeats < 1:
+        raise ValueError(f"need nbytes > 0 and repeats ≥ 1, got {nbytes}, {repeats}")
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)  # zeros: pages are mapped lazily, copy touches them
+    np.copyto(dst, src)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return best, nbytes / best / 1e9

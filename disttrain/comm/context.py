@@ -12,6 +12,7 @@ Every message an algorithm sends goes through :class:`CollectiveContext`, which
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,21 @@ from disttrain.comm.transport import DoneWork, RawWork, Transport
 # Tags at or above this value belong to collectives; user point-to-point tags stay below it.
 COLLECTIVE_TAG_BASE = 1 << 24
 MAX_USER_TAG = COLLECTIVE_TAG_BASE - 1
+INSTANCE_TAGS = 1 << 13  # collective tags per communicator instance on one group
 _STEP_TAGS = 1 << 12
+_instances: dict[int, int] = {}
+_instances_lock = threading.Lock()
+
+
+def instance_tag_base(transport: Transport) -> int:
+    """The first collective tag of a new communicator over ``transport``: communicators on
+    one group (or one transport) get disjoint tag ranges, so their messages never mix."""
+    native = transport.native_group
+    group_key = id(native) if native is not None else id(transport)
+    with _instances_lock:
+        index = _instances.get(group_key, 0)
+        _instances[group_key] = index + 1
+    return COLLECTIVE_TAG_BASE + (index % 64) * INSTANCE_TAGS
 _MAX_GRACE_S = 30.0  # longest wait for the other survivors of a failure to check in
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 
-@dataclass
+@dataclass(slots=True)
 class CollectiveRecord:
     seq: int
     op: str
@@ -38,8 +38,7 @@ class FlightRecorder:
 
     def queued(self, seq: int, op: str, algorithm: str, nbytes: int) -> CollectiveRecord:
         record = CollectiveRecord(seq, op, algorithm, nbytes, time.time())
-        with self._lock:
-            self._records.append(record)
+        self._records.append(record)  # atomic (GIL); dump() copies under the lock
         return record
 
     @staticmethod
@@ -54,10 +53,24 @@ class FlightRecorder:
 
     def dump(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [asdict(r) for r in self._records]
+            records = list(self._records)  # one C call under the GIL: appends cannot interleave
+        return [asdict(r) for r in records]
+
+    def recent(self, since: float) -> list[dict[str, Any]]:
+        """Like :meth:`dump`, but only the records queued at or after ``since`` (a
+        ``time.time()``): what a per-step report needs, without copying the whole ring."""
+        with self._lock:
+            records = list(self._records)
+        picked = []
+        for record in reversed(records):  # newest first; stop at the first older record
+            if record.queued_at < since:
+                break
+            picked.append(record)
+        return [asdict(r) for r in reversed(picked)]
 
     def write(self, path: str | Path, **meta: Any) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**meta, "records": self.dump()}, indent=1) + "\n")
         return path
+

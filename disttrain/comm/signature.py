@@ -24,6 +24,20 @@ class CollectiveMismatchError(ValueError):
     """Ranks called different collectives, or the same one with different arguments."""
 
 
+def signature_of(t: torch.Tensor, op: ReduceOp | None = None,
+                 root: int = -1) -> tuple[int, ...]:
+    """What every rank must agree on for a collective: size, dtype, reduce op, root."""
+    op_code = -1 if op is None else _OP_CODES[op]
+    return (t.numel(), _dtype_code(t.dtype), op_code, root)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = _crc(str(dtype))
+    return code
+
+
 def verify_signature(ctx: CollectiveContext, op: str, seq: int, signature: Sequence[int]) -> None:
     # a fixed width: ranks calling different collectives must still exchange equal sizes
     mine = [seq, _crc(op), *signature, *[-1] * (len(_FIELDS) - 2 - len(signature))]
@@ -67,5 +81,7 @@ def _crc(text: str) -> int:
 
 
 _OP_NAMES = {_crc(name): name for name in (*COLLECTIVES, "send", "recv")}
+_OP_CODES = {o: i for i, o in enumerate(ReduceOp)}
+_DTYPE_CODES: dict[torch.dtype, int] = {}
 _DTYPE_NAMES = {_crc(str(d)): str(d).removeprefix("torch.")
                 for d in vars(torch).values() if isinstance(d, torch.dtype)}

@@ -60,6 +60,21 @@ class TrafficStats:
             entry.bytes_recv += nbytes
             entry.msgs_recv += 1
 
+    def count(self, op: str, sent: int, received: int) -> None:
+        """One round of a shared-memory collective: ``sent`` bytes written for others and
+        ``received`` bytes read from them, each a message when non-zero (one lock, not two:
+        this runs on every small all-reduce)."""
+        with self._lock:
+            entry = self.by_op.get(op)
+            if entry is None:
+                entry = self.by_op[op] = OpTraffic()
+            if sent:
+                entry.bytes_sent += sent
+                entry.msgs_sent += 1
+            if received:
+                entry.bytes_recv += received
+                entry.msgs_recv += 1
+
     def count_unobserved(self, nbytes: int) -> None:
         with self._lock:
             self.bytes_unobserved += nbytes

@@ -96,8 +96,26 @@ class ProgressThread:
         return self.completed, self.beats
 
     def idle(self) -> bool:
-        with self._lock:
-            return self.pending == 0
+        """Nothing queued or running. Read without the lock: only the caller's thread
+        increments ``pending``, so a 0 seen here means all its earlier work has finished."""
+        return self.pending == 0
+
+    def run(self, task: Callable[[], None], async_op: bool, timeout_s: float, *, op: str,
+            seq: int, name: str) -> CollectiveWork | None:
+        """Run collective ``op`` #``seq`` (algorithm ``name``): now, on this thread, when the
+        caller waits for it anyway and nothing is queued (the common, cheapest case);
+        otherwise queued behind the pending work, so the call order is kept. Returns the
+        handle when ``async_op``."""
+        if not async_op and self.idle():
+            task()
+            return None
+        description = f"{op} #{seq} ({name})"
+        work = CollectiveWork(self.submit(task, description), description, self, timeout_s,
+                              op=op, seq=seq)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def submit(self, fn: Callable[[], None], description: str) -> Future[None]:
         future: Future[None] = Future()

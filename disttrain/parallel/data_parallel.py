@@ -143,7 +143,8 @@ class DataParallel(nn.Module):
     def last_overlap(self) -> OverlapReport:
         """How much of the last synced backward's communication hid behind backward, from
         the communicator's flight recorder (call it after the step, outside timed code)."""
-        return overlap_report(self.reducer.timing, self.comm.flight_recorder.dump())
+        timing = self.reducer.timing
+        return overlap_report(timing, self.comm.flight_recorder.recent(timing.armed_at))
 
 
 def _compressor(compression: Compressor | str | None) -> Compressor:

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from disttrain.comm import Communicator
+from disttrain.comm.work import CompletedWork
 from disttrain.parallel.buckets import Bucket, build_buckets
-from disttrain.parallel.compression import Compressor, PendingReduction
+from disttrain.parallel.compression import Compressor, NoCompression, PendingReduction
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +157,20 @@ class GradReducer:
         """Launch every ready bucket not yet launched, in index order, stopping at a gap."""
         while self._next < len(self.buckets) and self._remaining[self._next] == 0:
             bucket = self.buckets[self._next]
-            self._pending.append(self.compressor.start(bucket, self.comm, self.algorithm))
+            self._pending.append(self._start(bucket))
             self.timing.launched_at.append(time.time())
             self._next += 1
+
+    def _start(self, bucket: Bucket) -> PendingReduction:
+        """Launch one bucket. The last one of a plain (uncompressed) all-reduce is a
+        synchronous call: backward has nothing left to overlap it with, and when the
+        progress thread is idle (always with one bucket) it runs right here, saving the two
+        thread wake-ups of a hand-off (tens of µs, more than a small all-reduce in shared
+        memory); otherwise the Communicator queues it behind the earlier buckets and waits."""
+        if bucket.index == len(self.buckets) - 1 and type(self.compressor) is NoCompression:
+            self.comm.all_reduce(bucket.flat, "avg", algorithm=self.algorithm)
+            return CompletedWork()
+        return self.compressor.start(bucket, self.comm, self.algorithm)
 
     # ------------------------------------------------------------------ end of backward
     def _finalize(self) -> None:

@@ -1,19 +1,32 @@
-"""Waiting on shared memory: spin, then yield, then sleep; with a deadline and a liveness watch.
+"""Waiting on shared memory: poll and yield, then sleep; with a deadline and a liveness watch.
 
 A rank waits for a counter another rank will bump. Polling must not starve the rank it
-waits for when there are more ranks than cores (4 ranks on 2 cores), so a :class:`Waiter`
-backs off in three phases::
+waits for when there are more ranks than cores (4 ranks on 2 cores), so every failed poll
+hands the core over with ``os.sched_yield()``, and a long wait sleeps::
 
-    polls 1..spin_polls      pure spin            (the answer usually comes within µs)
-    for yield_s              os.sched_yield()     (hand the core to a runnable peer)
-    afterwards               sleep on the awaited counter's futex until its writer wakes
-                             us (≤ SLEEP_S at a time); without futexes, time.sleep
-                             doubling from 20 µs to MAX_SLEEP_S
+    main thread, up to YIELD_S    poll, sched_yield(), poll, …   (a yield costs ~0.5 µs when
+                                  no other task wants the core, and runs the awaited rank at
+                                  once when it shares this core)
+    afterwards, or as soon as     sleep on the awaited counter's futex until its writer
+    CLOCK_POLLS polls took more   wakes us (≤ SLEEP_S at a time); without futexes,
+    than GIVEN_AWAY_S (a yield    time.sleep doubling from 20 µs to MAX_SLEEP_S
+    ran another process)
+    any other thread              sleeps at once (see below)
 
-A sleeping rank leaves the CPU to the rank it waits for, and the kernel runs it as soon as
-that rank stores and wakes (``shm_futex.py``), even on a busy machine. When there are more
-ranks than CPUs, ``spin_polls`` is a couple of polls and there is no yield phase: the
-awaited rank is then probably waiting for this rank's CPU.
+Why no pure spin: when the awaited rank shares this core (more ranks than cores, or a busy
+machine), a spinning rank burns its time slice while the rank it waits for cannot run.
+Measured on this 2-core machine while other jobs ran (``/tmp`` loop of 300 one-shot 4 KiB
+all-reduces, 2 ranks, one run after the other): 28-165 µs per call yielding at once,
+229-417 µs spinning 100 µs first, 0.98-1.9 ms spinning 1 ms first.
+
+Why other threads sleep at once: between two polls the waiting thread holds the GIL, and
+a thread that releases it only for a ``sched_yield`` takes it straight back, so the main
+thread (backward hooks, the optimizer, while the communicator's progress thread waits)
+would get the GIL only at the interpreter's forced switch, every 5 ms.
+
+The clock is read every ``CLOCK_POLLS`` polls only, so a short wait costs a few memory
+loads and syscalls. A sleeping rank leaves the CPU to the rank it waits for, and the kernel
+runs it when that rank stores and wakes (``shm_futex.py``).
 
 Every wait has a deadline (builtin ``TimeoutError``) and, every ``CHECK_S``, checks that the
 ranks it waits for are still alive (``ConnectionError``): a SIGKILLed peer is reported by
@@ -23,6 +36,7 @@ number within tens of milliseconds instead of after the timeout.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -40,9 +54,9 @@ from disttrain.comm.transports.shm_segment import (
     process_start_time,
 )
 
-SPIN_POLLS = 50
-OVERSUBSCRIBED_SPIN_POLLS = 2
-YIELD_S = 0.0005
+CLOCK_POLLS = 16  # polls between two reads of the clock
+YIELD_S = 0.002
+GIVEN_AWAY_S = 0.001  # CLOCK_POLLS polls took this long: a yield ran another process
 SLEEP_S = 0.005
 MIN_SLEEP_S = 20e-6
 MAX_SLEEP_S = 500e-6
@@ -53,14 +67,7 @@ CHECK_S = 0.02
 SleepOn = Callable[[], "tuple[int, int] | None"]
 
 _sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
-
-
-def _cpus() -> int:
-    """CPUs this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+_MAIN = threading.main_thread()
 
 
 class ShmPeerTimeout(TimeoutError):
@@ -87,9 +94,7 @@ class PeerTable:
         self._i64 = i64
         self._layout = layout
         self.rank = rank
-        crowded = layout.world_size > _cpus()
-        self.spin_polls = OVERSUBSCRIBED_SPIN_POLLS if crowded else SPIN_POLLS
-        self.yield_s = 0.0 if crowded else YIELD_S
+        self.yield_s = YIELD_S
 
     def _field(self, rank: int, field: int) -> int:
         return int(self._i64[self._layout.rank_line(rank) // 8 + field])
@@ -128,11 +133,14 @@ class PeerTable:
                 raise ShmPeerDead(f"rank {r} (pid {pid}) is no longer running", r)
 
 
+_YIELD, _SLEEP = 1, 2  # the phases of a wait
+
+
 class Waiter:
     """One wait: call :meth:`pause` each time the awaited condition is still false."""
 
-    __slots__ = ("_deadline", "_laggards", "_next_check", "_peers", "_polls", "_sleep",
-                 "_sleep_on", "_spin", "_timeout_s", "_yield_until")
+    __slots__ = ("_deadline", "_laggards", "_looked", "_next_check", "_peers", "_phase",
+                 "_polls", "_sleep", "_sleep_on", "_timeout_s", "_yield_until")
 
     def __init__(self, timeout_s: float, peers: PeerTable,
                  laggards: Callable[[], Sequence[int]], sleep_on: SleepOn | None = None) -> None:
@@ -141,18 +149,24 @@ class Waiter:
         self._laggards = laggards  # the ranks still awaited (for liveness and the error)
         self._sleep_on = sleep_on if shm_futex.AVAILABLE else None
         self._polls = 0
-        self._spin = peers.spin_polls
-        self._deadline = 0.0
-        self._next_check = 0.0
-        self._yield_until = 0.0
+        self._deadline = 0.0  # 0: the clocks start at the first look at the clock
+        self._next_check = self._yield_until = self._looked = 0.0
         self._sleep = MIN_SLEEP_S
+        # Only the main thread polls. Any other thread (the communicator's progress thread)
+        # sleeps at once: between two polls it holds the GIL, and a thread that releases
+        # the GIL only for a moment takes it straight back, so the main thread (backward
+        # hooks, the optimizer) would wait for the interpreter's forced switch, 5 ms.
+        self._phase = _YIELD if threading.current_thread() is _MAIN else _SLEEP
 
     def pause(self) -> None:
         self._polls += 1
-        if self._polls <= self._spin:
+        phase = self._phase
+        if self._polls % CLOCK_POLLS and phase == _YIELD:
+            _sched_yield()
             return
         now = time.monotonic()
-        if self._polls == self._spin + 1:  # first slow poll: start the clocks
+        if self._deadline == 0.0:
+            self._looked = now
             self._deadline = now + self._timeout_s
             self._next_check = now + CHECK_S
             self._yield_until = now + self._peers.yield_s
@@ -163,9 +177,17 @@ class Waiter:
                 late = list(self._laggards())
                 raise ShmPeerTimeout(
                     f"waited {self._timeout_s:g}s in shared memory for rank(s) {late}", late)
-        if now < self._yield_until:
+        if phase == _YIELD and (now >= self._yield_until or now - self._looked > GIVEN_AWAY_S):
+            phase = _SLEEP  # waited long, or a yield lost the core to another process
+        self._looked = now
+        self._phase = phase
+        if phase == _YIELD:
             _sched_yield()
-        elif self._sleep_on is not None:
+        elif phase == _SLEEP:
+            self._sleep_briefly(now)
+
+    def _sleep_briefly(self, now: float) -> None:
+        if self._sleep_on is not None:
             word = self._sleep_on()
             if word is not None:
                 shm_futex.wait(word[0], word[1], min(SLEEP_S, self._next_check - now))
