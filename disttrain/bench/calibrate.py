@@ -40,6 +40,7 @@ from disttrain.comm import Communicator, algorithms
 from disttrain.comm.context import CollectiveContext
 from disttrain.comm.cost_model import LinkCosts, native_fit, save_costs, with_world_sizes
 from disttrain.comm.cost_tables import Table, table_key
+from disttrain.comm.selection import AUTO_NEVER
 
 log = logging.getLogger(__name__)
 TINY, LARGE_A, LARGE_B = 4, 1 << 20, 16 << 20
@@ -56,7 +57,6 @@ TABLE_TIMING = Timing(iters=15, warmup=1, budget_s=0.4)
 Plan = list[tuple[str, str, int]]
 
 
-AUTO_NEVER = frozenset({"hierarchical"})  # builds sub-communicators: chosen explicitly only
 
 
 def table_plan() -> Plan:

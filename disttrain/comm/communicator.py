@@ -310,7 +310,11 @@ class Communicator:
 
     def close(self) -> None:
         """Finish queued work, stop the progress thread, and close the transport unless it
-        was passed in with ``owns_transport=False`` (shared with another communicator)."""
+        was passed in with ``owns_transport=False`` (shared with another communicator).
+        Sub-communicators that the ``hierarchical`` algorithm built are closed too."""
+        from disttrain.comm.topology import close_hierarchy  # (import cycle)
+
+        close_hierarchy(self)
         self._progress.close(self.config.timeout_s)
         if self._owns_transport:
             self.transport.close()

@@ -21,6 +21,9 @@ from disttrain.comm.transport import Transport
 
 _REMEMBERED = 512  # (op, algorithm, bytes) decisions kept
 
+# builds sub-communicators and has no closed form: only ever chosen by name
+AUTO_NEVER = frozenset({"hierarchical"})
+
 
 class AlgorithmChooser:
     """The algorithm-picking policy of one communicator."""
@@ -50,7 +53,8 @@ class AlgorithmChooser:
         if name == "auto":
             if "shm" in runnable:
                 return "shm"
-            return choose(op, self._transport.world_size, nbytes, self._costs, runnable)
+            candidates = [a for a in runnable if a not in AUTO_NEVER]
+            return choose(op, self._transport.world_size, nbytes, self._costs, candidates)
         algorithms.get(op, name)  # raises a ValueError listing the choices
         if name not in runnable:
             raise ValueError(f"algorithm={name!r} cannot run on the {self._transport.name!r} "
