@@ -61,6 +61,30 @@ def linreg_batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ w.T + 0.3
 
 
+COUNTER_SLOTS = 64  # clocks × workers a counter run may use
+
+
+class Slots(nn.Module):
+    """One weight per (clock, worker), starting at 0: the update of worker w at clock c adds
+    to slot c·W + w only, so a read shows exactly which updates it contains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(COUNTER_SLOTS, dtype=torch.float64))
+
+    def forward(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.weight[slots]
+
+
+def make_counter(seed: int = 0) -> nn.Module:
+    return Slots()
+
+
+def counter_batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row w of global batch ``step`` (n = W rows, b = 1) is slot step·W + w."""
+    return torch.arange(step * n, (step + 1) * n), torch.zeros(n, dtype=torch.float64)
+
+
 def click_batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     inputs, clicks = make_click_data(CLICKS)
     rows = torch.arange(step * n, (step + 1) * n) % inputs.shape[0]
@@ -81,7 +105,7 @@ def plain_sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 OPTIMIZERS = {"sgd": sgd, "adam": adam, "plain-sgd": plain_sgd}
 MODELS = {"mlp": (make_mlp, mlp_batch), "clicks": (make_clicks, click_batch),
-          "linreg": (make_linreg, linreg_batch)}
+          "linreg": (make_linreg, linreg_batch), "counter": (make_counter, counter_batch)}
 
 
 def loss_of(model_name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -89,6 +113,8 @@ def loss_of(model_name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor)
         return F.binary_cross_entropy_with_logits(model(x), y)
     if model_name == "linreg":
         return F.mse_loss(model(x), y)
+    if model_name == "counter":
+        return -model(x).sum()  # gradient −1 on this row's slot: SGD raises it by lr
     return F.cross_entropy(model(x), y)
 
 
@@ -111,11 +137,12 @@ def ps_train(comm: Communicator, servers: int, steps: int, b: int, *, model_name
              opt: str = "sgd", sparse: bool = False, compute_s: float = 0.0,
              start_clock: int | None = None, server_kwargs: dict[str, Any] | None = None,
              hook: Callable[[Communicator, int, int], Any] | None = None,
-             **config: Any) -> dict[str, Any]:
+             record_reads: bool = False, **config: Any) -> dict[str, Any]:
     """Run a PS job; worker w trains on rows [w·b, (w+1)·b) of global batch ``clock``.
     ``compute_s`` adds a sleep to each step's compute (so stragglers have time to slow);
     ``hook(comm, worker index, clock)`` runs on workers before the PSWorker exists (clock
-    −1) and before each step; its results are returned as ``hook_results``."""
+    −1) and before each step; its results are returned as ``hook_results``. With
+    ``record_reads`` a worker returns, as ``reads``, its first parameter after each pull."""
     roles = assign_roles(comm.world_size, servers)
     make, batch = MODELS[model_name]
     cfg = PSConfig(timeout_s=TIMEOUT_S, sparse_params=SPARSE_PARAMS if sparse else (), **config)
@@ -131,12 +158,15 @@ def ps_train(comm: Communicator, servers: int, steps: int, b: int, *, model_name
         assert ps.clock == start_clock, (ps.clock, start_clock)
     w, n = role.index, roles.num_workers
     before = comm.stats.bytes_sent + comm.stats.bytes_recv
+    reads: list[torch.Tensor] = []
     for _ in range(steps):
         x, y = batch(ps.clock, n * b)
         x, y = x[w * b:(w + 1) * b], y[w * b:(w + 1) * b]
         if hook is not None:
             hooked.append(hook(comm, w, ps.clock))
         ps.pull(sparse_ids=model.sparse_ids(x) if sparse else None)  # type: ignore[operator]
+        if record_reads:
+            reads.append(next(model.parameters()).detach().clone())
         time.sleep(compute_s)
         model.zero_grad()
         loss_of(model_name, model, x, y).backward()
@@ -145,7 +175,7 @@ def ps_train(comm: Communicator, servers: int, steps: int, b: int, *, model_name
     ps.pull_all()
     params = [p.detach().clone() for p in model.parameters()]
     return {"role": "worker", "params": params, "report": ps.close(), "loop_bytes": loop_bytes,
-            "hook_results": hooked}
+            "hook_results": hooked, "reads": reads}
 
 
 def catching(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from disttrain.train import ParallelOptions, TrainConfig, train
-from disttrain.train.strategies.parameter_server import HEADER_BYTES
+from disttrain.train.strategies.parameter_server import HEADER_BYTES, server_optimizer
 
 ONE_SAMPLE = 1.01 / 359  # one held-out digit
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32; only the order of the gradient sums differs
@@ -70,10 +70,20 @@ def test_ps_ssp_strategy_keeps_its_bound_with_a_straggler(pools: Any) -> None:
     results = [r for _, r in per_rank]
     extras = results[0].extras
     assert sum(extras["staleness"].values()) == 2 * 2 * 8  # servers × workers × steps
-    assert 0 < extras["staleness_max"] <= 1, extras["staleness"]
+    assert 0 < extras["staleness_max"] <= (2 - 1) * (2 * 1 + 1), extras["staleness"]
     assert extras["straggler_sleep_s"] > 0 and extras["servers"] == 2
     first = per_rank[0][0]
     for state, _ in per_rank[1:]:  # the final broadcast: every rank holds the same model
         for name, tensor in state.items():
             torch.testing.assert_close(tensor, first[name], rtol=0, atol=0)
     assert all(r.final_loss == pytest.approx(results[0].final_loss) for r in results)
+
+
+@pytest.mark.parametrize(("strategy", "staleness", "lr"),
+                         [("ps-sync", None, 0.1), ("ps-ssp", 0, 0.1), ("ps-ssp", 2, 0.025),
+                          ("ps-async", None, 0.025)])
+def test_servers_divide_the_lr_by_w_where_pushes_apply_on_arrival(
+        strategy: str, staleness: int | None, lr: float) -> None:
+    config = quiet(strategy=strategy, lr=0.1, parallel=ParallelOptions(staleness=staleness))
+    optimizer = server_optimizer(config, 4)([torch.nn.Parameter(torch.zeros(1))])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(lr)

@@ -1,6 +1,7 @@
 """Parameter server on real ranks: sync equals one process (and DataParallel), SSP(0) equals
-sync, SSP keeps staleness within its bound, async converges and records staleness, sparse
-embeddings train exactly and send a tenth of the bytes, and checkpoints resume exactly.
+sync, SSP reads hold what Ho et al.'s bound promises and staleness stays within its bound,
+async converges and records staleness, sparse embeddings train exactly and send a tenth of
+the bytes, and checkpoints resume exactly.
 
 Worker w trains on rows [w·b, (w+1)·b) of global batch ``clock``; the single-process
 references train on the whole global batch of W·b rows (tests/ps_cases.py).
@@ -95,12 +96,33 @@ def test_ssp_with_bound_zero_is_sync(pools: Any) -> None:
     assert _staleness(ssp).max == 0
 
 
-def test_ssp_staleness_stays_within_the_bound_with_a_straggler(pools: Any) -> None:
-    steps = 10
-    results = pools(3).run(ps_train, 1, steps, B, mode="ssp", staleness=2,
-                           straggler={1: 5.0}, compute_s=0.01)
+def _present(read: torch.Tensor, workers: int) -> set[tuple[int, int]]:
+    """The (clock, worker) updates a read of the Slots model contains."""
+    lr = 0.05  # plain-sgd: an applied update raises its slot from 0 to lr
+    return {(int(i) // workers, int(i) % workers) for i in (read > lr / 2).nonzero()}
+
+
+def test_ssp_reads_hold_every_update_older_than_the_bound_and_all_that_arrived(
+        pools: Any) -> None:
+    # Ho et al.'s SSP: a read for clock c holds every update of clocks ≤ c − s − 1 and every
+    # update applied before it (own previous clock included); nobody pushes beyond c + s
+    steps, s, workers = 10, 1, 2
+    results = pools(3).run(ps_train, 1, steps, 1, model_name="counter", opt="plain-sgd",
+                           mode="ssp", staleness=s, straggler={1: 5.0}, compute_s=0.01,
+                           record_reads=True)
+    ran_ahead = 0
+    for w, worker in enumerate(_workers(results)):
+        for c, read in enumerate(worker["reads"]):
+            present = _present(read, workers)
+            old = {(k, v) for k in range(c - s) for v in range(workers)}
+            assert old <= present, (w, c, sorted(old - present))
+            assert {(k, w) for k in range(c)} <= present, (w, c)  # read-my-writes
+            assert all(k < c if v == w else k <= c + s for k, v in present), (w, c, present)
+            ran_ahead += c >= s and (c - s, 1 - w) not in present  # the other: s behind
+    assert ran_ahead > 0  # the straggler made the gate close: the test can see a breach
     hist = _staleness(results)
-    assert hist.total == 2 * steps and 0 < hist.max <= 2, hist
+    assert hist.total == workers * steps  # one update per push, applied on arrival
+    assert 0 < hist.max <= (workers - 1) * (2 * s + 1), hist  # the documented bound
     fast, slow = (w["report"] for w in _workers(results))
     assert slow.straggler_sleep_s > 0 == fast.straggler_sleep_s
 

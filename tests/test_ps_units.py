@@ -174,13 +174,22 @@ def test_sync_reads_wait_for_the_slowest_worker() -> None:
 
 
 def test_ssp_lets_fast_workers_run_ahead_by_the_bound() -> None:
-    table = ClockTable(bound=2, workers=2)
+    table = ClockTable(bound=2, workers=2, on_arrival=True)
     for clock in range(1, 4):
-        table.finish(0)
+        assert table.finish(0) == []  # applied on arrival: no clock waits to be applied
         assert table.may_read(clock) == (clock <= 2)  # worker 1 is still at clock 0
+    table.finish(1)  # worker 1 finished clock 0: worker 0 may read for clock 3 = 1 + s
+    assert table.may_read(3) and not table.may_read(4)
+    assert table.leave(1) == [] and table.may_read(5)  # nobody waits for a finished worker
     async_table = ClockTable(bound=None, workers=2)
     async_table.finish(0)
     assert async_table.may_read(100) and async_table.finish(0) == []
+
+
+def test_only_ssp_with_a_positive_bound_applies_on_arrival() -> None:
+    assert PSConfig(mode="ssp", staleness=2).on_arrival and PSConfig(mode="async").on_arrival
+    assert not PSConfig(mode="ssp", staleness=0).on_arrival  # SSP(0) is BSP
+    assert not PSConfig(mode="sync").on_arrival
 
 
 def test_staleness_histogram() -> None:

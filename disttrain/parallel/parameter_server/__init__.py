@@ -2,7 +2,8 @@
 
 Servers hold contiguous key ranges of the flattened parameters and apply the optimizer;
 workers compute gradients. ``sync`` (BSP), ``async`` (ASGD) and ``ssp`` (bounded staleness)
-differ only in when a worker may read; sparse embedding tables move by rows. Messages are a
+differ in when a push is applied and when a worker may read (:mod:`.consistency`); sparse
+embedding tables move by rows. Messages are a
 fixed validated header plus raw tensors over the Communicator's point-to-point calls (Li et
 al., "Scaling Distributed Machine Learning with the Parameter Server", OSDI 2014; Ho et al.,
 NIPS 2013). See docs/parameter_server.md.

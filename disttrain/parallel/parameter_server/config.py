@@ -21,8 +21,9 @@ class PSConfig:
     """How a parameter-server job trains.
 
     * ``mode``: ``sync`` (BSP: every clock waits for every worker), ``async`` (ASGD: every
-      worker step is applied when it arrives) or ``ssp`` (stale synchronous parallel: a worker
-      may run at most ``staleness`` clocks ahead of the slowest).
+      worker step is applied when it arrives) or ``ssp`` (stale synchronous parallel: steps
+      are applied on arrival as in async, but a worker may run at most ``staleness`` clocks
+      ahead of the slowest; ``staleness=0`` is sync). See :mod:`.consistency`.
     * ``sparse_params``: names (``model.named_parameters()``) of embedding tables whose rows
       travel sparsely: a worker pulls and pushes only the rows a batch touches.
     * ``timeout_s``: every wait gives up after this long; a server declares a worker dead when
@@ -70,6 +71,14 @@ class PSConfig:
         if self.mode == "async":
             return None
         return 0 if self.mode == "sync" else self.staleness
+
+    @property
+    def on_arrival(self) -> bool:
+        """Is each worker's push its own update, applied when it arrives (async, ssp with
+        s > 0)? Otherwise (sync, ssp with s = 0, which is BSP) the W pushes of a clock are
+        averaged into one update. Applied on arrival, W updates make one synchronous step:
+        give the servers the learning rate divided by W for ``lr`` to mean the same."""
+        return self.mode == "async" or (self.mode == "ssp" and self.staleness > 0)
 
     def fingerprint(self, part: Partition) -> int:
         """What servers and workers must agree on: the key layout, the mode and its bound."""

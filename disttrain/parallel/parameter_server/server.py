@@ -113,7 +113,7 @@ class ParameterServer:
                  on_update: Callable[[int], None] | None = None) -> None:
         self.comm, self.roles, self.shard, self.config = comm, roles, shard, config
         self.name = roles.describe(comm.rank)
-        self.clocks = ClockTable(config.bound, roles.num_workers)
+        self.clocks = ClockTable(config.bound, roles.num_workers, on_arrival=config.on_arrival)
         self.staleness = StalenessHistogram()
         self.requests: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
@@ -126,14 +126,15 @@ class ParameterServer:
 
     def restore(self, path: str) -> None:
         clock = self.shard.load_state_dict(load_checkpoint(path))
-        self.clocks = ClockTable(self.config.bound, self.roles.num_workers, start=clock)
+        self.clocks = ClockTable(self.config.bound, self.roles.num_workers, start=clock,
+                                 on_arrival=self.config.on_arrival)
         log.info("%s: restored version %d, clock %d from %s", self.name, self.shard.version,
                  clock, path)
 
     def save(self) -> str:
         assert self.checkpoint_dir is not None
         path = checkpoint_path(self.checkpoint_dir, self.shard.server)
-        clock = self.clocks.applied if self.config.bound is not None else self.clocks.slowest
+        clock = self.clocks.slowest if self.config.on_arrival else self.clocks.applied
         save_checkpoint(path, self.shard.state_dict(clock))
         return path
 
@@ -259,7 +260,7 @@ class ParameterServer:
                                  count=h.count)
 
     def _gate(self, w: int, h: Header) -> Gen:
-        """Hold a read until the consistency model allows it (sync, ssp)."""
+        """Hold a read until every active worker finished clock ``h.clock − bound − 1``."""
         if not self.clocks.may_read(h.clock):
             self._gated[w] = h
             yield Wait(lambda: self.clocks.may_read(h.clock))
@@ -280,13 +281,13 @@ class ParameterServer:
                                 f"(the server is at version {self.shard.version})")
 
     def _key(self, w: int, clock: int) -> UpdateKey:
-        return (clock, w) if self.config.bound is None else (clock, -1)
+        return (clock, w) if self.config.on_arrival else (clock, -1)
 
     def _finish_clock(self, w: int, h: Header) -> None:
         key = self._key(w, h.clock)
         self.shard.contribute(key, h.version)
         completed = self.clocks.finish(w)
-        if self.config.bound is None:
+        if self.config.on_arrival:
             self._apply(key)
         for clock in completed:
             self._apply((clock, -1))

@@ -6,10 +6,11 @@ Adam, AdamW) updates it and keeps its state (momentum buffers, Adam moments) rig
 the server, exactly as the same optimizer would on the whole model in one process.
 Optimizers that look across elements (LARS, LAMB: per-tensor norms) would not match.
 
-Gradients wait in *pending* buffers, one per update (a clock in sync/ssp, a worker's step
-in async), until :meth:`ServerShard.apply` averages them over the workers that contributed,
-steps the optimizer once and bumps the parameter version. Addressing a request (a dense key
-range or rows of an embedding table) is validated here and raises :class:`ProtocolError`.
+Gradients wait in *pending* buffers, one per update (a clock in sync and ssp with s = 0, a
+worker's step in async and ssp with s > 0), until :meth:`ServerShard.apply` averages them
+over the workers that contributed, steps the optimizer once and bumps the parameter version.
+Addressing a request (a dense key range or rows of an embedding table) is validated here and
+raises :class:`ProtocolError`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from disttrain.parallel.parameter_server.partition import Partition, Segment
 from disttrain.parallel.parameter_server.protocol import Status
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-UpdateKey = tuple[int, int]  # (clock, worker) in async; (clock, -1) in sync and ssp
+UpdateKey = tuple[int, int]  # (clock, worker) applied on arrival; (clock, -1) clock-ordered
 CHECKPOINT_FORMAT = "disttrain.parameter_server.shard/1"
 
 

@@ -18,8 +18,9 @@ there depends on its role::
 
 ``ps-sync`` averages the W gradients of a step before one update (exactly one process on
 the global batch); ``ps-async`` applies each worker's gradient when it arrives, with the
-learning rate divided by W (:func:`server_optimizer`); ``ps-ssp`` averages like sync but
-lets a worker run at most ``staleness`` steps ahead of the slowest.
+learning rate divided by W (:func:`server_optimizer`); ``ps-ssp`` applies on arrival like
+async but lets a worker run at most ``staleness`` steps ahead of the slowest (``--staleness
+0`` is ps-sync exactly).
 
 **Samples/s.** In async mode workers step at their own pace, so the loop's figure (global
 batch / rank 0's step time) would describe worker 0 only. ``extras["samples_per_s"]`` is
@@ -96,12 +97,12 @@ def total_steps(config: TrainConfig, workers: int) -> int:
 
 
 def server_optimizer(config: TrainConfig, workers: int) -> OptimizerFactory:
-    """The config's optimizer for a server's shard. In async mode with learning rate lr/W:
-    each update is one worker's gradient, 1/W of a global batch, so W of them add up to
-    one synchronous step (for SGD, momentum, weight decay and Adam alike) and ``--lr``
-    means the same thing in every mode."""
+    """The config's optimizer for a server's shard. Where pushes are applied on arrival
+    (async, ssp with staleness > 0) with learning rate lr/W: each update is one worker's
+    gradient, 1/W of a global batch, so W of them add up to about one synchronous step (for
+    SGD, momentum, weight decay and Adam alike) and ``--lr`` means the same in every mode."""
     cls, kwargs = optimizer_class(config)
-    if MODES[config.strategy] == "async":
+    if ps_config(config).on_arrival:
         kwargs = {**kwargs, "lr": kwargs["lr"] / workers}
 
     def make(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
