@@ -288,7 +288,10 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "disttrain", "bench", "comm", "--ops", "all_reduce", "-n", "2",
          "--sizes", "4KiB", "--iters", "100000", "--budget", "0"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # a shell's background job (`cmd &`) inherits SIGINT ignored, and Python then never
+        # raises KeyboardInterrupt: give the bench the default, as a terminal would
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while len(_processes_with(marker)) < 3 and time.monotonic() < deadline:
