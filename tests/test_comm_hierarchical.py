@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,6 @@ from disttrain.comm.topology import (
 )
 from tests import collective_cases, test_launch_netns
 from tests.dist import COMM_TIMEOUT_S, run_fresh
-from tests.launch_scripts.harness import LAUNCH_TIMEOUT_S, json_lines
 
 two_hosts = test_launch_netns.two_hosts  # the namespace fixture: 10.213.0.1 and .2
 
@@ -317,27 +314,9 @@ def _netns_worker() -> None:
 @pytest.mark.timeout(240)
 def test_two_namespace_machines_with_two_ranks_each(two_hosts):
     names, _ = two_hosts
-    procs = []
-    try:
-        for node_rank, name in enumerate(names):
-            argv = ["ip", "netns", "exec", name, sys.executable, "-m", "disttrain", "launch",
-                    "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr",
-                    test_launch_netns.HOSTS[0],
-                    "--master-port", "29513", "-n", "2", "-m", "tests.test_comm_hierarchical"]
-            env = {**os.environ, "DISTTRAIN_TIMEOUT": "60"}
-            for var in ("GLOO_SOCKET_IFNAME", NODE_ID_ENV):
-                env.pop(var, None)
-            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, env=env, cwd=ROOT, start_new_session=True))
-        outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S) for p in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-    for proc, (_, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-3000:]
-    reports = {**json_lines(outputs[0][0]), **json_lines(outputs[1][0])}
+    reports = test_launch_netns.launch_on_both(
+        names, "29513", ["-m", "tests.test_comm_hierarchical"], 2,
+        drop_env=("GLOO_SOCKET_IFNAME", NODE_ID_ENV), cwd=ROOT)
     _check_two_machines(reports)
 
 

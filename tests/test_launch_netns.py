@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -55,19 +56,23 @@ def two_hosts():
             _ip("netns", "del", name)  # takes its end of the veth pair with it
 
 
-def test_all_reduce_across_two_hosts(two_hosts):
-    names, links = two_hosts
-    port = "29511"  # each namespace has its own, empty port space
+def launch_on_both(names: list[str], port: str, target: list[str], ranks_per_node: int,
+                   drop_env: tuple[str, ...] = ("GLOO_SOCKET_IFNAME",),
+                   cwd: str | None = None) -> dict[int, Any]:
+    """`disttrain launch --nnodes 2` once inside each namespace, master on the first; every
+    launch must exit 0. Returns each rank's JSON report (one JSON line per rank on stdout).
+    ``drop_env``: variables init() must work out by itself (e.g. the veth interface)."""
     procs = []
     try:
         for node_rank, name in enumerate(names):
             argv = ["ip", "netns", "exec", name, sys.executable, "-m", "disttrain", "launch",
                     "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", HOSTS[0],
-                    "--master-port", port, "-n", "1", str(SCRIPTS / "report_placement.py")]
+                    "--master-port", port, "-n", str(ranks_per_node), *target]
             env = {**os.environ, "DISTTRAIN_TIMEOUT": "60"}
-            env.pop("GLOO_SOCKET_IFNAME", None)  # init() must find the veth by itself
+            for var in drop_env:
+                env.pop(var, None)
             procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, env=env, start_new_session=True))
+                                          text=True, env=env, cwd=cwd, start_new_session=True))
         outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S) for p in procs]
     finally:
         for proc in procs:
@@ -76,7 +81,13 @@ def test_all_reduce_across_two_hosts(two_hosts):
                 proc.wait()
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-3000:]
-    reports = {**json_lines(outputs[0][0]), **json_lines(outputs[1][0])}
+    return {**json_lines(outputs[0][0]), **json_lines(outputs[1][0])}
+
+
+def test_all_reduce_across_two_hosts(two_hosts):
+    names, links = two_hosts
+    # each namespace has its own, empty port space; init() must find the veth by itself
+    reports = launch_on_both(names, "29511", [str(SCRIPTS / "report_placement.py")], 1)
     assert sorted(reports) == [0, 1]
     for rank, report in reports.items():
         assert (report["rank"], report["world_size"], report["sum"]) == (rank, 2, 3.0)
