@@ -29,31 +29,22 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm.transport import DoneWork, RawWork, Transport
+from disttrain.comm.transports.shm_buffers import SharedBuffers
 from disttrain.comm.transports.shm_collectives import CollectiveArea
 from disttrain.comm.transports.shm_mailbox import Mailboxes
-from disttrain.comm.transports.shm_segment import (
-    LINE,
-    PAGE,
-    AttachedSegment,
-    ShmLayout,
-    attach_segment,
-    create_segment,
-    destroy,
-    host_key,
-    new_segment_name,
-    release,
-    unlink_name,
+from disttrain.comm.transports.shm_rendezvous import (
+    ShmUnavailableError,
+    check_same_host,
+    segment_buffer,
+    share_segment,
 )
+from disttrain.comm.transports.shm_segment import LINE, PAGE, ShmLayout, release
 from disttrain.comm.transports.shm_sync import PeerTable
 from disttrain.comm.transports.torch_p2p import TorchTransport
 
 log = logging.getLogger(__name__)
 
-_NAME_BYTES = 48
-
-
-class ShmUnavailableError(RuntimeError):
-    """Shared memory cannot connect these ranks (raised on every rank alike)."""
+__all__ = ["SharedMemoryTransport", "ShmConfig", "ShmUnavailableError"]
 
 
 @dataclass(frozen=True)
@@ -128,10 +119,16 @@ class SharedMemoryTransport(Transport):
         self.timeout_s = timeout_s
         self.config = config or ShmConfig()
         self._layout = self.config.layout(len(self._global_ranks))
-        _check_same_host(self._group)
-        self._shm, self.segment_name = _rendezvous(self._group, self._global_ranks,
-                                                   self._rank, self._layout)
-        buf = _buffer(self._shm)
+        check_same_host(self._group)
+        layout = self._layout
+
+        def register(shm: Any) -> None:  # publish this rank's pid before the name goes
+            PeerTable(np.frombuffer(segment_buffer(shm), dtype=np.int64), layout,
+                      self._rank).register()
+
+        self._shm, self.segment_name = share_segment(
+            self._group, self._global_ranks, self._rank, layout.size, layout.header(), register)
+        buf = segment_buffer(self._shm)
         self._u8 = torch.frombuffer(buf, dtype=torch.uint8)
         self._i64 = np.frombuffer(buf, dtype=np.int64)
         self._peers = PeerTable(self._i64, self._layout, self._rank)
@@ -139,6 +136,7 @@ class SharedMemoryTransport(Transport):
         self._collectives = CollectiveArea(self._u8, buf, self._layout, self._rank, self._peers,
                                           min(self.config.one_shot_max_bytes,
                                               self._layout.slot_bytes))
+        self.buffers = SharedBuffers(self._rank, self.world_size, self._share)
         self._closed = False
         log.debug("rank %d: shared-memory segment %s, %.1f MiB", self._rank, self.segment_name,
                   self._layout.size / 2**20)
@@ -173,6 +171,21 @@ class SharedMemoryTransport(Transport):
         if self._closed:
             raise RuntimeError("the shared-memory transport is closed")
         return self._collectives
+
+    def _share(self, size: int, header: Sequence[int]) -> Any:
+        return share_segment(self._group, self._global_ranks, self._rank, size, header)
+
+    def shared_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor in shared memory that a large ``shm`` all-reduce reduces where
+        it lies (no copy into the slots). Collective: every rank, same arguments, same order."""
+        if self._closed:
+            raise RuntimeError("the shared-memory transport is closed")
+        return self.buffers.zeros(numel, dtype)
+
+    def shares_usefully(self, nbytes: int) -> bool:
+        """Whether an all-reduce of ``nbytes`` gains from a shared buffer: above the one-shot
+        size (which copies once into a slot and needs one step) it skips two copies."""
+        return nbytes > self._collectives.one_shot_max_bytes
 
     # ------------------------------------------------------------------ messages
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RawWork:
@@ -218,83 +231,7 @@ class SharedMemoryTransport(Transport):
         self._closed = True
         self._peers.mark_closed()
         self._collectives.close()
+        self.buffers.close()
         del self._u8, self._i64, self.mailboxes, self._collectives, self._peers
         if not release(self._shm):
             log.debug("shared-memory segment still referenced; unmapped at process exit")
-
-
-def _check_same_host(group: Any) -> None:
-    members = dist.get_process_group_ranks(group)  # all_gather's order
-    mine = torch.tensor(list(host_key()), dtype=torch.uint8)
-    keys = [torch.empty_like(mine) for _ in members]
-    dist.all_gather(keys, mine, group=group)
-    first = keys[0]
-    others = [g for g, key in zip(members, keys, strict=True) if not torch.equal(key, first)]
-    if others:
-        raise ShmUnavailableError(
-            f"ranks {others} (global) are not on the same host (or mount/pid/network "
-            f"namespace) as global rank {members[0]}; shared memory cannot connect them: use "
-            "the 'torch' transport (or 'auto', which picks it)")
-
-
-def _rendezvous(group: Any, global_ranks: Sequence[int], rank: int,
-                layout: ShmLayout) -> tuple[AttachedSegment, str]:
-    """Rank 0 creates, everyone attaches, rank 0 unlinks once all have attached."""
-    msg = torch.zeros(2 + _NAME_BYTES, dtype=torch.int64)  # [ok, len(name), name bytes...]
-    creator, error = _create(layout, msg) if rank == 0 else (None, "")
-    dist.broadcast(msg, global_ranks[0], group=group)
-    if int(msg[0]) != 1:
-        raise ShmUnavailableError(f"rank 0 could not create the shared-memory segment "
-                                  f"{'(' + error + ')' if error else '(see its log)'}")
-    name = bytes(int(b) for b in msg[2 : 2 + int(msg[1])]).decode()
-    shm = None
-    try:  # every rank, the creator included, maps the segment the same way
-        shm = attach_segment(name)
-        _prepare(shm, layout, rank)
-    except (OSError, ValueError) as exc:
-        error = f"rank {rank}: {exc}"
-    statuses = [torch.zeros(1, dtype=torch.int64) for _ in global_ranks]
-    dist.all_gather(statuses, torch.tensor([0 if error else 1]), group=group)
-    # Everyone attached (or gave up): the name is no longer needed. Every rank removes it,
-    # so on every rank it is gone when the constructor returns (rank 0 also tells its
-    # resource tracker, which would otherwise remove it at exit).
-    if creator is not None:
-        destroy(creator)
-    unlink_name(name)
-    members = dist.get_process_group_ranks(group)
-    failed = [g for g, s in zip(members, statuses, strict=True) if int(s) != 1]
-    if failed or shm is None:
-        raise ShmUnavailableError(f"global ranks {failed} could not attach shared-memory segment "
-                                  f"{name}" + (f": {error}" if error else ""))
-    return shm, name
-
-
-def _create(layout: ShmLayout, msg: torch.Tensor) -> tuple[Any, str]:
-    """Rank 0: create the segment, write its header, and put its name into ``msg``."""
-    try:
-        name = new_segment_name()
-        creator = create_segment(name, layout.size)
-        np.frombuffer(_buffer(creator), dtype=np.int64, count=7)[:] = layout.header()
-    except OSError as exc:
-        return None, str(exc)
-    encoded = list(name.encode())
-    msg[:2] = torch.tensor([1, len(encoded)])
-    msg[2 : 2 + len(encoded)] = torch.tensor(encoded)
-    return creator, ""
-
-
-def _prepare(shm: AttachedSegment, layout: ShmLayout, rank: int) -> None:
-    """Check the header rank 0 wrote before sharing the name; publish this rank's pid."""
-    i64 = np.frombuffer(_buffer(shm), dtype=np.int64)
-    header = [int(x) for x in i64[:7]]
-    if header != layout.header():
-        raise ValueError(f"segment header {header} does not match this rank's layout "
-                         f"{layout.header()}: every rank must use the same ShmConfig")
-    PeerTable(i64, layout, rank).register()
-
-
-def _buffer(shm: Any) -> memoryview:
-    buf = shm.buf
-    if buf is None:
-        raise RuntimeError("shared-memory segment is closed")
-    return buf  # type: ignore[no-any-return]
