@@ -12,6 +12,7 @@ Strategies talk only to a Communicator (never to torch.distributed), which
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -298,6 +299,35 @@ class Communicator:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         self.irecv(tensor, src, tag).wait()
+
+    # ----------------------------------------------------------------- memory
+    def shared_zeros(self, shape: int | Sequence[int], dtype: torch.dtype = torch.float32, *,
+                     only_if_useful: bool = False) -> torch.Tensor:
+        """A zero-filled CPU tensor that a large all-reduce reduces where it lies.
+
+        On the ``shm`` transport the tensor lives in shared memory, and algorithm ``shm``
+        (``auto`` there) reads the other ranks' copies directly instead of copying every
+        tensor into its slots: the role of NCCL's user-buffer registration. On other
+        transports it is an ordinary tensor. Collective: every rank calls it with the same
+        shape and dtype, in the same order, and later all-reduces the same slice of it on
+        every rank (checked: a mismatch raises on every rank). ``only_if_useful``: an ordinary
+        tensor when the transport would not all-reduce this size in place (small tensors go
+        through one slot and one step anyway). A segment that cannot be made (/dev/shm
+        full) raises ``ShmUnavailableError`` on every rank."""
+        self._check_usable()
+        dims = (shape,) if isinstance(shape, int) else (
+            tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+            raise ValueError(f"shape must be ints ≥ 0, got {shape!r}")
+        numel = math.prod(dims)
+        allocate = getattr(self.transport, "shared_zeros", None)
+        useful = getattr(self.transport, "shares_usefully", None)
+        if only_if_useful and useful is not None:
+            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+            allocate = allocate if useful(nbytes) else None
+        flat = (allocate(numel, dtype) if allocate is not None
+                else torch.zeros(numel, dtype=dtype, device=self.transport.device_type))
+        return flat.view(dims)
 
     # ----------------------------------------------------------------- groups, lifetime
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:

@@ -18,6 +18,12 @@ counter update. Large rounds are bound by memory traffic: two-operand in-place k
 in their own segment of ``x`` (rank 1 starts from ``x1 ⊕ x0``, the same bits as ``x0 ⊕ x1``
 for +, ×) and copy the result into the slot; ranks ≥ 2 accumulate in their slot, which they
 then copy back. Either way rank order is kept, so results equal ``((x0 ⊕ x1) ⊕ x2) …``.
+
+A large tensor that lives in a shared buffer (``Communicator.shared_zeros``) needs no slots:
+every rank reads the others' copies where they lie (:func:`_in_place`), which saves the copy
+in and the copy that publishes each reduced segment. Before the first step every rank
+declares which path it takes, on which buffer and slice, and after it checks that all
+declared the same (a mismatch raises ValueError on every rank).
 """
 
 from __future__ import annotations
@@ -43,11 +49,19 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, op: ReduceOp) -> No
     area = area_of(ctx)
     if ctx.world_size == 1 or tensor.numel() == 0:
         return
-    if tensor.numel() * tensor.element_size() <= area.one_shot_max_bytes:
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes <= area.one_shot_max_bytes:
         _one_shot(ctx, area, tensor, op)
-    else:
-        for a, b in sub_chunks(0, tensor.numel(), per_round(area, tensor)):
-            _two_phase(ctx, area, tensor[a:b], op)
+        return
+    shared = ctx.transport.buffers.find(tensor)  # type: ignore[attr-defined]
+    intent = (0, 0, nbytes) if shared is None else (shared[0].index + 1, shared[1], nbytes)
+    area.declare(intent)  # checked after the first step: every rank must take the same path
+    if shared is not None:
+        buffer, offset = shared
+        _in_place(ctx, area, buffer.views(offset, nbytes, tensor.dtype), intent, op)
+        return
+    for k, (a, b) in enumerate(sub_chunks(0, tensor.numel(), per_round(area, tensor))):
+        _two_phase(ctx, area, tensor[a:b], op, intent if k == 0 else None)
 
 
 def _one_shot(ctx: CollectiveContext, area: CollectiveArea, x: torch.Tensor,
@@ -62,7 +76,7 @@ def _one_shot(ctx: CollectiveContext, area: CollectiveArea, x: torch.Tensor,
 
 
 def _two_phase(ctx: CollectiveContext, area: CollectiveArea, chunk: torch.Tensor,
-               op: ReduceOp) -> None:
+               op: ReduceOp, intent: tuple[int, int, int] | None) -> None:
     """One round of reduce-scatter + all-gather over ``chunk`` (≤ one slot). Rank r never
     needs its own segment in shared memory as an input, so it copies in only the others'."""
     p, me, m = ctx.world_size, ctx.rank, chunk.numel()
@@ -72,6 +86,8 @@ def _two_phase(ctx: CollectiveContext, area: CollectiveArea, chunk: torch.Tensor
     slots[me][:s0].copy_(chunk[:s0])
     slots[me][s1:m].copy_(chunk[s1:])
     step(ctx, area)
+    if intent is not None:
+        _agree(ctx, area, intent)
     in_place = s1 > s0 and _accumulate(chunk[s0:s1], slots, s0, s1, me, op)
     if in_place:
         slots[me][s0:s1].copy_(chunk[s0:s1])  # publish the reduced segment
@@ -98,3 +114,68 @@ def _accumulate(mine: torch.Tensor, slots: list[torch.Tensor], s0: int, s1: int,
     parts = [mine if r == me else slots[r][s0:s1] for r in range(p)]
     reduce_into(slots[me][s0:s1], parts, op)
     return False
+
+
+def _in_place(ctx: CollectiveContext, area: CollectiveArea, regions: list[torch.Tensor],
+              intent: tuple[int, int, int], op: ReduceOp) -> None:
+    """All-reduce of a tensor in a shared buffer: ``regions[r]`` is rank r's copy of it.
+
+    Rank r reduces segment r of every region in rank order, in place into rank 0's region
+    (rank 1, for commutative ops, into its own: x1 ⊕ x0 has the bits of x0 ⊕ x1); only rank
+    r touches segment r of any region until the second step. Then every rank copies the
+    reduced segments it does not already hold. The third step keeps a rank from writing its
+    region (the next backward) while a slower rank still copies out of it::
+
+        ── step (inputs in place; intents agree) ──
+        r: R_dst[seg_r] = R0[seg_r] ⊕ R1[seg_r] ⊕ … ⊕ R(p−1)[seg_r]
+        ── step ──
+        r: R_r[seg_i] = R_dst(i)[seg_i] for every i whose result is elsewhere
+        ── step ──
+    """
+    p, me, n = ctx.world_size, ctx.rank, regions[0].numel()
+    area.begin_round()  # a round without slots: keeps every rank's round count equal
+    step(ctx, area)
+    _agree(ctx, area, intent)
+    swap = op in COMMUTATIVE  # segment 1's result stays in rank 1's region
+
+    def home(r: int) -> torch.Tensor:
+        return regions[1] if r == 1 and swap else regions[0]
+
+    bounds = segment_bounds(n, p)
+    s0, s1 = bounds[me]
+    if s1 > s0:
+        dst, kernel = home(me), KERNELS[op]
+        other = regions[0] if dst is regions[1] else regions[1]
+        kernel(dst[s0:s1], other[s0:s1], out=dst[s0:s1])
+        for r in range(2, p):
+            kernel(dst[s0:s1], regions[r][s0:s1], out=dst[s0:s1])
+    step(ctx, area)
+    mine = regions[me]
+    for r, (r0, r1) in enumerate(bounds):
+        if r1 > r0 and home(r) is not mine:
+            mine[r0:r1].copy_(home(r)[r0:r1])
+    step(ctx, area)
+    es = mine.element_size()
+    count(ctx, n * es, ((p - 1) * (s1 - s0) + n - (s1 - s0)) * es)
+
+
+def _agree(ctx: CollectiveContext, area: CollectiveArea, intent: tuple[int, int, int]) -> None:
+    """Raise on every rank unless all declared the same intent: a rank passing an ordinary
+    tensor while another passes a shared one would otherwise read garbage or hang. Every
+    rank has taken the same steps and rounds by then, so the communicator stays usable."""
+    intents = area.intents()
+    if all(i == intent for i in intents):
+        return
+
+    def said(i: tuple[int, int, int] | None) -> str:
+        if i is None:
+            return "no large all_reduce"
+        return (f"an ordinary tensor of {i[2]} bytes" if i[0] == 0 else
+                f"shared buffer #{i[0] - 1} at byte {i[1]}, {i[2]} bytes")
+
+    listing = "; ".join(f"rank {r}: {said(i)}" for r, i in enumerate(intents))
+    raise ValueError(
+        f"{ctx.op} #{ctx.seq} (shm) on rank {ctx.rank}: the ranks passed different kinds of "
+        f"tensor ({listing}). Pass tensors from Communicator.shared_zeros (allocated on every "
+        f"rank in the same order, the same slice on every rank) on every rank, or ordinary "
+        f"tensors on every rank")

@@ -88,6 +88,30 @@ class CollectiveArea:
             self._views[key] = views
         return views
 
+    # ------------------------------------------------------------------ agreement
+    def declare(self, intent: tuple[int, int, int]) -> None:
+        """Publish what this rank's next step belongs to: (shared buffer index + 1 or 0 for
+        an ordinary tensor, byte offset, bytes), in the words after its arrival counter.
+        Stored before the step's counter (x86 TSO keeps the order), so a peer that sees the
+        counter sees the intent. Two slots by step parity: a peer reading intents of step v
+        may find this rank already declaring for step v + 1, never further (it waits there)."""
+        v, (kind, offset, nbytes) = self._step + 1, intent
+        at, flags = self._me_at + 1 + 3 * (v % 2), self._flags
+        flags[at + 1], flags[at + 2] = kind << 48 | nbytes, offset
+        flags[at] = v
+
+    def intents(self) -> list[tuple[int, int, int] | None]:
+        """After the step that followed :meth:`declare`: every rank's declared intent, None
+        for a rank that declared none at this step (it runs some other collective)."""
+        flags, v = self._flags, self._step
+        out: list[tuple[int, int, int] | None] = []
+        for base in self._arrive_at:
+            at = base + 1 + 3 * (v % 2)
+            word = flags[at + 1]
+            out.append((word >> 48, flags[at + 2], word & (2**48 - 1)) if flags[at] == v
+                       else None)
+        return out
+
     # ------------------------------------------------------------------ barrier
     def step(self, timeout_s: float) -> None:
         """Barrier: return once every rank has reached this step. Raises ``ShmPeerTimeout``

@@ -4,7 +4,8 @@ One POSIX shared-memory segment per transport, laid out in 64-byte cache lines s
 every counter has exactly one writer and no two writers share a line (no false sharing)::
 
     0      header line        magic, version, world size, sizes (written by rank 0)
-    64     rank lines         per rank: [pid, start time, state], [arrive counter], [doorbell]
+    64     rank lines         per rank: [pid, start time, state], [arrive counter, intents],
+                              [doorbell]
     ...    mailbox lines      per ordered pair (src → dst): [head] line (src writes),
                               [tail] line (dst writes)
     4096·k collective slots   2 buffer sets × p ranks × slot_bytes      (set-major, rank-minor)
