@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.comm import CommConfig, Communicator
-from disttrain.comm.transports import make_transport
+from disttrain.comm.transports import ShmConfig, make_transport
 from disttrain.parallel import DataParallel, UnusedParametersError
 
 STEPS = 3
@@ -297,10 +297,15 @@ def test_config_errors_say_what_to_fix():
 
 # ---------------------------------------------------------------------- shared memory
 def ddp_train_on_shm(_comm: Communicator, opt_name: str, accum: int) -> dict[str, Any]:
-    """ddp_train over the shared-memory transport and its own all-reduce algorithm."""
-    comm = Communicator(make_transport("shm"), CommConfig(timeout_s=20))
+    """ddp_train over the shared-memory transport and its own all-reduce algorithm. With a
+    512-byte one-shot limit the middle bucket (18,560 bytes) lives in a shared buffer and is
+    all-reduced in place; the other two (408 and 320 bytes) are ordinary and go through one
+    slot."""
+    transport = make_transport("shm", shm_config=ShmConfig(one_shot_max_bytes=512))
+    comm = Communicator(transport, CommConfig(timeout_s=20))
     try:
-        return ddp_train(comm, opt_name, accum, {**SMALL_CAPS, "algorithm": "shm"}, accum == 1)
+        out = ddp_train(comm, opt_name, accum, {**SMALL_CAPS, "algorithm": "shm"}, accum == 1)
+        return {**out, "shared": len(transport.buffers)}  # type: ignore[attr-defined]
     finally:
         comm.close()
 
@@ -308,7 +313,7 @@ def ddp_train_on_shm(_comm: Communicator, opt_name: str, accum: int) -> dict[str
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_equivalence_on_shared_memory(pools, world_size):
     results = pools(world_size).run(ddp_train_on_shm, "adam", 2)
-    assert all(res["buckets"] == 3 for res in results)
+    assert all(res["buckets"] == 3 and res["shared"] == 1 for res in results)
     assert_replicas_match(results, reference_train("adam", world_size * BATCH * 2))
 
 

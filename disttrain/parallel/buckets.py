@@ -17,12 +17,19 @@ pure data (:func:`plan_buckets`), tested without processes; :class:`Bucket` owns
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 MIB = 1 << 20
+
+# zeros(numel, dtype, device) → a flat zero-filled buffer (shared memory, for example)
+Zeros = Callable[[int, torch.dtype, torch.device], torch.Tensor]
+
+
+def plain_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 def plan_buckets(sizes: Sequence[int], kinds: Sequence[Hashable], first_cap: int,
@@ -76,11 +83,11 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def allocate(cls, index: int, param_indices: list[int],
-                 params: Sequence[torch.Tensor]) -> Bucket:
+    def allocate(cls, index: int, param_indices: list[int], params: Sequence[torch.Tensor],
+                 zeros: Zeros = plain_zeros) -> Bucket:
         members = [params[i] for i in param_indices]
         total = sum(p.numel() for p in members)
-        flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
+        flat = zeros(total, members[0].dtype, members[0].device)
         offsets, views, offset = [], [], 0
         for p in members:
             offsets.append(offset)
@@ -98,9 +105,10 @@ class Bucket:
 
 
 def build_buckets(params: Sequence[torch.Tensor], first_cap_bytes: int,
-                  cap_bytes: int) -> list[Bucket]:
-    """Plan and allocate the buckets for ``params`` (registration order)."""
+                  cap_bytes: int, zeros: Zeros = plain_zeros) -> list[Bucket]:
+    """Plan and allocate the buckets for ``params`` (registration order); ``zeros``
+    allocates each flat buffer (in bucket order, so a collective allocator works)."""
     sizes = [p.numel() * p.element_size() for p in params]
     kinds = [(p.dtype, p.device) for p in params]
     plan = plan_buckets(sizes, kinds, first_cap_bytes, cap_bytes)
-    return [Bucket.allocate(i, members, params) for i, members in enumerate(plan)]
+    return [Bucket.allocate(i, members, params, zeros) for i, members in enumerate(plan)]

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from disttrain.comm import Communicator
+from disttrain.comm.transports import ShmUnavailableError
 from disttrain.comm.work import CompletedWork
-from disttrain.parallel.buckets import Bucket, build_buckets
+from disttrain.parallel.buckets import Bucket, Zeros, build_buckets, plain_zeros
 from disttrain.parallel.compression import Compressor, NoCompression, PendingReduction
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,10 @@ class GradReducer:
         self.params = [p for _, p in named_params]
         self.comm, self.compressor, self.algorithm = comm, compressor, algorithm
         self.find_unused_parameters = find_unused_parameters
-        self.buckets: list[Bucket] = build_buckets(self.params, first_bucket_bytes, bucket_bytes)
+        in_place = type(compressor) is NoCompression and algorithm in (None, "auto", "shm")
+        self.buckets: list[Bucket] = build_buckets(
+            self.params, first_bucket_bytes, bucket_bytes,
+            _shared_zeros(comm) if in_place else plain_zeros)
         self._slots: list[tuple[int, torch.Tensor]] = [(0, self.params[0])] * len(self.params)
         for bucket in self.buckets:
             for i, view in zip(bucket.param_indices, bucket.views):
@@ -229,3 +233,23 @@ class GradReducer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _shared_zeros(comm: Communicator) -> Zeros:
+    """Buckets in shared memory where the transport all-reduces them in place (``shm``, for
+    buckets above its one-shot size): autograd then accumulates gradients straight into
+    memory the other ranks read, and the all-reduce skips its copy in
+    (docs/shm_transport.md). Elsewhere, or when /dev/shm is full: ordinary buffers."""
+    failed = False
+
+    def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        nonlocal failed  # every rank fails alike (the rendezvous agrees), so they stay in step
+        if device.type == "cpu" and not failed:
+            try:
+                return comm.shared_zeros(numel, dtype, only_if_useful=True)
+            except ShmUnavailableError as exc:
+                failed = True
+                log.warning("gradient buckets stay in private memory: %s", exc)
+        return plain_zeros(numel, dtype, device)
+
+    return zeros
