@@ -54,22 +54,26 @@ def _sum_over_ranks(n: int, p: int) -> torch.Tensor:
     return total
 
 
-def build(comm: Communicator, op: str, nbytes: int) -> Case:
-    """The case for collective ``op`` at about ``nbytes`` (see :func:`elements`)."""
+def build(comm: Communicator, op: str, nbytes: int, shared: bool = False) -> Case:
+    """The case for collective ``op`` at about ``nbytes`` (see :func:`elements`). ``shared``:
+    the in-place ops (all_reduce, broadcast, reduce) work on a tensor from
+    ``Communicator.shared_zeros`` (on ``shm``, all_reduce then skips its copy in: the
+    counterpart of nccl-tests' ``-R`` registered buffers)."""
     if op not in _BUILDERS:
         raise ValueError(f"no benchmark case for {op!r}; known: {', '.join(_BUILDERS)}")
     n = elements(op, nbytes, comm.world_size)
-    run, reset, check = _BUILDERS[op](comm, n)
+    buf = comm.shared_zeros(n, ELEMENT) if shared else torch.zeros(n, dtype=ELEMENT)
+    run, reset, check = _BUILDERS[op](comm, n, buf)
     return Case(op, n * ELEMENT_SIZE, run, reset, check)
 
 
 _Parts = tuple[Callable[[str], None], Callable[[], None], Callable[[], bool]]
 
 
-def _in_place(comm: Communicator, n: int, call: Callable[[torch.Tensor, str], object],
-              expected: torch.Tensor) -> _Parts:
-    pristine = values(comm.rank, n)
-    buf = pristine.clone()
+def _in_place(comm: Communicator, buf: torch.Tensor,
+              call: Callable[[torch.Tensor, str], object], expected: torch.Tensor) -> _Parts:
+    pristine = values(comm.rank, buf.numel())
+    buf.copy_(pristine)
 
     def run(algorithm: str) -> None:
         call(buf, algorithm)
@@ -80,18 +84,18 @@ def _in_place(comm: Communicator, n: int, call: Callable[[torch.Tensor, str], ob
     return run, reset, lambda: torch.equal(buf, expected)
 
 
-def _all_reduce(comm: Communicator, n: int) -> _Parts:
-    return _in_place(comm, n, lambda t, a: comm.all_reduce(t, algorithm=a),
+def _all_reduce(comm: Communicator, n: int, buf: torch.Tensor) -> _Parts:
+    return _in_place(comm, buf, lambda t, a: comm.all_reduce(t, algorithm=a),
                      _sum_over_ranks(n, comm.world_size))
 
 
-def _broadcast(comm: Communicator, n: int) -> _Parts:
-    return _in_place(comm, n, lambda t, a: comm.broadcast(t, 0, algorithm=a), values(0, n))
+def _broadcast(comm: Communicator, n: int, buf: torch.Tensor) -> _Parts:
+    return _in_place(comm, buf, lambda t, a: comm.broadcast(t, 0, algorithm=a), values(0, n))
 
 
-def _reduce(comm: Communicator, n: int) -> _Parts:
+def _reduce(comm: Communicator, n: int, buf: torch.Tensor) -> _Parts:
     expected = _sum_over_ranks(n, comm.world_size) if comm.rank == 0 else values(comm.rank, n)
-    return _in_place(comm, n, lambda t, a: comm.reduce(t, 0, algorithm=a), expected)
+    return _in_place(comm, buf, lambda t, a: comm.reduce(t, 0, algorithm=a), expected)
 
 
 def _out_of_place(out: torch.Tensor, call: Callable[[str], object],
@@ -105,28 +109,28 @@ def _out_of_place(out: torch.Tensor, call: Callable[[str], object],
     return run, reset, lambda: torch.equal(out, expected)
 
 
-def _all_gather(comm: Communicator, n: int) -> _Parts:
+def _all_gather(comm: Communicator, n: int, _buf: torch.Tensor) -> _Parts:
     p, b = comm.world_size, n // comm.world_size
     mine, out = values(comm.rank, b), torch.empty(n, dtype=ELEMENT)
     expected = torch.cat([values(r, b) for r in range(p)])
     return _out_of_place(out, lambda a: comm.all_gather(out, mine, algorithm=a), expected)
 
 
-def _reduce_scatter(comm: Communicator, n: int) -> _Parts:
+def _reduce_scatter(comm: Communicator, n: int, _buf: torch.Tensor) -> _Parts:
     p, r, b = comm.world_size, comm.rank, n // comm.world_size
     mine, out = values(r, n), torch.empty(b, dtype=ELEMENT)
     expected = _sum_over_ranks(n, p)[r * b : (r + 1) * b].clone()
     return _out_of_place(out, lambda a: comm.reduce_scatter(out, mine, algorithm=a), expected)
 
 
-def _all_to_all(comm: Communicator, n: int) -> _Parts:
+def _all_to_all(comm: Communicator, n: int, _buf: torch.Tensor) -> _Parts:
     p, r, b = comm.world_size, comm.rank, n // comm.world_size
     mine, out = values(r, n), torch.empty(n, dtype=ELEMENT)
     expected = torch.cat([values(j, b, offset=r * b) for j in range(p)])
     return _out_of_place(out, lambda a: comm.all_to_all(out, mine, algorithm=a), expected)
 
 
-def _gather(comm: Communicator, n: int) -> _Parts:
+def _gather(comm: Communicator, n: int, _buf: torch.Tensor) -> _Parts:
     p, r, b = comm.world_size, comm.rank, n // comm.world_size
     mine = values(r, b)
     out = torch.empty(n if r == 0 else 0, dtype=ELEMENT)
@@ -135,7 +139,7 @@ def _gather(comm: Communicator, n: int) -> _Parts:
                                                     algorithm=a), expected)
 
 
-def _scatter(comm: Communicator, n: int) -> _Parts:
+def _scatter(comm: Communicator, n: int, _buf: torch.Tensor) -> _Parts:
     r, b = comm.rank, n // comm.world_size
     source = values(0, n) if r == 0 else None
     out = torch.empty(b, dtype=ELEMENT)
@@ -143,7 +147,8 @@ def _scatter(comm: Communicator, n: int) -> _Parts:
     return _out_of_place(out, lambda a: comm.scatter(out, source, 0, algorithm=a), expected)
 
 
-_BUILDERS: dict[str, Callable[[Communicator, int], _Parts]] = {
+# builder(comm, n, buf): buf is n zeros the in-place ops use (out-of-place ones ignore it)
+_BUILDERS: dict[str, Callable[[Communicator, int, torch.Tensor], _Parts]] = {
     "all_reduce": _all_reduce,
     "broadcast": _broadcast,
     "reduce": _reduce,

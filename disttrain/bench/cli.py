@@ -73,6 +73,11 @@ def _add_comm_parser(inner: argparse._SubParsersAction) -> None:  # type: ignore
                         help=f"seconds any rank waits for a peer (default {defaults.timeout_s:g})")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE",
                         help="also write one JSON object per row to FILE")
+    parser.add_argument("--shared-buffers", action="store_true",
+                        help="all_reduce, broadcast and reduce work on tensors from "
+                        "Communicator.shared_zeros: on the shm transport a large all_reduce "
+                        "then reads the other ranks' tensors in place, with no copy in "
+                        "(like nccl-tests -R); other transports see ordinary tensors")
     parser.add_argument("--calibrate", action="store_true",
                         help="instead of benchmarking, measure this machine's α, β, γ and "
                         "native costs at each world size of -n and store them for the cost "
@@ -98,7 +103,8 @@ def _run_comm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config = comm_bench.CommBenchConfig(
             ops=args.ops, algorithms=args.algorithms, sizes=args.sizes,
             world_sizes=args.world_sizes, transport=args.transport, iters=args.iters,
-            warmup=args.warmup, budget_s=args.budget, timeout_s=args.timeout)
+            warmup=args.warmup, budget_s=args.budget, timeout_s=args.timeout,
+            shared_buffers=args.shared_buffers)
     except ValueError as exc:
         parser.error(str(exc))
     if args.calibrate:
@@ -106,7 +112,8 @@ def _run_comm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     out = sys.stdout
     print(f"disttrain bench comm: ops {','.join(config.ops)}; sizes "
           f"{','.join(format_size(s) for s in config.sizes)}; world sizes "
-          f"{','.join(map(str, config.world_sizes))}; transport {config.transport}", file=out)
+          f"{','.join(map(str, config.world_sizes))}; transport {config.transport}"
+          + ("; shared buffers" if config.shared_buffers else ""), file=out)
     json_file = args.json.open("w") if args.json else None
     skipped: list[str] = []
     try:

@@ -46,6 +46,7 @@ class CommBenchConfig:
     warmup: int = 1
     budget_s: float = 0.5
     timeout_s: float = 60.0
+    shared_buffers: bool = False  # in-place cases on Communicator.shared_zeros tensors
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in cases.BENCHMARKED_OPS]
@@ -101,6 +102,7 @@ def make_row(op: str, algorithm: str, p: int, per_rank: list[dict[str, Any]],
         "theory_bytes_per_rank": _or_none(lambda: theory_bytes_sent(op, chosen, p, nbytes)),
         "model_s": model_s,
         "correct": all(r["correct"] for r in per_rank),
+        "shared_buffers": bool(per_rank[0].get("shared_buffers", False)),
     }
 
 
@@ -156,8 +158,9 @@ def run(config: CommBenchConfig, on_row: Callable[[Row], None] = lambda row: Non
             op, algorithm, nbytes = cases_p[i]
             return f"{op} algorithm={algorithm} bytes={nbytes} world_size={p}"
 
-        with RankGroup(p, run_plan, (cases_p, timing), transport=config.transport,
-                       timeout_s=config.timeout_s, describe=describe) as group:
+        with RankGroup(p, run_plan, (cases_p, timing, config.shared_buffers),
+                       transport=config.transport, timeout_s=config.timeout_s,
+                       describe=describe) as group:
             for i, ((op, algorithm, _), per_rank) in enumerate(zip(cases_p, group.reports())):
                 if "skipped" in per_rank[0]:
                     on_skip(f"{op}/{algorithm}: {per_rank[0]['skipped']}")

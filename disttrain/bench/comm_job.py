@@ -67,7 +67,7 @@ def _agree_iters(comm: Communicator, warm: list[float], timing: Timing) -> int:
 
 
 def measure(comm: Communicator, case: cases.Case, algorithm: str,
-            timing: Timing) -> dict[str, Any]:
+            timing: Timing, shared: bool = False) -> dict[str, Any]:
     """One case on this rank: its times, bytes sent, correctness and chosen algorithm; or
     ``{"skipped": why}`` when the algorithm cannot run here (e.g. ``native`` without a
     torch.distributed group): algorithms refuse with a ValueError before any byte moves."""
@@ -87,18 +87,19 @@ def measure(comm: Communicator, case: cases.Case, algorithm: str,
     sent = comm.stats.snapshot().get(case.op, {}).get("bytes_sent", 0) - sent_before
     chosen = comm.flight_recorder.dump()[-1]["algorithm"]
     return {"times": times, "bytes_sent": sent / iters, "correct": correct, "chosen": chosen,
-            "nbytes": case.nbytes, "transport": comm.transport.name}
+            "nbytes": case.nbytes, "transport": comm.transport.name, "shared_buffers": shared}
 
 
 def run_plan(comm: Communicator, emit: Callable[[Any], None],
-             plan: list[tuple[str, str, int]], timing: Timing) -> None:
+             plan: list[tuple[str, str, int]], timing: Timing, shared: bool = False) -> None:
     """The job: ``plan`` is [(op, algorithm, nbytes)], grouped by (op, nbytes) so each case's
-    buffers and references are built once and its algorithms are timed back to back."""
+    buffers and references are built once and its algorithms are timed back to back.
+    ``shared``: in-place cases use ``Communicator.shared_zeros`` buffers."""
     built: tuple[str, int] | None = None
     case: cases.Case | None = None
     for op, algorithm, nbytes in plan:
         if built != (op, nbytes):
             case, built = None, None  # free the previous buffers first
-            case, built = cases.build(comm, op, nbytes), (op, nbytes)
+            case, built = cases.build(comm, op, nbytes, shared), (op, nbytes)
         assert case is not None
-        emit(measure(comm, case, algorithm, timing))
+        emit(measure(comm, case, algorithm, timing, shared))
