@@ -182,3 +182,12 @@ def test_theory_bytes_closed_forms(p):
     assert theory_bytes_sent("all_reduce", "native", p, int(v)) is None
     with pytest.raises(KeyError):
         theory_bytes_sent("all_reduce", "bruck", p, int(v))
+
+
+def test_a_transport_missing_from_the_file_is_not_a_warning(tmp_path, caplog):
+    """Calibrating one transport is normal; only a broken file deserves a warning."""
+    path = tmp_path / "calibration.json"
+    save_costs("torch", COSTS, path)
+    with caplog.at_level(logging.WARNING):
+        assert load_costs("shm", path) == LinkCosts()
+    assert caplog.text == ""

@@ -299,7 +299,11 @@ def load_costs(transport: str, path: Path | None = None) -> LinkCosts:
     """Stored costs for ``transport``, or the defaults when none are stored (or unreadable)."""
     path = path or calibration_path()
     try:
-        return _from_json(json.loads(path.read_text())[transport])
+        stored = json.loads(path.read_text())
+        if isinstance(stored, dict) and transport not in stored:
+            log.debug("no calibration for %r in %s; using default costs", transport, path)
+            return LinkCosts()  # calibrated for another transport only: nothing is wrong
+        return _from_json(stored[transport])
     except FileNotFoundError:
         return LinkCosts()
     except (OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
