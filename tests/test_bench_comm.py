@@ -347,14 +347,22 @@ def test_timed_calls_start_from_the_tightest_barrier():
 
 
 def test_bench_comm_on_shm_reports_the_copy_bandwidth(tmp_path):
+    """Also: --shared-buffers (512 KiB is above the one-shot limit, so auto's shm all-reduce
+    runs in place on the shared tensor) and --interleave (same number of calls each)."""
     out = tmp_path / "out.json"
     env = {**os.environ, "DISTTRAIN_CALIBRATION": str(tmp_path / "none.json")}
     result = _disttrain("bench", "comm", "--transport", "shm", "--algorithms", "auto,native",
-                        "--sizes", "4KiB", "--ops", "all_reduce", "-n", "2", "--iters", "3",
-                        "--warmup", "1", "--json", str(out), env=env)
+                        "--sizes", "4KiB,512KiB", "--ops", "all_reduce", "-n", "2", "--iters",
+                        "3", "--warmup", "1", "--shared-buffers", "--interleave",
+                        "--json", str(out), env=env)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["op"], r["chosen"]) for r in rows] == [
-        ("all_reduce", "shm"), ("all_reduce", "native"), ("copy", "np.copyto 1 core")]
+    assert [(r["op"], r["chosen"], r["bytes"]) for r in rows] == [
+        ("all_reduce", "shm", 4096), ("all_reduce", "native", 4096),
+        ("all_reduce", "shm", 512 << 10), ("all_reduce", "native", 512 << 10),
+        ("copy", "np.copyto 1 core", 64 << 20)]
     assert rows[0]["bytes_sent_per_rank"] == 4096 and all(r["correct"] for r in rows)
-    assert rows[2]["busbw_GBps"] > 0 and "np.copyto 1 core" in result.stdout
+    assert rows[2]["bytes_sent_per_rank"] == 512 << 10
+    assert all(r["shared_buffers"] and r["interleaved"] and r["iters"] == 3 for r in rows[:4])
+    assert rows[4]["busbw_GBps"] > 0 and "np.copyto 1 core" in result.stdout
+    assert "shared buffers; algorithms interleaved call by call" in result.stdout

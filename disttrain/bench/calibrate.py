@@ -145,7 +145,9 @@ def measure(comm: Communicator, emit: Callable[[Any], None], reps: int) -> None:
     samples["native_small"] = _native_times(comm, NATIVE_SMALL, reps * 5)
     samples["native_large"] = _native_times(comm, NATIVE_LARGE, reps)
     emit(samples)
-    run_plan(comm, emit, table_plan(), TABLE_TIMING)  # one report per (op, algorithm, size)
+    # one report per (op, algorithm, size); interleaved, so that the algorithms of one size
+    # are compared under the same load (what auto's choice rests on)
+    run_plan(comm, emit, table_plan(), TABLE_TIMING, interleave=True)
 
 
 def fit_tables(plan: Plan, results: list[list[dict[str, Any]]]) -> tuple[tuple[str, Table], ...]:

@@ -47,6 +47,7 @@ class CommBenchConfig:
     budget_s: float = 0.5
     timeout_s: float = 60.0
     shared_buffers: bool = False  # in-place cases on Communicator.shared_zeros tensors
+    interleave: bool = False  # time a size's algorithms call by call, not block by block
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in cases.BENCHMARKED_OPS]
@@ -103,6 +104,7 @@ def make_row(op: str, algorithm: str, p: int, per_rank: list[dict[str, Any]],
         "model_s": model_s,
         "correct": all(r["correct"] for r in per_rank),
         "shared_buffers": bool(per_rank[0].get("shared_buffers", False)),
+        "interleaved": bool(per_rank[0].get("interleaved", False)),
     }
 
 
@@ -158,7 +160,7 @@ def run(config: CommBenchConfig, on_row: Callable[[Row], None] = lambda row: Non
             op, algorithm, nbytes = cases_p[i]
             return f"{op} algorithm={algorithm} bytes={nbytes} world_size={p}"
 
-        with RankGroup(p, run_plan, (cases_p, timing, config.shared_buffers),
+        with RankGroup(p, run_plan, (cases_p, timing, config.shared_buffers, config.interleave),
                        transport=config.transport, timeout_s=config.timeout_s,
                        describe=describe) as group:
             for i, ((op, algorithm, _), per_rank) in enumerate(zip(cases_p, group.reports())):

@@ -90,16 +90,74 @@ def measure(comm: Communicator, case: cases.Case, algorithm: str,
             "nbytes": case.nbytes, "transport": comm.transport.name, "shared_buffers": shared}
 
 
+def measure_interleaved(comm: Communicator, case: cases.Case, algorithms: list[str],
+                        timing: Timing, shared: bool = False) -> list[dict[str, Any]]:
+    """Like :func:`measure` for several algorithms at once, timed call by call in rotating
+    order (a, b, c, then b, c, a, …) instead of one block each. On a busy or oversubscribed
+    machine (4 ranks on 2 cores) two blocks of the *same* code can differ by more than two
+    algorithms do; interleaved, every algorithm sees the same moods of the machine, so
+    their ratios (``auto`` against the best) mean something. One report per algorithm, in
+    the order given."""
+    barrier = start_barrier(comm)
+    reports: dict[str, dict[str, Any]] = {}
+    warm: dict[str, list[float]] = {}
+    correct: dict[str, bool] = {}
+    for algorithm in algorithms:
+        try:
+            warm[algorithm] = [_timed_call(comm, case, algorithm, barrier)]
+        except ValueError as exc:
+            reports[algorithm] = {"skipped": str(exc)}
+            continue
+        correct[algorithm] = case.check()
+    live = list(warm)
+    for _ in range(timing.warmup):
+        for algorithm in live:
+            warm[algorithm].append(_timed_call(comm, case, algorithm, barrier))
+    rounds = [sum(warm[a][k] for a in live) for k in range(timing.warmup + 1)] if live else [0.0]
+    iters = _agree_iters(comm, rounds, Timing(timing.iters, timing.warmup,
+                                              timing.budget_s * max(1, len(live))))
+    times: dict[str, list[float]] = {a: [] for a in live}
+    sent = dict.fromkeys(live, 0)
+    chosen: dict[str, str] = {}
+    for i in range(iters):
+        for algorithm in live[i % len(live):] + live[: i % len(live)]:
+            before = _bytes_sent(comm, case.op)
+            times[algorithm].append(_timed_call(comm, case, algorithm, barrier))
+            sent[algorithm] += _bytes_sent(comm, case.op) - before
+            correct[algorithm] = case.check() and correct[algorithm]
+            if algorithm not in chosen:
+                chosen[algorithm] = comm.flight_recorder.dump()[-1]["algorithm"]
+    for a in live:
+        reports[a] = {"times": times[a], "bytes_sent": sent[a] / iters, "correct": correct[a],
+                      "chosen": chosen[a], "nbytes": case.nbytes,
+                      "transport": comm.transport.name, "shared_buffers": shared,
+                      "interleaved": True}
+    return [reports[a] for a in algorithms]
+
+
+def _bytes_sent(comm: Communicator, op: str) -> int:
+    return int(comm.stats.snapshot().get(op, {}).get("bytes_sent", 0))
+
+
 def run_plan(comm: Communicator, emit: Callable[[Any], None],
-             plan: list[tuple[str, str, int]], timing: Timing, shared: bool = False) -> None:
+             plan: list[tuple[str, str, int]], timing: Timing, shared: bool = False,
+             interleave: bool = False) -> None:
     """The job: ``plan`` is [(op, algorithm, nbytes)], grouped by (op, nbytes) so each case's
-    buffers and references are built once and its algorithms are timed back to back.
+    buffers and references are built once and its algorithms are timed back to back (one
+    block each), or call by call with ``interleave`` (:func:`measure_interleaved`).
     ``shared``: in-place cases use ``Communicator.shared_zeros`` buffers."""
-    built: tuple[str, int] | None = None
-    case: cases.Case | None = None
+    groups: list[tuple[str, int, list[str]]] = []
     for op, algorithm, nbytes in plan:
-        if built != (op, nbytes):
-            case, built = None, None  # free the previous buffers first
-            case, built = cases.build(comm, op, nbytes, shared), (op, nbytes)
-        assert case is not None
-        emit(measure(comm, case, algorithm, timing, shared))
+        if groups and groups[-1][:2] == (op, nbytes):
+            groups[-1][2].append(algorithm)
+        else:
+            groups.append((op, nbytes, [algorithm]))
+    for op, nbytes, algorithms in groups:
+        case = cases.build(comm, op, nbytes, shared)
+        if interleave:
+            for report in measure_interleaved(comm, case, algorithms, timing, shared):
+                emit(report)
+        else:
+            for algorithm in algorithms:
+                emit(measure(comm, case, algorithm, timing, shared))
+        del case  # free the buffers before the next case's
