@@ -2,7 +2,7 @@
 single process's model on the global batch (workers and servers all end with it), with
 gradient accumulation and an evaluation in the middle of training; ``ps-ssp`` with a
 straggler keeps its staleness bound; the loop's results and extras add up over workers and
-servers."""
+servers; a run's end checkpoint resumes ``ps-sync`` exactly."""
 
 from __future__ import annotations
 
@@ -12,11 +12,17 @@ from typing import Any
 import pytest
 import torch
 
+from disttrain.parallel.parameter_server import assign_roles
 from disttrain.train import ParallelOptions, TrainConfig, train
-from disttrain.train.strategies.parameter_server import HEADER_BYTES, server_optimizer
+from disttrain.train.strategies.parameter_server import (
+    HEADER_BYTES,
+    resume_from,
+    server_optimizer,
+)
 
 ONE_SAMPLE = 1.01 / 359  # one held-out digit
-TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32; only the order of the gradient sums differs
+# float32; only the order of the gradient sums differs
+TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +39,7 @@ def quiet(**kwargs: Any) -> TrainConfig:
 
 def rank_train(comm: Any, config: TrainConfig) -> tuple[dict[str, torch.Tensor], Any]:
     result = train(config, comm)
+    assert result.model is not None
     state = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
     return state, result.without_model()
 
@@ -41,6 +48,7 @@ def test_ps_sync_strategy_equals_single_on_the_global_batch(pools: Any) -> None:
     # one evaluation mid-training; two micro-batches per worker and step, pushed once
     config = quiet(steps=6, global_batch=32, accumulate=2, eval_every=3)
     reference = train(config)
+    assert reference.model is not None
     want = {k: v.detach() for k, v in reference.model.state_dict().items()}
     ps = dataclasses.replace(config, strategy="ps-sync")
     per_rank = pools(3).run(rank_train, ps)  # workers: ranks 0, 1; server: rank 2
@@ -63,7 +71,7 @@ def test_ps_sync_strategy_equals_single_on_the_global_batch(pools: Any) -> None:
 
 
 def test_ps_ssp_strategy_keeps_its_bound_with_a_straggler(pools: Any) -> None:
-    options = ParallelOptions(servers=2, staleness=1, straggler={1: 3.0})
+    options = ParallelOptions(servers=2, staleness=1, straggler=((1, 3.0),))
     config = quiet(strategy="ps-ssp", steps=8, global_batch=32, eval_every=0,
                    parallel=options)
     per_rank = pools(4).run(rank_train, config)  # workers 0, 1; servers 2, 3
@@ -87,3 +95,41 @@ def test_servers_divide_the_lr_by_w_where_pushes_apply_on_arrival(
     config = quiet(strategy=strategy, lr=0.1, parallel=ParallelOptions(staleness=staleness))
     optimizer = server_optimizer(config, 4)([torch.nn.Parameter(torch.zeros(1))])
     assert optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+
+
+def test_ps_sync_stops_and_resumes_to_the_uninterrupted_parameters(pools: Any,
+                                                                   tmp_path: Any) -> None:
+    # servers write their shards (values, momentum, version, clock) at the end of a run; a
+    # run with resume restores them before serving and the workers continue the data order
+    config = quiet(strategy="ps-sync", steps=6, global_batch=32, eval_every=0, momentum=0.9,
+                   parallel=ParallelOptions(servers=2))
+    pool = pools(4)  # workers 0, 1; servers 2, 3
+    whole = pool.run(rank_train, config)
+    stop = dataclasses.replace(config, steps=4, checkpoint_dir=str(tmp_path))
+    pool.run(rank_train, stop)
+    assert sorted(p.name for p in (tmp_path / "step-00000004").glob("ps-*.pt")) == [
+        "ps-run.pt", "ps-server-000.pt", "ps-server-001.pt"]
+    other = dataclasses.replace(stop, strategy="ps-async", resume=True)  # lr ÷ W, not lr
+    with pytest.raises(ValueError, match="written by ps-sync with 2 workers; resume it with"):
+        resume_from(other, assign_roles(4, 2))
+    resumed = pool.run(rank_train, dataclasses.replace(config, checkpoint_dir=str(tmp_path),
+                                                       resume=True))
+    for rank, ((got, result), (want, full)) in enumerate(zip(resumed, whole, strict=True)):
+        assert result.start_step == 4 and result.steps == 6
+        for name, tensor in got.items():
+            torch.testing.assert_close(tensor, want[name], rtol=0, atol=0,
+                                       msg=f"rank {rank} {name}")
+        assert result.final_loss == full.final_loss
+    assert resumed[0][1].extras["staleness"] == {"0": 2 * 2 * 2}  # 2 steps × 2 servers × W
+    again = pool.run(rank_train, dataclasses.replace(config, checkpoint_dir=str(tmp_path),
+                                                     resume=True))  # nothing left to train
+    assert all(r.start_step == 6 and r.steps == 6 for _, r in again)
+
+
+def test_ps_refuses_mid_run_checkpoints() -> None:
+    from disttrain.train.loop import checked_setup
+
+    config = quiet(strategy="ps-async", steps=4, checkpoint_dir="unused", checkpoint_every=2)
+    with pytest.raises(ValueError, match="at the end of a run only"):
+        checked_setup(config, 3)  # 2 workers + 1 server; refused before any rank starts
+    checked_setup(dataclasses.replace(config, checkpoint_every=0), 3)

@@ -3,6 +3,8 @@ protocol, clocks and staleness, the server shard's optimizer step and checkpoint
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -20,6 +22,7 @@ from disttrain.parallel.parameter_server import (
     load_checkpoint,
     make_click_data,
     parse_straggler,
+    parse_straggler_spec,
     partition,
     servers_from_env,
     specs_of,
@@ -66,13 +69,44 @@ def test_straggler_flag_parses_and_rejects_nonsense() -> None:
             parse_straggler(bad)
 
 
+def test_rotating_straggler_flag_parses_and_rejects_nonsense() -> None:
+    assert parse_straggler_spec("1:2") == ({1: 2.0}, None)  # RANK:FACTOR means what it did
+    assert parse_straggler_spec("1:2:5") == ({1: 2.0}, 5)
+    assert parse_straggler_spec("0:3:4, 2:1.5:4") == ({0: 3.0, 2: 1.5}, 4)
+    for bad, message in [("1:2:0", "≥ 1"), ("1:2:x", "RANK:FACTOR:EVERY"),
+                         ("1:2:5:6", "RANK:FACTOR:EVERY"), ("1:2:2.5", "RANK:FACTOR:EVERY"),
+                         ("1:2:5,3:2", "same"), ("1:2:5,3:2:4", "same"), ("1:0.5:5", "≥ 1")]:
+        with pytest.raises(ValueError, match=message):
+            parse_straggler_spec(bad)
+    with pytest.raises(ValueError, match="parse_straggler_spec"):
+        parse_straggler("1:2:5")  # the old parser must not drop EVERY silently
+    with pytest.raises(ValueError, match="no straggler"):
+        PSConfig(straggler_every=3)
+    with pytest.raises(ValueError, match="≥ 1"):
+        PSConfig(straggler={1: 2.0}, straggler_every=0)
+
+
+def test_rotating_straggler_moves_to_the_next_worker_every_n_clocks() -> None:
+    persistent = PSConfig(straggler={1: 2.0})
+    assert [persistent.straggler_factor(r, c, 3) for r in range(3) for c in (0, 7)] == [
+        1.0, 1.0, 2.0, 2.0, 1.0, 1.0]
+    rotating = PSConfig(straggler={1: 2.0}, straggler_every=2)
+    slow = [[c for c in range(12) if rotating.straggler_factor(r, c, 3) > 1] for r in range(3)]
+    assert slow == [[4, 5, 10, 11], [0, 1, 6, 7], [2, 3, 8, 9]]
+    two = PSConfig(straggler={0: 3.0, 1: 1.5}, straggler_every=1)  # never on one worker at once
+    assert [[two.straggler_factor(r, c, 3) for r in range(3)] for c in range(3)] == [
+        [3.0, 1.5, 1.0], [1.0, 3.0, 1.5], [1.5, 1.0, 3.0]]
+
+
 def test_config_validates_and_bounds_the_timeout() -> None:
     assert PSConfig(mode="ssp", staleness=3).bound == 3
     assert PSConfig(mode="sync", staleness=3).bound == 0
     assert PSConfig(mode="async").bound is None
-    for kwargs, message in [({"mode": "bsp"}, "mode"), ({"staleness": -1}, "staleness"),
-                            ({"timeout_s": 0}, "timeout_s"), ({"sparse_params": ("a", "a")},
-                            "distinct"), ({"straggler": {2: 0.5}}, "≥ 1")]:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"mode": "bsp"}, "mode"), ({"staleness": -1}, "staleness"), ({"timeout_s": 0},
+        "timeout_s"), ({"sparse_params": ("a", "a")}, "distinct"), ({"straggler": {2: 0.5}},
+        "≥ 1")]
+    for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             PSConfig(**kwargs)
     assert PSConfig().resolve_timeout(20.0) == pytest.approx(18.0)

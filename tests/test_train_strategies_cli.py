@@ -62,8 +62,8 @@ def test_run_1f1b_two_stages_matches_single():
     (["--strategy", "ps-ssp", "-n", "2", "--staleness", "-1"], "staleness must be an int ≥ 0"),
     (["--strategy", "ps-sync", "-n", "2", "--servers", "0"], "servers must be an int ≥ 1"),
     (["--strategy", "ps-sync", "-n", "3"], "does not split evenly over 3 data-parallel"),
-    (["--strategy", "ps-sync", "-n", "2", "--checkpoint-dir", "ckpt"],
-     "'ps-sync' writes no loop checkpoints yet"),
+    (["--strategy", "ps-sync", "-n", "2", "--checkpoint-dir", "ckpt", "--checkpoint-every", "1"],
+     "'ps-sync' checkpoints at the end of a run only"),
 ])
 def test_bad_flag_combinations_exit_2_with_the_fix(capsys, args, message):
     assert main(["run", "--steps", "1", "--log-every", "0", *args]) == 2

@@ -81,6 +81,7 @@ class BenchConfig:
     servers: int = 1  # parameter-server rows: server ranks beside the -n workers
     staleness: int | None = None  # ps-ssp rows (None: the strategy's default, 2)
     straggler: tuple[tuple[int, float], ...] = ()  # parameter-server rows: slowed workers
+    straggler_every: int | None = None  # ... each slow-down moving to the next worker every N
     extra: dict[str, str] = field(default_factory=dict)  # recorded in the environment
 
     def __post_init__(self) -> None:

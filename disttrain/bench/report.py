@@ -90,6 +90,8 @@ def ps_notes(rows: list[Row]) -> list[str]:
             continue
         hist = ", ".join(f"{k}: {n}" for k, n in ps["staleness"].items())
         slow = ", ".join(f"rank {k} ×{f:g}" for k, f in ps["straggler"].items()) or "none"
+        if ps.get("straggler_every"):
+            slow += f", moving to the next worker every {ps['straggler_every']} steps"
         steps = ", ".join(f"{1e3 * t:.1f}" for t in ps.get("worker_step_s", []))
         notes.append(f"{r['strategy']} n={r['world_size']}+{ps['servers']}: staleness "
                      f"{{{hist}}} (mean {ps['staleness_mean']:.2f}, max "
@@ -150,6 +152,7 @@ def environment(config: Any, command: str) -> dict[str, Any]:
             "epochs": config.length[0], "steps": config.length[1], "repeat": config.repeat,
             "servers": getattr(config, "servers", None),
             "straggler": dict(getattr(config, "straggler", ())),
+            "straggler_every": getattr(config, "straggler_every", None),
             "warmup_steps": config.warmup_steps,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

@@ -49,6 +49,7 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
         ParallelOptions())
     if exp.parameter_server:
         parallel = ParallelOptions(servers=run.servers, straggler=config.straggler,
+                                   straggler_every=config.straggler_every,
                                    staleness=config.staleness if exp.takes_staleness else None)
     epochs, steps = config.length
     return TrainConfig(model=config.model, dataset=config.dataset, strategy=exp.name,

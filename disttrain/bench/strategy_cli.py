@@ -93,9 +93,10 @@ def _ps_arguments(parser: argparse.ArgumentParser, d: BenchConfig) -> None:
                     help="server ranks started beside the -n workers (default %(default)s)")
     ps.add_argument("--staleness", type=int, default=None,
                     help="ps-ssp: steps a worker may run ahead of the slowest (default 2)")
-    ps.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
+    ps.add_argument("--straggler", default=None, metavar="RANK:FACTOR[:EVERY]",
                     help="slow worker RANK's steps to FACTOR× its own work, e.g. 1:2 (workers "
-                    "are ranks 0..n-1; other rows are not slowed)")
+                    "are ranks 0..n-1; other rows are not slowed). With :EVERY, e.g. 1:2:5, "
+                    "the slow-down is transient: it moves to the next worker every EVERY steps")
 
 
 def list_experiments() -> str:
@@ -108,7 +109,7 @@ def list_experiments() -> str:
 
 def make_config(args: argparse.Namespace) -> BenchConfig:
     from disttrain.bench.transports import check_transport
-    from disttrain.train.cli import parse_straggler_flag
+    from disttrain.train.cli import straggler_options
 
     check_transport(args.transport)
     return BenchConfig(strategies=args.strategies, world_sizes=args.world_sizes,
@@ -117,7 +118,7 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
                        transport=args.transport, algorithm=args.algorithm,
                        timeout_s=args.timeout, eval_every=args.eval_every,
                        servers=args.servers, staleness=args.staleness,
-                       straggler=parse_straggler_flag(args.straggler))
+                       **straggler_options(args.straggler))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

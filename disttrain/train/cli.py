@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import sys
+from typing import Any
 
 from disttrain.comm import CommConfig
 from disttrain.train.config import OPTIMIZERS, PRECISIONS, ParallelOptions, TrainConfig
@@ -116,9 +117,11 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
                          "job: DISTTRAIN_PS_SERVERS)")
     ps.add_argument("--staleness", type=int, default=None,
                     help="ps-ssp: steps a worker may run ahead of the slowest (default 2)")
-    ps.add_argument("--straggler", default=None, metavar="RANK:FACTOR",
+    ps.add_argument("--straggler", default=None, metavar="RANK:FACTOR[:EVERY]",
                     help="slow worker RANK's steps to FACTOR× its own work (e.g. 1:2; several: "
-                         "1:2,3:1.5); workers are ranks 0..N-1")
+                         "1:2,3:1.5); workers are ranks 0..N-1. With :EVERY the slow-down is "
+                         "transient: it starts on RANK and moves to the next worker every "
+                         "EVERY steps (e.g. 1:2:5)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -137,7 +140,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                partition=parse_partition(args.partition),
                                pp_size=args.pp_size, servers=args.servers,
                                staleness=args.staleness,
-                               straggler=parse_straggler_flag(args.straggler))
+                               **straggler_options(args.straggler))
     return TrainConfig(
         model=args.model, dataset=args.dataset, strategy=args.strategy, data=data,
         parallel=parallel, epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
@@ -159,16 +162,19 @@ def parse_partition(text: str | None) -> str | tuple[int, ...] | None:
                          f"3,2,2, got {text!r}") from None
 
 
-def parse_straggler_flag(text: str | None) -> tuple[tuple[int, float], ...]:
-    """``--straggler 1:2`` (or ``1:2,3:1.5``) → ``((1, 2.0), (3, 1.5))``."""
+def straggler_options(text: str | None) -> dict[str, Any]:
+    """``--straggler`` → the ParallelOptions (and BenchConfig) fields it sets:
+    ``1:2`` → ``{"straggler": ((1, 2.0),), "straggler_every": None}``; ``1:2:5`` → the same
+    pairs and ``"straggler_every": 5`` (the slow-down moves to the next worker every 5 steps)."""
     if text is None:
-        return ()
-    from disttrain.parallel.parameter_server import parse_straggler
+        return {"straggler": (), "straggler_every": None}
+    from disttrain.parallel.parameter_server import parse_straggler_spec
 
     try:
-        return tuple(sorted(parse_straggler(text).items()))
+        spec = parse_straggler_spec(text)
     except ValueError as exc:
         raise ValueError(f"--straggler: {exc}") from None
+    return {"straggler": tuple(sorted(spec.factors.items())), "straggler_every": spec.every}
 
 
 def _servers_from_job(config: TrainConfig) -> TrainConfig:

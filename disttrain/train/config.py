@@ -42,6 +42,7 @@ class ParallelOptions:
     servers: int | None = None  # server processes beside the workers (None: 1)
     staleness: int | None = None  # "ps-ssp": clocks a worker may run ahead (None: 2)
     straggler: tuple[tuple[int, float], ...] = ()  # (worker rank, factor ≥ 1): slowed workers
+    straggler_every: int | None = None  # rotate each slow-down to the next worker every N steps
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
@@ -55,6 +56,11 @@ class ParallelOptions:
         if self.staleness is not None:
             _positive("staleness", self.staleness, allow_zero=True)
         object.__setattr__(self, "straggler", _stragglers(self.straggler))
+        if self.straggler_every is not None:
+            _positive("straggler_every (steps before a slow-down moves on)", self.straggler_every)
+            if not self.straggler:
+                raise ValueError("straggler_every needs a straggler: the rank and factor the "
+                                 "rotating slow-down starts with (--straggler RANK:FACTOR:EVERY)")
         partition = self.partition
         if isinstance(partition, str):
             if partition not in PARTITIONS:

@@ -15,7 +15,13 @@ NIPS 2013). See docs/parameter_server.md.
         ps = PSWorker(comm, model, roles, config)   # then pull / backward / push per batch
 """
 
-from disttrain.parallel.parameter_server.config import MODES, PSConfig, parse_straggler
+from disttrain.parallel.parameter_server.config import (
+    MODES,
+    PSConfig,
+    StragglerSpec,
+    parse_straggler,
+    parse_straggler_spec,
+)
 from disttrain.parallel.parameter_server.consistency import ClockTable, StalenessHistogram
 from disttrain.parallel.parameter_server.errors import (
     ProtocolError,
@@ -77,6 +83,7 @@ __all__ = [
     "ServerReport",
     "ServerShard",
     "StalenessHistogram",
+    "StragglerSpec",
     "TensorSpec",
     "WorkerReport",
     "assign_roles",
@@ -84,6 +91,7 @@ __all__ = [
     "load_checkpoint",
     "make_click_data",
     "parse_straggler",
+    "parse_straggler_spec",
     "partition",
     "run_parameter_server",
     "servers_from_env",

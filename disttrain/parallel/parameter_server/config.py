@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from disttrain.parallel.parameter_server.partition import Partition
 
@@ -36,6 +36,10 @@ class PSConfig:
     * ``straggler``: ``{worker rank: factor}`` slows those workers' steps to ``factor`` × their
       own work (compute, pull and push; sleeping the difference before each push) for
       straggler experiments.
+    * ``straggler_every``: None (default) keeps each straggler slow for the whole run. An int
+      n makes the slow-downs *transient*: each one starts on its rank and moves to the next
+      worker every n clocks, wrapping around, so every worker is slow now and then (the
+      jitter SSP is meant to absorb; see :meth:`straggler_factor`).
     """
 
     mode: str = "sync"
@@ -44,6 +48,7 @@ class PSConfig:
     timeout_s: float | None = None
     max_message_elems: int = 1 << 26
     straggler: Mapping[int, float] = field(default_factory=dict)
+    straggler_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -64,6 +69,7 @@ class PSConfig:
             raise ValueError(f"max_message_elems must be an int ≥ 1, "
                              f"got {self.max_message_elems!r}")
         object.__setattr__(self, "straggler", _check_straggler(self.straggler))
+        _check_every(self.straggler_every, self.straggler)
 
     @property
     def bound(self) -> int | None:
@@ -100,26 +106,72 @@ class PSConfig:
         """How long HELLO may take: servers may be slow to build the model or restore."""
         return 0.9 * comm_timeout_s
 
-    def straggler_factor(self, rank: int) -> float:
-        return self.straggler.get(rank, 1.0)
+    def straggler_factor(self, rank: int, clock: int = 0, workers: int = 1) -> float:
+        """How much slower worker ``rank`` (workers are ranks 0 … W − 1) is at ``clock``.
+        Persistent (``straggler_every`` None): its factor, at every clock. Rotating: the
+        slow-down that starts on rank r is on worker (r + clock // n) mod W at ``clock``, so
+        with n = 5 and W = 2, ``{1: 2.0}`` slows worker 1 on clocks 0-4, worker 0 on 5-9, …
+        Workers count their own clocks, so in sync mode exactly one worker per straggler is
+        slow at each clock, and in async/ssp a worker is slow on its own clocks."""
+        if self.straggler_every is None:
+            return self.straggler.get(rank, 1.0)
+        shift = clock // self.straggler_every
+        for start, factor in self.straggler.items():
+            if (start + shift) % workers == rank:
+                return factor
+        return 1.0
+
+
+class StragglerSpec(NamedTuple):
+    """A parsed ``--straggler`` flag: ``PSConfig(straggler=factors, straggler_every=every)``."""
+
+    factors: dict[int, float]
+    every: int | None
 
 
 def parse_straggler(text: str) -> dict[int, float]:
-    """``"3:2"`` or ``"3:2,4:1.5"`` (the ``--straggler RANK:FACTOR`` flag) → ``{3: 2.0, …}``."""
+    """``"3:2"`` or ``"3:2,4:1.5"`` (the ``--straggler RANK:FACTOR`` flag) → ``{3: 2.0, …}``.
+    The rotating form ``RANK:FACTOR:EVERY`` needs :func:`parse_straggler_spec`."""
+    spec = parse_straggler_spec(text)
+    if spec.every is not None:
+        raise ValueError(f"straggler {text!r} rotates (RANK:FACTOR:EVERY); parse it with "
+                         f"parse_straggler_spec, which also returns EVERY")
+    return spec.factors
+
+
+def parse_straggler_spec(text: str) -> StragglerSpec:
+    """The ``--straggler`` flag, comma-separated items of one form:
+
+    * ``RANK:FACTOR`` (``"1:2"``, ``"1:2,3:1.5"``): worker RANK is FACTOR× slower all run;
+    * ``RANK:FACTOR:EVERY`` (``"1:2:5"``): a FACTOR× slow-down that starts on worker RANK and
+      moves to the next worker every EVERY steps (see :meth:`PSConfig.straggler_factor`).
+      Several items must share one EVERY.
+    """
     result: dict[int, float] = {}
+    everys: set[int | None] = set()
     for item in (part.strip() for part in text.split(",")):
-        rank, sep, factor = item.partition(":")
+        fields = item.split(":")
         try:
-            if not sep:
+            if len(fields) not in (2, 3):
                 raise ValueError
-            parsed_rank, parsed_factor = int(rank), float(factor)
+            rank, factor = int(fields[0]), float(fields[1])
+            every = int(fields[2]) if len(fields) == 3 else None
         except ValueError:
-            raise ValueError(f"straggler {item!r} is not RANK:FACTOR (e.g. '3:2' slows rank 3 "
-                             f"to twice its compute time)") from None
-        if parsed_rank in result:
-            raise ValueError(f"straggler rank {parsed_rank} is given twice in {text!r}")
-        result[parsed_rank] = parsed_factor
-    return _check_straggler(result)
+            raise ValueError(f"straggler {item!r} is not RANK:FACTOR or RANK:FACTOR:EVERY "
+                             f"(e.g. '3:2' slows rank 3 to twice its compute time; '3:2:5' "
+                             f"starts that slow-down on rank 3 and moves it to the next "
+                             f"worker every 5 steps)") from None
+        if rank in result:
+            raise ValueError(f"straggler rank {rank} is given twice in {text!r}")
+        result[rank] = factor
+        everys.add(every)
+    if len(everys) > 1:
+        raise ValueError(f"straggler items in {text!r} mix EVERY values {sorted(everys, key=str)}"
+                         f"; give every item the same RANK:FACTOR:EVERY period, or none")
+    every = everys.pop()
+    factors = _check_straggler(result)
+    _check_every(every, factors)
+    return StragglerSpec(factors, every)
 
 
 def _check_straggler(value: Any) -> dict[int, float]:
@@ -134,6 +186,17 @@ def _check_straggler(value: Any) -> dict[int, float]:
                              f"(2 = twice as slow), got {factor!r}")
         checked[rank] = float(factor)
     return checked
+
+
+def _check_every(every: Any, straggler: Mapping[int, float]) -> None:
+    if every is None:
+        return
+    if not _is_int(every) or every < 1:
+        raise ValueError(f"straggler_every (the EVERY of RANK:FACTOR:EVERY) must be an int ≥ 1 "
+                         f"(steps before the slow-down moves to the next worker), got {every!r}")
+    if not straggler:
+        raise ValueError("straggler_every is set but no straggler is: give the rank and factor "
+                         "the rotating slow-down starts with")
 
 
 def _is_int(value: Any) -> bool:

@@ -72,6 +72,7 @@ class PSWorker:
         self._compute_s = self._comm_s = self._sleep_s = 0.0
         self._computing_since: float | None = None
         self._pull_s = self._push_s = 0.0  # this step's pull, the previous push (stragglers)
+        self._slow_clocks: list[int] = []  # clocks this worker was slowed on
         self._bytes0 = (comm.stats.bytes_sent, comm.stats.bytes_recv)
         self._closed = False
         self._hello()
@@ -146,7 +147,7 @@ class PSWorker:
         return WorkerReport(self.role.index, self.comm.rank, self._steps,
                             sent - self._bytes0[0], recv - self._bytes0[1],
                             self._steps * 2 * self.partition.total * item, self._compute_s,
-                            self._comm_s, self._sleep_s)
+                            self._comm_s, self._sleep_s, tuple(self._slow_clocks))
 
     # ------------------------------------------------------------------ requests
     def _hello(self) -> None:
@@ -243,14 +244,21 @@ class PSWorker:
         compute since ``pull`` + that pull + its previous push), before pushing, so its
         gradients are as stale as a slow machine's and the sleep takes no CPU from others.
         The slowest worker's pulls never wait at a consistency gate (everyone waits for it),
-        so for it they measure its own communication."""
+        so for it they measure its own communication. A *rotating* slow-down
+        (``straggler_every``) lands on workers that were fast a moment ago, whose pull may
+        have waited at the gate for the previous slow worker; there the previous push,
+        which never waits, stands for the pull too: (compute + 2 × previous push)."""
         if self._computing_since is None:
             return
         compute = time.perf_counter() - self._computing_since
         self._compute_s += compute
         self._computing_since = None
-        factor = self.config.straggler_factor(self.comm.rank)
-        extra = (factor - 1.0) * (compute + self._pull_s + self._push_s)
+        factor = self.config.straggler_factor(self.comm.rank, self.clock,
+                                              self.roles.num_workers)
+        pull = self._pull_s if self.config.straggler_every is None else self._push_s
+        extra = (factor - 1.0) * (compute + pull + self._push_s)
+        if factor > 1.0:
+            self._slow_clocks.append(self.clock)
         if extra > 0:
             time.sleep(extra)
             self._sleep_s += extra

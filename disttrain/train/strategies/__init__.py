@@ -63,10 +63,11 @@ OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
     "algorithm": "--algorithm", "schedule": "--schedule", "microbatches": "--microbatches",
     "partition": "--partition", "pp_size": "--pp-size", "servers": "--servers",
     "staleness": "--staleness", "straggler": "--straggler",
+    "straggler_every": "--straggler RANK:FACTOR:EVERY",
 }
 TORCH_DP = frozenset({"bucket_cap_mb", "find_unused_parameters", "broadcast_buffers"})
 PIPELINE = frozenset({"schedule", "microbatches", "partition", "pp_size"})
-PS = frozenset({"servers", "straggler"})
+PS = frozenset({"servers", "straggler", "straggler_every"})
 LAYOUTS = ("data", "pipeline", "model", "ps")
 
 
@@ -165,10 +166,11 @@ def _check_ps(config: TrainConfig, world_size: int, dp: int) -> None:
     if late:
         raise ValueError(f"--straggler ranks {late} are not workers: with {dp} worker(s) the "
                          f"workers are ranks 0..{dp - 1} (the servers come after them)")
-    if config.checkpoint_dir is not None or config.resume:
-        raise ValueError(f"strategy {config.strategy!r} writes no loop checkpoints yet; drop "
-                         f"--checkpoint-dir (run_parameter_server(checkpoint_dir=...) "
-                         f"checkpoints the servers' shards, see docs/parameter_server.md)")
+    if config.checkpoint_dir is not None and config.checkpoint_every:
+        raise ValueError(f"strategy {config.strategy!r} checkpoints at the end of a run only: "
+                         f"its servers serve the whole run, so the ranks cannot meet mid-run; "
+                         f"drop --checkpoint-every (split training into runs of --steps N and "
+                         f"continue each with --resume)")
 
 
 def ranks_needed(config: TrainConfig, workers: int) -> int:

@@ -22,6 +22,11 @@ learning rate divided by W (:func:`server_optimizer`); ``ps-ssp`` applies on arr
 async but lets a worker run at most ``staleness`` steps ahead of the slowest (``--staleness
 0`` is ps-sync exactly).
 
+**Checkpoints** are written at the end of a run only (the servers serve the whole run while
+the strategy is built, so ranks cannot meet mid-run): each server its shard, rank 0 the mode,
+worker count and buffers. With ``resume`` the servers restore before serving
+(:func:`resume_from`) and the workers resume at the clock the servers report.
+
 **Samples/s.** In async mode workers step at their own pace, so the loop's figure (global
 batch / rank 0's step time) would describe worker 0 only. ``extras["samples_per_s"]`` is
 the sum over workers of (samples per step / that worker's mean step time): what the servers
@@ -31,16 +36,15 @@ ingest while every worker runs. With equal workers (sync) both figures are the s
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from disttrain.comm import Communicator
 from disttrain.parallel.parameter_server import (
-    Partition,
     PSConfig,
     PSRoles,
     PSWorker,
@@ -49,8 +53,10 @@ from disttrain.parallel.parameter_server import (
     assign_roles,
     build_parameter_server,
 )
-from disttrain.parallel.parameter_server.flat import scatter_flat
+from disttrain.parallel.parameter_server.final import finish
 from disttrain.parallel.parameter_server.protocol import HEADER_FIELDS
+from disttrain.parallel.parameter_server.reports import gather_extras
+from disttrain.parallel.parameter_server.shard import checkpoint_path
 from disttrain.train.config import TrainConfig
 from disttrain.train.data import build_dataset, size
 from disttrain.train.sampler import DistributedSampler
@@ -61,13 +67,17 @@ from disttrain.train.strategies.base import (
     LossFn,
     OptimizerFactory,
     Strategy,
+    atomic_save,
+    missing_state,
     optimizer_class,
     param_bytes,
+    safe_load,
 )
 
 MODES = {"ps-sync": "sync", "ps-async": "async", "ps-ssp": "ssp"}
 DEFAULT_SERVERS = 1
 HEADER_BYTES = HEADER_FIELDS * 8  # int64 fields
+RUN_FILE = "ps-run.pt"  # a loop checkpoint's mode, worker count and the workers' buffers
 
 
 def num_servers(config: TrainConfig) -> int:
@@ -79,7 +89,7 @@ def ps_config(config: TrainConfig) -> PSConfig:
     opts = config.parallel
     staleness = PSConfig().staleness if opts.staleness is None else opts.staleness
     return PSConfig(mode=MODES[config.strategy], staleness=staleness,
-                    straggler=dict(opts.straggler))
+                    straggler=dict(opts.straggler), straggler_every=opts.straggler_every)
 
 
 def total_steps(config: TrainConfig, workers: int) -> int:
@@ -111,6 +121,31 @@ def server_optimizer(config: TrainConfig, workers: int) -> OptimizerFactory:
     return make
 
 
+def resume_from(config: TrainConfig, roles: PSRoles) -> str | None:
+    """The checkpoint a server restores before it serves: the newest in ``checkpoint_dir``
+    with ``resume``, None otherwise (the loop's own resume comes after serving). It must
+    come from the same mode and number of workers: the saved optimizer keeps its learning
+    rate, which is lr ÷ W where pushes apply on arrival."""
+    from disttrain.train import checkpoint  # imports the strategies: import when called
+
+    if not config.resume or config.checkpoint_dir is None:
+        return None
+    path = checkpoint.latest(config.checkpoint_dir)
+    if path is None:
+        return None
+    files = [RUN_FILE] + [os.path.basename(checkpoint_path(path, s))
+                          for s in range(roles.num_servers)]
+    for name in files:
+        if not os.path.exists(os.path.join(path, name)):
+            raise missing_state(path, name)
+    run = safe_load(os.path.join(path, RUN_FILE))
+    if (run["mode"], run["workers"]) != (MODES[config.strategy], roles.num_workers):
+        raise ValueError(f"checkpoint {path} was written by ps-{run['mode']} with "
+                         f"{run['workers']} workers; resume it with --strategy "
+                         f"ps-{run['mode']} -n {run['workers']}")
+    return path
+
+
 def build_parameter_server_strategy(ctx: BuildContext) -> Strategy:
     comm = ctx.require_comm(ctx.config.strategy)
     roles = assign_roles(comm.world_size, num_servers(ctx.config))
@@ -118,39 +153,6 @@ def build_parameter_server_strategy(ctx: BuildContext) -> Strategy:
     if roles.role(comm.rank).kind == "server":
         return ServerRankStrategy(ctx, comm, roles)
     return WorkerRankStrategy(ctx, comm, roles, steps)
-
-
-def finish(comm: Communicator, roles: PSRoles, part: Partition, module: nn.Module,
-           loss: float, own: torch.Tensor | None) -> float:
-    """Every rank, once the servers stopped: returns the workers' mean last loss (workers
-    give theirs, servers 0), writes each server's final values (``own`` on a server) into
-    ``module``'s parameters, and gives every rank the workers' average of each buffer
-    (BatchNorm statistics are kept by each worker; the servers hold parameters only)."""
-    me = roles.role(comm.rank)
-    buffers = list(module.buffers())
-    mine = [b.detach().double().reshape(-1) for b in buffers] if me.kind == "worker" else [
-        torch.zeros(b.numel(), dtype=torch.float64) for b in buffers]
-    total = torch.cat([torch.tensor([loss], dtype=torch.float64), *mine])
-    comm.all_reduce(total)
-    total /= roles.num_workers
-    at = 1
-    with torch.no_grad():
-        for b in buffers:
-            mean = total[at:at + b.numel()].view_as(b)
-            b.copy_(mean if b.is_floating_point() else mean.round())
-            at += b.numel()
-    params = [p for p in module.parameters() if p.requires_grad]
-    for s, root in enumerate(roles.server_ranks):
-        start, end = part.server_range(s)
-        if end == start:
-            continue
-        if me.kind == "server" and me.index == s and own is not None:
-            values = own.detach().clone()
-        else:
-            values = torch.empty(end - start, dtype=params[0].dtype)
-        comm.broadcast(values, root=root)
-        scatter_flat(params, part, start, values)
-    return float(total[0])
 
 
 class WorkerRankStrategy(Strategy):
@@ -167,6 +169,7 @@ class WorkerRankStrategy(Strategy):
         self.theory_bytes_per_step = float(param_bytes(ctx.module)
                                            + 2 * HEADER_BYTES * roles.num_servers)
         self.report: WorkerReport | None = None
+        self.start_step = 0  # the loop's first step: a resumed run starts at the checkpoint's
         self._times: list[float] = []
         self._wire = 0  # bytes sent + received during steps
         self._last_loss = math.nan
@@ -195,10 +198,38 @@ class WorkerRankStrategy(Strategy):
         return loss
 
     def after_step(self) -> None:
-        if len(self._times) == self.total_steps and self.report is None:
-            assert self.comm is not None
-            self.report = self.ps.close()  # DONE: the servers stop when all are done
-            finish(self.comm, self.roles, self.ps.partition, self.module, self._last_loss, None)
+        if self.start_step + len(self._times) == self.total_steps and self.report is None:
+            self._done()
+
+    def _done(self) -> None:
+        assert self.comm is not None
+        self.report = self.ps.close()  # DONE: the servers stop when all are done
+        finish(self.comm, self.roles, self.ps.partition, self.module, self._last_loss, None)
+
+    def save_state(self, path: str, rank: int) -> None:
+        """The servers write the parameters and optimizer state (a file each); the loop
+        writes this worker's sampler position and RNG. Rank 0 adds the run's mode and
+        worker count and the buffers (BatchNorm statistics, the workers' average after
+        :func:`finish`), which no server holds."""
+        if rank == 0:
+            buffers = {k: v.detach() for k, v in self.module.named_buffers()}
+            atomic_save({"mode": self.config.mode, "workers": self.roles.num_workers,
+                         "buffers": buffers}, os.path.join(path, RUN_FILE))
+
+    def load_state(self, path: str, rank: int) -> None:
+        """The servers restored the checkpoint before serving and told this worker, in the
+        HELLO reply, the clock to resume at: it must be the loop's step."""
+        step = int(safe_load(os.path.join(path, "meta.pt"))["step"])
+        if step != self.ps.clock:
+            raise ValueError(f"checkpoint {path} is of step {step} but the servers resumed at "
+                             f"clock {self.ps.clock}: they restored another checkpoint")
+        run = os.path.join(path, RUN_FILE)
+        if not os.path.exists(run):
+            raise missing_state(path, RUN_FILE)
+        self.module.load_state_dict(safe_load(run)["buffers"], strict=False)
+        self.start_step = step
+        if step >= self.total_steps:  # nothing left to train: release the servers now
+            self._done()
 
     def _traffic(self) -> int:
         assert self.comm is not None
@@ -242,7 +273,8 @@ class ServerRankStrategy(Strategy):
         self.roles, self.config = roles, ps_config(ctx.config)
         server = build_parameter_server(comm, roles, ctx.module,
                                         server_optimizer(ctx.config, roles.num_workers),
-                                        self.config)
+                                        self.config, restore_dir=resume_from(ctx.config, roles))
+        self.server = server
         self.report: ServerReport = server.serve()
         self.mean_loss = finish(comm, roles, server.shard.partition, ctx.module, 0.0,
                                 server.shard.param)
@@ -262,38 +294,18 @@ class ServerRankStrategy(Strategy):
     def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
         return totals  # the workers' evaluation is the run's; this one stays local
 
+    def save_state(self, path: str, rank: int) -> None:
+        """This server's shard: values, optimizer state, version and clock. The loop
+        checkpoints after the last step, when every push has been applied (in every mode)."""
+        self.server.checkpoint_dir = path
+        self.server.save()
+
+    def load_state(self, path: str, rank: int) -> None:
+        """Nothing: the shard was restored before serving (:func:`resume_from`)."""
+
     def extras(self, warmup_steps: int) -> dict[str, Any]:
         assert self.comm is not None
         r = self.report
         mine = [0.0] * 5 + [float(r.bytes_sent), float(r.bytes_recv)]
         return gather_extras(self.comm, self.roles, self.config,
                              mine + [0.0] * self.roles.num_workers, r.staleness)
-
-
-def gather_extras(comm: Communicator, roles: PSRoles, config: PSConfig, mine: list[float],
-                  staleness: dict[int, int]) -> dict[str, Any]:
-    """Every rank: sum over all ranks (two all-reduces) the workers' rates, bytes, sleeps,
-    compute and step times and the servers' traffic and staleness histograms. ``mine``:
-    rate, wire bytes/step, dense bytes/step, straggler sleep, compute s/step, server bytes
-    sent, received, then one mean step time per worker (zero but in this worker's slot)."""
-    top = torch.tensor([max(staleness, default=-1)], dtype=torch.float64)
-    comm.all_reduce(top, op="max")
-    bins = [0.0] * (int(top) + 1)
-    for k, n in staleness.items():
-        bins[k] = float(n)
-    sums = torch.tensor(mine + bins, dtype=torch.float64)
-    comm.all_reduce(sums)
-    w = roles.num_workers
-    rate, wire, dense, sleep, compute, sent, recv, *rest = sums.tolist()
-    step_s, hist = rest[:w], rest[w:]
-    histogram = {k: int(n) for k, n in enumerate(hist) if n}
-    updates = sum(histogram.values())
-    return {"samples_per_s": rate, "mode": config.mode, "workers": w,
-            "servers": roles.num_servers, "staleness_bound": config.bound,
-            "worker_bytes_per_step": wire / w, "dense_bytes_per_step": dense / w,
-            "straggler": {str(r): f for r, f in config.straggler.items()},
-            "straggler_sleep_s": sleep, "server_bytes_sent": sent, "server_bytes_recv": recv,
-            "compute_s_per_step": compute / w, "worker_step_s": step_s,
-            "staleness": {str(k): n for k, n in histogram.items()},
-            "staleness_mean": sum(k * n for k, n in histogram.items()) / updates
-            if updates else 0.0, "staleness_max": max(histogram, default=0)}
