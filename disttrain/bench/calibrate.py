@@ -53,7 +53,7 @@ TABLE_SIZES = {
     "reduce_scatter": (4 * KiB, 1 * MiB, 16 * MiB),
     "broadcast": (4 * KiB, 1 * MiB, 16 * MiB),
 }
-TABLE_TIMING = Timing(iters=15, warmup=1, budget_s=0.4)
+TABLE_TIMING = Timing(iters=25, warmup=1, budget_s=0.5)  # per algorithm, interleaved
 Plan = list[tuple[str, str, int]]
 
 
