@@ -272,12 +272,17 @@ def build(transport: Transport, timeout_s: float, config: HierarchyConfig,
         intra = Communicator(make_transport(config.intra_transport, group.native_group,
                                             timeout_s=timeout_s, shm_config=shm_config),
                              CommConfig(timeout_s=timeout_s))
-    if layout.num_nodes > 1 and layout.is_leader(rank):
-        leaders = base.subgroup(list(layout.leaders))
-        assert leaders is not None
-        inter = Communicator(leaders, CommConfig(timeout_s=timeout_s,
-                                                 algorithm=config.inter_algorithm))
-    return Hierarchy(layout, rank, intra, inter, config)
+    try:
+        if layout.num_nodes > 1 and layout.is_leader(rank):
+            leaders = base.subgroup(list(layout.leaders))
+            assert leaders is not None
+            inter = Communicator(leaders, CommConfig(timeout_s=timeout_s,
+                                                     algorithm=config.inter_algorithm))
+        return Hierarchy(layout, rank, intra, inter, config)
+    except BaseException:
+        if intra is not None:  # do not leave the node's segment and thread behind
+            intra.close()
+        raise
 
 
 def _discover(base: TorchTransport, node_id: str | None, timeout_s: float,
