@@ -50,9 +50,11 @@ CASES = [(op, dtype, n) for op in ("sum", "avg", "prod", "min", "max")
 def check_in_place(_torch_comm: Communicator) -> list[str]:
     comm = shm_comm()
     p, me, errors = comm.world_size, comm.rank, []
+    buffers = {dtype: comm.shared_zeros(max(n for _, _, n in CASES) + 3, dtype)
+               for dtype in (torch.float32, torch.bfloat16, torch.int64)}
     for op, dtype, n in CASES:
-        buffer = comm.shared_zeros(n + 3, dtype)
-        shared = buffer[3:]  # a slice at an offset: the same slice on every rank
+        buffer = buffers[dtype]
+        shared = buffer[3 : 3 + n]  # a slice at an offset: the same slice on every rank
         shared.copy_(inputs(me, n, dtype, op))
         plain = inputs(me, n, dtype, op)
         comm.all_reduce(shared, op, algorithm="shm")
