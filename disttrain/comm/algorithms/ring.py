@@ -14,10 +14,14 @@ segments round the ring::
 Each segment is streamed in sub-chunks of ``ctx.chunk_bytes``: a sub-chunk is reduced and
 forwarded as soon as it lands, so the reduction overlaps the transfer of the next sub-chunk,
 and every rank is sending and receiving at the same time. Every receive of the whole
-collective is posted before the first send (see :func:`post_reduce_scatter`).
+collective is posted before the first send (see :func:`post_reduce_scatter`), and in an
+all-reduce each sub-chunk of the owned segment starts its all-gather journey as soon as its
+last reduction is done, while the next sub-chunk is still being reduced.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -60,10 +64,13 @@ def reduce_scatter_inplace(
     *,
     owned_shift: int,
     posted: list[Received],
+    finished: Callable[[int, int], None] | None = None,
 ) -> None:
     """Ring reduce-scatter in place over ``buf``, receiving through ``posted``
     (:func:`post_reduce_scatter`); rank r ends owning the full reduction of segment
-    ``(r + owned_shift) % p``. Other segments are left partially reduced."""
+    ``(r + owned_shift) % p``. Other segments are left partially reduced. ``finished(a,
+    b)`` is called as soon as ``buf[a:b]`` of the owned segment holds its final value (an
+    all-reduce starts its all-gather there, while the rest is still being reduced)."""
     p, r = ctx.world_size, ctx.rank
     right = (r + 1) % p
     per_chunk = chunk_elems(ctx.chunk_bytes, buf.element_size())
@@ -77,6 +84,8 @@ def reduce_scatter_inplace(
             combine_(buf[a:b], landing, op)
             if step + 2 < p:
                 sends.append(ctx.isend(buf[a:b], right, step + 1))
+            elif finished is not None:
+                finished(a, b)
     ctx.wait_all(sends)
 
 
@@ -102,17 +111,18 @@ def post_all_gather(ctx: CollectiveContext, buf: torch.Tensor, bounds: list[tupl
 
 def all_gather_inplace(
     ctx: CollectiveContext, buf: torch.Tensor, bounds: list[tuple[int, int]], *, owned_shift: int,
-    posted: list[Received], step_offset: int = 0,
+    posted: list[Received], step_offset: int = 0, first_sends: list[Pending] | None = None,
 ) -> None:
     """Ring all-gather in place, receiving through ``posted`` (:func:`post_all_gather`):
     rank r starts owning segment ``(r + owned_shift) % p`` and ends with every segment.
-    Arriving sub-chunks are forwarded at once."""
+    Arriving sub-chunks are forwarded at once. ``first_sends``: the owned segment's sends,
+    when the caller already started them (see :func:`all_reduce`)."""
     p, r = ctx.world_size, ctx.rank
     right = (r + 1) % p
     per_chunk = chunk_elems(ctx.chunk_bytes, buf.element_size())
     start0, end0 = bounds[(r + owned_shift) % p]
-    sends = [ctx.isend(buf[a:b], right, step_offset)
-             for a, b in sub_chunks(start0, end0, per_chunk)]
+    sends = first_sends if first_sends is not None else [
+        ctx.isend(buf[a:b], right, step_offset) for a, b in sub_chunks(start0, end0, per_chunk)]
     for step in range(p - 1):
         for a, b, _, pending in posted[step]:
             ctx.wait(pending)
@@ -128,8 +138,15 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, op: ReduceOp) -> No
     bounds = segment_bounds(tensor.numel(), p)
     gathers = post_all_gather(ctx, tensor, bounds, owned_shift=1, step_offset=p)
     scatters = post_reduce_scatter(ctx, tensor, bounds, owned_shift=1)
-    reduce_scatter_inplace(ctx, tensor, bounds, op, owned_shift=1, posted=scatters)
-    all_gather_inplace(ctx, tensor, bounds, owned_shift=1, posted=gathers, step_offset=p)
+    right, first_sends = (ctx.rank + 1) % p, []
+
+    def start_gather(a: int, b: int) -> None:  # a sub-chunk is final: it can travel now
+        first_sends.append(ctx.isend(tensor[a:b], right, p))
+
+    reduce_scatter_inplace(ctx, tensor, bounds, op, owned_shift=1, posted=scatters,
+                           finished=start_gather)
+    all_gather_inplace(ctx, tensor, bounds, owned_shift=1, posted=gathers, step_offset=p,
+                       first_sends=first_sends)
 
 
 def reduce_scatter(
