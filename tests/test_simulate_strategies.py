@@ -189,16 +189,18 @@ def test_validate_rejects_micro_batches_the_bench_does_not_run(
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_validate_predicts_every_locally_runnable_strategy(world_size: int) -> None:
-    from disttrain.simulate.validate import loop_overhead, predicted
+    from dataclasses import replace
+
+    from disttrain.simulate.overheads import Overheads
+    from disttrain.simulate.validate import predicted, single_step
     from disttrain.train.strategies import STRATEGIES as RUNNABLE
 
     profile = _profile(4, fwd=1e-4, bwd=2e-4, params=1000, out_bytes=400.0)
-    overhead = loop_overhead(profile, 0.05, 32)
-    assert overhead == pytest.approx(0.05 - profile.compute(32))
-    assert loop_overhead(profile, None, 32) == 0.0
+    paying = replace(profile, overheads=Overheads(step_s=1e-3, sgd_fixed_s=1e-4,
+                                                  collective_call_s=1e-4))
+    assert single_step(paying, 32) == pytest.approx(profile.compute(32) + 1e-3 + 1e-4)
     for name in STRATEGIES:
         if name not in RUNNABLE:
             continue
         bare = predicted(profile, name, world_size, 32, 8)
-        with_overhead = predicted(profile, name, world_size, 32, 8, overhead)
-        assert 0 < bare < with_overhead, name
+        assert 0 < bare < predicted(paying, name, world_size, 32, 8), name

@@ -7,6 +7,8 @@ from typing import Any
 
 from disttrain.simulate.cluster import Cluster
 from disttrain.simulate.collectives import Group, bytes_sent, collective_time, group_of
+from disttrain.simulate.events import Simulation
+from disttrain.simulate.overheads import Overheads
 from disttrain.simulate.profile import ModelProfile
 from disttrain.simulate.workload import Workload
 
@@ -27,8 +29,35 @@ class Case:
 
     @property
     def scale(self) -> float:
-        """Reference-device seconds → seconds on one of this cluster's devices."""
-        return self.cluster.compute_scale(self.profile.reference_flops, self.workers)
+        """Reference-device seconds → seconds on one of this cluster's devices, at full
+        speed (cores shared by more ranks than there are slow them in the simulation:
+        :meth:`simulation`)."""
+        return self.cluster.compute_scale(self.profile.reference_flops, 1)
+
+    @property
+    def overheads(self) -> Overheads:
+        """The profile's measured host-side costs (zero for analytic profiles). They are
+        Python on a host CPU, so they are carried to other clusters unscaled."""
+        return self.profile.overheads
+
+    @property
+    def wakeup(self) -> float:
+        """Extra seconds of a collective or parameter-server exchange issued right after
+        compute, over its calibrated (back-to-back) cost: measured on this machine, where
+        ranks share cores, and only charged there."""
+        return self.overheads.collective_wakeup_s if self.cluster.shared_cores else 0.0
+
+    def simulation(self) -> Simulation:
+        """An engine for this case: on a cluster whose devices are processes sharing cores
+        (this machine), compute resources declared with a load share those cores, and
+        slow each other by the profile's measured ``concurrent_slowdown``."""
+        cores = self.cluster.shared_cores
+        return Simulation(cores, self.overheads.concurrent_slowdown if cores else 1.0)
+
+    def compute(self, sim: Simulation, name: str, ranks: float, policy: str = "fifo") -> str:
+        """Declare compute resource ``name`` standing for ``ranks`` identical ranks (their
+        load on shared cores; ignored on clusters with a device per rank)."""
+        return sim.resource(name, policy, load=float(ranks) if self.cluster.shared_cores else 0)
 
     @property
     def layers(self) -> int:
@@ -44,8 +73,9 @@ class Case:
     def backward(self, layer: int, batch: float, factor: float = 1.0) -> float:
         return self.profile.layers[layer].backward(batch) * self.scale * factor
 
-    def optimizer(self, params: float) -> float:
-        return self.profile.optimizer(params) * self.scale
+    def optimizer(self, params: float, tensors: int = 1) -> float:
+        """The workload's optimizer over ``params`` parameters in ``tensors`` tensors."""
+        return self.profile.optimizer(params, self.workload.optimizer, tensors) * self.scale
 
     def grad_bytes(self, layers: range | list[int] | None = None) -> float:
         chosen = range(self.layers) if layers is None else layers
@@ -56,8 +86,9 @@ class Case:
         no bubble and no straggler: the denominator of scaling efficiency (Horovod's)."""
         one = Case(self.profile, self.cluster, self.workload, 1)
         batch = self.global_batch / self.workers
-        return (self.profile.compute(batch) + self.profile.optimizer(self.profile.params)) \
-            * one.scale
+        return (self.profile.compute(batch) + self.profile.optimizer(
+            self.profile.params, self.workload.optimizer, self.profile.tensors)) * one.scale \
+            + self.overheads.step_s
 
     def group(self, size: int, stride: int = 1) -> Group:
         return group_of(self.cluster, size, stride)

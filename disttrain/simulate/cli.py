@@ -154,6 +154,9 @@ def _simulate(args: argparse.Namespace, cluster: Cluster, wl: Workload) -> int:
           f"{cluster.nodes} × {cluster.devices_per_node} devices, {cluster.description}; "
           f"{wl.precision}, {wl.optimizer}, {args.batch if wl.global_batch is None else ''}"
           f"{' samples/worker' if wl.global_batch is None else f'global batch {wl.global_batch}'}")
+    if profile.overheads.measured:
+        print(f"per-step costs besides the layers (measured here; host-side ones are carried "
+              f"to other clusters unscaled):\n{profile.overheads.text()}")
     print(text_table(rows))
     print("\n# recommendation")
     for workers in args.workers:

@@ -77,7 +77,10 @@ class Cluster:
     ``device_flops`` is the *sustained* FLOP/s of one device (peak × utilization); compute
     profiles measured here are scaled by it. None means "this machine": measured times are
     used as they are. ``shared_cores`` > 0 says devices are processes sharing that many
-    cores (this machine): with p devices compute slows by max(1, p/shared_cores).
+    cores (this machine, and only it): the simulation shares them between the compute
+    tasks that run at once (:class:`~disttrain.simulate.events.Simulation`); in closed
+    forms (:meth:`compute_scale` with ``devices``), p busy devices slow by
+    max(1, p/shared_cores).
     ``intra_costs`` overrides the intra link with measured constants (the local preset).
     """
 
@@ -193,10 +196,19 @@ def load_toml(path: Path) -> Cluster:
     return from_dict(data, str(path))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; ``os.cpu_count`` where the
+    platform has none): what the benchmark's ranks share."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def local() -> Cluster:
     """This machine: one node whose devices are processes sharing its cores, with the
     costs ``disttrain bench comm --calibrate`` stored (defaults when never calibrated)."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     costs = load_costs("torch")
     return Cluster(name="local", nodes=1, devices_per_node=max(4, cores), device_memory=8 * GB,
                    intra=Link(costs.alpha, 1 / costs.beta), inter=Link(costs.alpha,

@@ -20,9 +20,18 @@ slowest rank has produced its part. Per rank::
 * **ZeRO-3**: each layer's parameters all-gathered before its forward and again before its
   backward, one layer ahead (prefetch), and its gradients reduce-scattered after its
   backward; the optimizer runs on 1/N.
+
+The profile's measured :class:`~disttrain.simulate.overheads.Overheads` are tasks too: the
+loop's own work before the first forward, DDP's hooks in each layer's backward, one
+collective call before every collective on the link, ZeRO's own work (stages 1, 2: after
+the all-gather; stage 3: spread over every layer), and the optimizer at its measured cost.
+On this machine the representative's compute resource carries a load of p ranks, so the
+engine slows it when p exceeds the cores.
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 from disttrain.parallel.buckets import MIB, plan_buckets
 from disttrain.simulate import memory
@@ -32,16 +41,23 @@ from disttrain.simulate.events import Simulation
 
 def _forward_backward(sim: Simulation, case: Case, batch: float, factor: float,
                       fwd_deps: dict[int, tuple[int, ...]] | None = None,
-                      bwd_deps: dict[int, tuple[int, ...]] | None = None
+                      bwd_deps: dict[int, tuple[int, ...]] | None = None,
+                      extra: tuple[list[float], list[float]] | None = None
                       ) -> tuple[list[int], list[int]]:
-    """Forward then backward tasks of every layer on "compute"; returns (fwd, bwd) ids,
-    bwd indexed by layer."""
+    """The loop's own work, then forward and backward tasks of every layer on "compute"
+    (one representative standing for every rank: its load on shared cores); ``extra``
+    adds host seconds per layer (forward, backward). Returns (fwd, bwd) ids, bwd indexed
+    by layer."""
+    case.compute(sim, "compute", case.workers)
+    add_f, add_b = extra or ([0.0] * case.layers, [0.0] * case.layers)
+    if case.overheads.step_s:
+        sim.add("loop", "compute", case.overheads.step_s, (), "overhead")
     fwd, bwd = [], [0] * case.layers
     for i in range(case.layers):
-        fwd.append(sim.add(f"F{i}", "compute", case.forward(i, batch, factor),
+        fwd.append(sim.add(f"F{i}", "compute", case.forward(i, batch, factor) + add_f[i],
                            (fwd_deps or {}).get(i, ()), "forward"))
     for i in reversed(range(case.layers)):
-        bwd[i] = sim.add(f"B{i}", "compute", case.backward(i, batch, factor),
+        bwd[i] = sim.add(f"B{i}", "compute", case.backward(i, batch, factor) + add_b[i],
                          (bwd_deps or {}).get(i, ()), "backward")
     return fwd, bwd
 
@@ -50,6 +66,17 @@ def _buckets(case: Case) -> list[list[int]]:
     sizes = [max(1, lay.params * case.workload.element_bytes) for lay in case.profile.layers]
     return plan_buckets(sizes, [0] * len(sizes), int(case.workload.first_bucket_mb * MIB),
                         int(case.workload.bucket_mb * MIB))
+
+
+def _issue(sim: Simulation, case: Case, name: str, seconds: float, deps: tuple[int, ...]
+           ) -> int:
+    """A collective on "link": the call's software overhead (measured on one rank; on this
+    machine plus the wake-up of a collective issued after compute), then its α-β-γ time
+    for every rank."""
+    call = case.overheads.collective_call_s + case.wakeup
+    if call:
+        deps = (sim.add(f"call:{name}", "link", call, deps, "overhead"),)
+    return sim.add(name, "link", seconds, deps, "comm")
 
 
 def _bucketed(sim: Simulation, case: Case, op: str, bwd: list[int]) -> tuple[list[int], float,
@@ -61,20 +88,23 @@ def _bucketed(sim: Simulation, case: Case, op: str, bwd: list[int]) -> tuple[lis
     for bucket in _buckets(case):
         seconds, nbytes, algorithm = case.collective(op, group, case.grad_bytes(bucket))
         ready = bwd[min(bucket)]  # reverse order: the lowest layer's backward ends last
-        tasks.append(sim.add(f"{op}{len(tasks)}", "link", seconds, (ready,), "comm"))
+        tasks.append(_issue(sim, case, f"{op}{len(tasks)}", seconds, (ready,)))
         sent += nbytes
         algorithms.add(algorithm)
     return tasks, sent, algorithms
 
 
-def _result(case: Case, name: str, sim: Simulation, compute_s: float, states: float,
-            extra_memory: float, sent: float, algorithms: set[str], factor: float) -> StepResult:
+def _result(case: Case, name: str, sim: Simulation, states: float, extra_memory: float,
+            sent: float, algorithms: set[str], factor: float) -> StepResult:
     step = sim.run()
+    compute_s = sim.busy("compute")  # wall time, stretched where ranks share the cores
     batch = case.global_batch / case.workers
     saved = sum(lay.saved_bytes_per_sample for lay in case.profile.layers)
     mem = states + memory.activations(saved, batch, case.workload.element_bytes) + extra_memory
     exposed = max(0.0, step - compute_s)
     notes = [f"exposed comm {exposed / step:.0%}" if step > 0 else "no comm"]
+    if case.cluster.shared_cores and case.workers > case.cluster.shared_cores:
+        notes.append(f"{case.workers} ranks share {case.cluster.shared_cores} cores")
     if factor > 1:
         notes.append(f"slowest of {case.workers} workers ×{factor:.2f}")
     return StepResult(name, case.workers, case.global_batch, step, case.ideal_s(), mem, sent,
@@ -93,74 +123,87 @@ def _states(case: Case, strategy: str) -> float:
 def simulate_ddp(case: Case) -> StepResult:
     factor = case.workload.speeds.slowest(case.workers)
     batch = case.global_batch / case.workers
-    sim = Simulation()
-    _, bwd = _forward_backward(sim, case, batch, factor)
+    sim = case.simulation()
+    hooks = [lay.tensors * case.overheads.hook_s_per_tensor for lay in case.profile.layers]
+    _, bwd = _forward_backward(sim, case, batch, factor, extra=([0.0] * case.layers, hooks))
     reduces, sent, algorithms = _bucketed(sim, case, "all_reduce", bwd)
-    opt = case.optimizer(case.profile.params)
-    sim.add("opt", "compute", opt, tuple(reduces), "optimizer")
-    compute = sum(case.forward(i, batch, factor) + case.backward(i, batch, factor)
-                  for i in range(case.layers)) + opt
-    return _result(case, "ddp", sim, compute, _states(case, "ddp"), 0.0, sent, algorithms,
-                   factor)
+    sim.add("opt", "compute", case.optimizer(case.profile.params, case.profile.tensors),
+            tuple(reduces), "optimizer")
+    return _result(case, "ddp", sim, _states(case, "ddp"), 0.0, sent, algorithms, factor)
 
 
 def simulate_zero12(case: Case, stage: int) -> StepResult:
     factor = case.workload.speeds.slowest(case.workers)
     batch = case.global_batch / case.workers
     group = case.group(case.workers)
-    sim = Simulation()
+    sim = case.simulation()
     _, bwd = _forward_backward(sim, case, batch, factor)
     grads = case.grad_bytes()
     if stage == 2:
         reduces, sent, algorithms = _bucketed(sim, case, "reduce_scatter", bwd)
     else:
         seconds, sent, algorithm = case.collective("reduce_scatter", group, grads)
-        reduces, algorithms = [sim.add("rs", "link", seconds, (bwd[0],), "comm")], {algorithm}
-    opt_s = case.optimizer(case.profile.params / case.workers)
-    opt = sim.add("opt", "compute", opt_s, tuple(reduces), "optimizer")
+        reduces, algorithms = [_issue(sim, case, "rs", seconds, (bwd[0],))], {algorithm}
+    opt = sim.add("opt", "compute", case.optimizer(case.profile.params / case.workers),
+                  tuple(reduces), "optimizer")
     seconds, ag_bytes, algorithm = case.collective("all_gather", group, grads)
-    sim.add("ag", "link", seconds, (opt,), "comm")
-    compute = sum(case.forward(i, batch, factor) + case.backward(i, batch, factor)
-                  for i in range(case.layers)) + opt_s
-    return _result(case, f"zero{stage}", sim, compute, _states(case, f"zero{stage}"), 0.0,
+    ag = _issue(sim, case, "ag", seconds, (opt,))
+    work = case.overheads.zero_s.get(stage, 0.0)  # flatten, shard, copy back (measured)
+    if work:
+        sim.add("zero-work", "compute", work, (ag,), "overhead")
+    return _result(case, f"zero{stage}", sim, _states(case, f"zero{stage}"), 0.0,
                    sent + ag_bytes, algorithms | {algorithm}, factor)
 
 
 def simulate_zero3(case: Case) -> StepResult:
+    """Per unit (a layer with parameters; the wrapper has none for the others): gathered
+    before forward and again before backward, one unit ahead, reduce-scattered after."""
     factor = case.workload.speeds.slowest(case.workers)
     batch, group, n = case.global_batch / case.workers, case.group(case.workers), case.layers
-    sim = Simulation()
+    sim = case.simulation()
+    case.compute(sim, "compute", case.workers)
     sent, algorithms = 0.0, set()
+    units = [i for i in range(n) if case.profile.layers[i].params > 0]
+    own = case.overheads.zero_s.get(3, 0.0) / (2 * max(1, len(units)))  # gather, free
 
     def collective(name: str, op: str, layer: int, deps: tuple[int, ...]) -> int:
         nonlocal sent
         seconds, nbytes, algorithm = case.collective(op, group, case.grad_bytes([layer]))
         sent += nbytes
         algorithms.add(algorithm)
-        return sim.add(name, "link", seconds, deps, "comm")
+        return _issue(sim, case, name, seconds, deps)
 
-    gathers = [collective("agF0", "all_gather", 0, ())]
+    if case.overheads.step_s:
+        sim.add("loop", "compute", case.overheads.step_s, (), "overhead")
+    ahead = dict(pairwise(units))
+    gathers = {units[0]: collective(f"agF{units[0]}", "all_gather", units[0], ())} \
+        if units else {}
     fwd: list[int] = []
     for i in range(n):
-        if i + 1 < n:  # prefetch: issued when layer i starts, i.e. after F(i−1) and ag(i)
-            gathers.append(collective(f"agF{i + 1}", "all_gather", i + 1,
-                                      (gathers[i], *fwd[-1:])))
-        fwd.append(sim.add(f"F{i}", "compute", case.forward(i, batch, factor),
-                           (gathers[i],), "forward"))
-    back = {n - 1: collective(f"agB{n - 1}", "all_gather", n - 1, (fwd[-1],))}
+        if i in ahead:  # prefetch: issued when unit i starts, i.e. after F(i−1) and ag(i)
+            gathers[ahead[i]] = collective(f"agF{ahead[i]}", "all_gather", ahead[i],
+                                           (gathers[i], *fwd[-1:]))
+        fwd.append(sim.add(f"F{i}", "compute", case.forward(i, batch, factor) +
+                           (own if i in gathers else 0.0), _only(gathers, i), "forward"))
+    behind = {later: earlier for earlier, later in pairwise(units)}
+    back = {units[-1]: collective(f"agB{units[-1]}", "all_gather", units[-1], (fwd[-1],))} \
+        if units else {}
     bwd: dict[int, int] = {}
     for i in reversed(range(n)):
-        if i > 0:
-            back[i - 1] = collective(f"agB{i - 1}", "all_gather", i - 1,
-                                     (back[i], *([bwd[i + 1]] if i + 1 < n else [])))
-        bwd[i] = sim.add(f"B{i}", "compute", case.backward(i, batch, factor), (back[i],),
-                         "backward")
-        collective(f"rs{i}", "reduce_scatter", i, (bwd[i],))
-    opt_s = case.optimizer(case.profile.params / case.workers)
-    sim.add("opt", "compute", opt_s, (len(sim) - 1,), "optimizer")
-    compute = sum(case.forward(i, batch, factor) + case.backward(i, batch, factor)
-                  for i in range(n)) + opt_s
+        if i in behind:
+            back[behind[i]] = collective(f"agB{behind[i]}", "all_gather", behind[i],
+                                         (back[i], *([bwd[i + 1]] if i + 1 < n else [])))
+        bwd[i] = sim.add(f"B{i}", "compute", case.backward(i, batch, factor) +
+                         (own if i in back else 0.0), _only(back, i), "backward")
+        if i in back:
+            collective(f"rs{i}", "reduce_scatter", i, (bwd[i],))
+    sim.add("opt", "compute", case.optimizer(case.profile.params / case.workers),
+            (len(sim) - 1,), "optimizer")
     largest = sorted((lay.params for lay in case.profile.layers), reverse=True)[:2]
     gathered = sum(largest) * case.workload.element_bytes
-    return _result(case, "zero3", sim, compute, _states(case, "zero3"), gathered, sent,
-                   algorithms, factor)
+    return _result(case, "zero3", sim, _states(case, "zero3"), gathered, sent, algorithms,
+                   factor)
+
+
+def _only(tasks: dict[int, int], layer: int) -> tuple[int, ...]:
+    return (tasks[layer],) if layer in tasks else ()

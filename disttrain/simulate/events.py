@@ -16,9 +16,22 @@ Each resource picks its next task by one of two policies:
 * ``"ready"`` (a server answering requests): whichever waiting task became ready first
   runs next (ties: the order added).
 
+**Shared cores** (processes of one machine time-sharing its CPUs): ``Simulation(cores=c)``
+and resources declared with a ``load`` > 0 (how many cores one of their tasks keeps busy: 1
+for a rank, p for a representative standing for p identical ranks). While the running tasks
+of such resources add up to a load L > c, each of them advances at c/L of its speed
+(processor sharing, as the kernel's scheduler shares cores between runnable processes), so
+a task's duration is its work at full speed and its span stretches only while the cores are
+oversubscribed. ``cores=0`` (every real cluster: one device per rank) turns this off.
+``slowdown`` (≥ 1, measured: :mod:`~disttrain.simulate.contention`) is how much slower
+each process computes when all cores compute at once than when it runs alone (shared
+caches, memory bandwidth, a hypervisor's vCPUs); with k = min(L, c) cores busy, tasks run
+a further 1 + (slowdown − 1)·(k − 1)/(c − 1) times slower.
+
 The engine is event-driven (a heap of completion times), so run time grows as
-O(T log T) in the number of tasks T; strategies keep T small by simulating a
-*representative* device when devices are symmetric (see docs/simulate.md).
+O(T log T) in the number of tasks T (plus, with shared cores, the running shared tasks at
+each event); strategies keep T small by simulating a *representative* device when devices
+are symmetric (see docs/simulate.md).
 """
 
 from __future__ import annotations
@@ -62,26 +75,39 @@ class _Resource:
     ready: list[tuple[float, int]] = field(default_factory=list)  # "ready": heap
     busy: bool = False
     busy_time: float = 0.0
+    load: float = 0.0  # cores one running task occupies (0: not on the shared cores)
 
 
 class Simulation:
     """Add resources and tasks, then :meth:`run`; tasks must be added after their deps."""
 
-    def __init__(self) -> None:
+    def __init__(self, cores: float = 0.0, slowdown: float = 1.0) -> None:
+        if not cores >= 0:
+            raise ValueError(f"cores must be ≥ 0 (0: no shared cores), got {cores!r}")
+        if not slowdown >= 1:
+            raise ValueError(f"slowdown must be ≥ 1 (1: cores do not slow each other), got "
+                             f"{slowdown!r}")
+        self.cores, self.slowdown = float(cores), float(slowdown)
         self._tasks: list[_Task] = []
         self._resources: dict[str, _Resource] = {}
         self._children: list[list[int]] = []
+        self._shared: dict[int, float] = {}  # running task on the shared cores → work left
+        self._load = 0.0  # sum of the loads of the running shared tasks
         self.makespan = 0.0
 
-    def resource(self, name: str, policy: str = "fifo") -> str:
-        """Declare a resource (idempotent when the policy agrees); returns its name."""
+    def resource(self, name: str, policy: str = "fifo", load: float = 0.0) -> str:
+        """Declare a resource (idempotent when policy and load agree); returns its name.
+        ``load`` > 0 puts its tasks on the shared cores (see the module docstring)."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if not load >= 0:
+            raise ValueError(f"resource {name!r}: load must be ≥ 0 cores, got {load!r}")
         known = self._resources.get(name)
         if known is None:
-            self._resources[name] = _Resource(policy)
-        elif known.policy != policy:
-            raise ValueError(f"resource {name!r} already has policy {known.policy!r}")
+            self._resources[name] = _Resource(policy, load=float(load))
+        elif known.policy != policy or known.load != load:
+            raise ValueError(f"resource {name!r} already has policy {known.policy!r} and load "
+                             f"{known.load}")
         return name
 
     def add(self, name: str, resource: str, duration: float, deps: tuple[int, ...] = (),
@@ -119,11 +145,16 @@ class Simulation:
         for res in self._resources.values():
             self._dispatch(res, now, events)
         done = 0
-        while events:
-            now, index = heapq.heappop(events)
+        while events or self._shared:
+            now, index = self._next_event(now, events)
             task = self._tasks[index]
             res = self._resources[task.resource]
             res.busy = False
+            if index in self._shared:
+                del self._shared[index]
+                self._load -= res.load
+                task.end = now
+                res.busy_time += now - (task.start or 0.0)
             done += 1
             for child in self._children[index]:
                 c = self._tasks[child]
@@ -141,6 +172,29 @@ class Simulation:
         self.makespan = now
         return now
 
+    def _rate(self) -> float:
+        """Speed of every running shared task: 1, or cores / load when oversubscribed."""
+        share = 1.0 if self._load <= self.cores else self.cores / self._load
+        if self.slowdown == 1.0 or self.cores <= 1:
+            return share
+        busy = min(self._load, self.cores)
+        return share / (1 + (self.slowdown - 1) * max(0.0, busy - 1) / (self.cores - 1))
+
+    def _next_event(self, now: float, events: list[tuple[float, int]]) -> tuple[float, int]:
+        """The next task to finish (a fixed-length one from the heap, or the shared task
+        with the least work left), after advancing every shared task to that time."""
+        rate = self._rate()
+        shared = min(self._shared, key=self._shared.__getitem__) if self._shared else None
+        at = now + self._shared[shared] / rate if shared is not None else float("inf")
+        if events and events[0][0] < at:
+            at, index = heapq.heappop(events)
+        else:
+            assert shared is not None
+            index = shared
+        for key in self._shared:
+            self._shared[key] = max(0.0, self._shared[key] - (at - now) * rate)
+        return at, index
+
     def _become_ready(self, task: _Task, at: float) -> None:
         task.ready_at = at
         res = self._resources[task.resource]
@@ -155,8 +209,12 @@ class Simulation:
             return
         task = self._tasks[index]
         task.start = max(now, task.ready_at)
-        task.end = task.start + task.duration
         res.busy = True
+        if res.load > 0 and self.cores > 0:  # on the shared cores: its end depends on load
+            self._shared[index] = task.duration
+            self._load += res.load
+            return
+        task.end = task.start + task.duration
         res.busy_time += task.duration
         heapq.heappush(events, (task.end, index))
 

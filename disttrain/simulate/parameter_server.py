@@ -9,9 +9,19 @@ so the server's NIC is busy w times as long. Per clock a worker::
     pull(c) ──▶ compute(c) ──▶ push(c) ──▶ server apply ──▶ pull(c+1)
                  (× its speed)   server NIC in    server CPU   server NIC out
 
-A transfer lasts max(w·(Ψ/S)·β_server, α + Ψ·β_worker): the server's NIC is shared by
-everyone (it serves requests in arrival order: the "ready" policy), a worker's own NIC sends
-its whole model once. Modes:
+A transfer of k messages lasts max(α + w·(Ψ/S)·β on the server, S·k·α + Ψ·β on the
+worker): the server's NIC is shared by everyone (it serves requests in arrival order: the
+"ready" policy; the latencies of different workers' conversations overlap), a worker's own
+NIC sends its whole model once and waits for each of its k messages per server in turn.
+The protocol (:mod:`disttrain.parallel.parameter_server.protocol`) fixes k: a pull is a
+request, a reply header and the values (3 messages, 1 round trip); a push is a header, a
+GRANT, the payload and a REPLY (4 messages, 2 round trips). α is the transport's
+per-message cost, software included (calibrated on this machine); on this machine each
+exchange also pays the measured wake-up of communication issued after compute
+(:attr:`~disttrain.simulate.base.Case.wakeup`). Each clock a worker also
+runs the loop's own work (``Overheads.step_s``); the server applies the optimizer on Ψ/S.
+On this machine workers and servers are processes sharing its cores (their compute and
+the server's apply share them in the simulation). Modes:
 
 * **sync** (BSP): the server applies once all workers of clock c have pushed; everyone
   then pulls. The step waits for the slowest worker.
@@ -30,10 +40,14 @@ from disttrain.simulate.events import Simulation
 from disttrain.simulate.memory import activations
 
 MODES = ("sync", "async", "ssp")
+PULL_MESSAGES = 3  # request header; reply header; values
+PUSH_MESSAGES = 4  # request header; GRANT; payload; reply
 
 
-def _transfer(case: Case, servers: int, weight: float, element_bytes: int) -> float:
-    """Seconds of one representative's push (or pull) of the whole model."""
+def _transfer(case: Case, servers: int, weight: float, element_bytes: int,
+              messages: int) -> float:
+    """Seconds of one representative's push (or pull) of the whole model, ``messages``
+    messages per server."""
     psi = case.profile.params * element_bytes
     cluster = case.cluster
     if cluster.intra_costs is not None and cluster.nodes == 1:  # this machine: one host
@@ -42,7 +56,7 @@ def _transfer(case: Case, servers: int, weight: float, element_bytes: int) -> fl
         server = cluster.inter_link()
         worker = cluster.inter_link(min(case.workers, cluster.devices_per_node))
     return max(server.alpha + weight * psi / servers * server.beta,
-               worker.alpha * servers + psi * worker.beta)
+               worker.alpha * messages * servers + psi * worker.beta + case.wakeup)
 
 
 def simulate_ps(case: Case, mode: str) -> StepResult:
@@ -51,27 +65,33 @@ def simulate_ps(case: Case, mode: str) -> StepResult:
     wl = case.workload
     servers = wl.servers or max(1, case.workers // 8)
     reps = wl.speeds.representatives(case.workers)
-    compute_1 = case.profile.compute(case.global_batch / case.workers) * case.scale
-    sim = Simulation()
-    for name in ("server.in", "server.cpu", "server.out"):
+    compute_1 = case.profile.compute(case.global_batch / case.workers) * case.scale \
+        + case.overheads.step_s
+    sim = case.simulation()
+    for name in ("server.in", "server.out"):
         sim.resource(name, "ready")
-    transfer = [_transfer(case, servers, w, wl.element_bytes) for _, w in reps]
-    pulled = [sim.add(f"w{r}.pull0", "server.out", transfer[r], (), "comm")
+    case.compute(sim, "server.cpu", servers, "ready")  # S symmetric servers, one simulated
+    for r, (_, w) in enumerate(reps):
+        case.compute(sim, f"w{r}", w)
+    pull = [_transfer(case, servers, w, wl.element_bytes, PULL_MESSAGES) for _, w in reps]
+    push = [_transfer(case, servers, w, wl.element_bytes, PUSH_MESSAGES) for _, w in reps]
+    pulled = [sim.add(f"w{r}.pull0", "server.out", pull[r], (), "comm")
               for r in range(len(reps))]
     done: list[list[int]] = []  # per clock: the updates applied (one when sync)
     for c in range(wl.clocks):
-        done.append(_clock(sim, case, mode, c, reps, transfer, pulled, done, servers,
+        done.append(_clock(sim, case, mode, c, reps, (pull, push), pulled, done, servers,
                            compute_1))
     sim.run()
     return _result(case, mode, sim, reps, pulled, servers, compute_1)
 
 
 def _clock(sim: Simulation, case: Case, mode: str, c: int, reps: list[tuple[float, float]],
-           transfer: list[float], pulled: list[int], done: list[list[int]], servers: int,
-           compute_1: float) -> list[int]:
+           transfer: tuple[list[float], list[float]], pulled: list[int],
+           done: list[list[int]], servers: int, compute_1: float) -> list[int]:
     """Clock ``c`` of every representative: compute, push, apply, pull (``pulled`` is
     updated in place). Returns the clock's apply tasks."""
     wl = case.workload
+    pull, push = transfer
     apply_1 = case.optimizer(case.profile.params / servers)
     pushes, applies = [], []
     for r, (factor, w) in enumerate(reps):
@@ -79,7 +99,7 @@ def _clock(sim: Simulation, case: Case, mode: str, c: int, reps: list[tuple[floa
         if mode == "ssp" and c - wl.staleness - 1 >= 0:  # wait for the slowest's clock
             deps += done[c - wl.staleness - 1]
         comp = sim.add(f"w{r}.c{c}", f"w{r}", compute_1 * factor, tuple(deps), "compute")
-        pushes.append(sim.add(f"w{r}.push{c}", "server.in", transfer[r], (comp,), "comm"))
+        pushes.append(sim.add(f"w{r}.push{c}", "server.in", push[r], (comp,), "comm"))
         if mode != "sync":  # applied on arrival
             applies.append(sim.add(f"apply{c}.{r}", "server.cpu", apply_1 * w,
                                    (pushes[-1],), "optimizer"))
@@ -90,7 +110,7 @@ def _clock(sim: Simulation, case: Case, mode: str, c: int, reps: list[tuple[floa
                                "optimizer"))
     for r in range(len(reps)):
         src = applies[0] if mode == "sync" else applies[r]
-        pulled[r] = sim.add(f"w{r}.pull{c + 1}", "server.out", transfer[r], (src,), "comm")
+        pulled[r] = sim.add(f"w{r}.pull{c + 1}", "server.out", pull[r], (src,), "comm")
     return applies
 
 

@@ -30,7 +30,6 @@ from disttrain.parallel.pipeline.schedules import (
 )
 from disttrain.simulate import memory
 from disttrain.simulate.base import Case, StepResult, not_applicable
-from disttrain.simulate.events import Simulation
 
 DEFAULT_MAX_STAGES = 8
 
@@ -39,13 +38,18 @@ class _Replica:
     """One pipeline replica's tasks, built by walking the schedule in dependency order."""
 
     def __init__(self, case: Case, schedule: Schedule, bounds: list[tuple[int, int]],
-                 micro: float, factor: float) -> None:
+                 micro: float, factor: float, dp: int) -> None:
         self.case, self.schedule, self.bounds = case, schedule, bounds
         self.micro, self.factor = micro, factor
-        self.sim = Simulation()
+        self.sim = case.simulation()
         self.sent: dict[tuple[str, int, int], int] = {}  # (kind, to stage, mb) → send task
         self.last_compute: dict[int, int] = {}
         self.bytes = [0.0] * schedule.num_stages
+        for s in range(schedule.num_stages):  # a stage stands for its dp copies
+            case.compute(self.sim, f"compute{s}", dp)
+            if case.overheads.step_s:  # every stage runs the loop (fetch, zero_grad, ...)
+                self.last_compute[s] = self.sim.add(f"loop@{s}", f"compute{s}",
+                                                    case.overheads.step_s, (), "overhead")
 
     def link(self, stage: int, to: int, nbytes: float) -> float:
         dpn = self.case.cluster.devices_per_node
@@ -124,7 +128,7 @@ def simulate_pipeline(case: Case, name: str, pp: int | None = None,
     bounds = boundaries(balance_by_cost(costs, pp))
     schedule = get_schedule("gpipe" if name == "model-parallel" else name, pp, m)
     factor = case.workload.speeds.slowest(case.workers)
-    rep = _Replica(case, schedule, bounds, replica_batch / m, factor)
+    rep = _Replica(case, schedule, bounds, replica_batch / m, factor, dp)
     rep.build()
     sent_dp = _finish(case, rep, pp, dp)
     step = rep.sim.run()
@@ -139,7 +143,9 @@ def _finish(case: Case, rep: _Replica, pp: int, dp: int) -> list[float]:
         seconds, nbytes, _ = case.collective("all_reduce", group, case.grad_bytes(range(lo, hi)))
         ar = rep.sim.add(f"ar@{s}", f"link{s}", seconds, (rep.last_compute[s],), "comm")
         params = sum(case.profile.layers[i].params for i in range(lo, hi))
-        rep.sim.add(f"opt@{s}", f"compute{s}", case.optimizer(params), (ar,), "optimizer")
+        tensors = sum(case.profile.layers[i].tensors for i in range(lo, hi))
+        rep.sim.add(f"opt@{s}", f"compute{s}", case.optimizer(params, tensors), (ar,),
+                    "optimizer")
         sent.append(nbytes)
     return sent
 

@@ -14,6 +14,9 @@ Ranks of ``disttrain bench`` run one thread each, so the profile is measured wit
 thread too. ``reference_flops`` is this machine's sustained matmul FLOP/s at that thread
 count: a cluster whose devices sustain F FLOP/s runs the profile ``reference_flops / F``
 times as long (see :meth:`disttrain.simulate.cluster.Cluster.compute_scale`).
+
+What the step pays besides its layers (the optimizer, the loop, the wrappers' Python work)
+is measured too, as named :class:`~disttrain.simulate.overheads.Overheads`.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from disttrain.parallel.pipeline.partition import layers_of
+from disttrain.simulate.overheads import Overheads
 
 PROFILE_BATCHES = (4, 32)
 REPEATS = 5
@@ -44,6 +48,7 @@ class LayerProfile:
     params: int  # trainable elements
     saved_bytes_per_sample: float  # what autograd keeps for backward
     output_bytes_per_sample: float  # what the next pipeline stage receives
+    tensors: int = 0  # trainable parameter tensors (DDP runs one hook per tensor)
 
     def forward(self, batch: float) -> float:
         return self.forward_fixed + batch * self.forward_per_sample
@@ -59,8 +64,9 @@ class ModelProfile:
     name: str
     layers: tuple[LayerProfile, ...]
     reference_flops: float  # sustained FLOP/s of the device the times are for
-    optimizer_s_per_param: float
+    optimizer_s_per_param: float  # used when ``overheads`` were not measured
     source: str = "measured"
+    overheads: Overheads = field(default_factory=Overheads)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -76,7 +82,16 @@ class ModelProfile:
         """Forward + backward of the whole model on ``batch`` samples (reference device)."""
         return sum(lay.forward(batch) + lay.backward(batch) for lay in self.layers)
 
-    def optimizer(self, params: float) -> float:
+    @property
+    def tensors(self) -> int:
+        return sum(layer.tensors for layer in self.layers)
+
+    def optimizer(self, params: float, name: str = "sgd", tensors: int = 1) -> float:
+        """One optimizer step over ``params`` fp32 parameters in ``tensors`` tensors
+        (reference device): the measured fixed + per-byte (+ per-tensor) costs when there
+        are, else ``optimizer_s_per_param`` per parameter."""
+        if self.overheads.measured:
+            return self.overheads.optimizer(name, params * 4, tensors)
         return params * self.optimizer_s_per_param
 
 
@@ -152,8 +167,13 @@ def _optimizer_rate(params: list[nn.Parameter]) -> float:
 
 
 def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tensor],
-            batches: tuple[int, int] = PROFILE_BATCHES, threads: int = 1) -> ModelProfile:
-    """Profile ``model`` (its ``layers_of`` split) on inputs ``make_input(batch)``."""
+            batches: tuple[int, int] = PROFILE_BATCHES, threads: int = 1,
+            loop: Callable[[], object] | None = None) -> ModelProfile:
+    """Profile ``model`` (its ``layers_of`` split) on inputs ``make_input(batch)``;
+    ``loop`` runs the training loop's own work of one step (for ``Overheads.step_s``)."""
+    from disttrain.simulate.cluster import usable_cores
+    from disttrain.simulate.wrappers import measure_overheads
+
     b1, b2 = batches
     if not 0 < b1 < b2:
         raise ValueError(f"batches must be two increasing sizes, got {batches}")
@@ -167,6 +187,7 @@ def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tenso
                                                                             make_input(b2))
             opt = _optimizer_rate([p for p in model.parameters() if p.requires_grad])
             flops = host_flops()
+            overheads = measure_overheads(model, make_input(b1), loop, usable_cores())
     finally:
         model.load_state_dict(state)
         torch.set_num_threads(old_threads)
@@ -178,8 +199,9 @@ def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tenso
             f"{i}:{type(layer).__name__}", max(0.0, s[0] - b1 * fwd_slope), fwd_slope,
             max(0.0, s[1] - b1 * bwd_slope), bwd_slope,
             sum(p.numel() for p in layer.parameters() if p.requires_grad),
-            g[2] / b2, g[3] / b2))
-    return ModelProfile(name, tuple(profiles), flops, opt, f"measured here ({threads} thread)")
+            g[2] / b2, g[3] / b2, sum(1 for p in layer.parameters() if p.requires_grad)))
+    return ModelProfile(name, tuple(profiles), flops, opt, f"measured here ({threads} thread)",
+                        overheads)
 
 
 def measure_registered(model: str, dataset: str = "digits", seed: int = 0) -> ModelProfile:
@@ -197,4 +219,27 @@ def measure_registered(model: str, dataset: str = "digits", seed: int = 0) -> Mo
             return torch.randint(0, info.num_classes, (batch, *info.input_shape))
         return torch.randn(batch, *info.input_shape)
 
-    return measure(model, net, make_input)
+    return measure(model, net, make_input, loop=_loop_work(net, dataset))
+
+
+def _loop_work(net: nn.Module, dataset: str, batch: int = PROFILE_BATCHES[0]
+               ) -> Callable[[], object]:
+    """One step of the training loop's own work around the model (what
+    :func:`disttrain.train.loop.train` does besides forward, backward and the optimizer):
+    fetch the batch, ``zero_grad``, the cross-entropy loss and its backward on an output of
+    the model's shape, ``float(loss)``."""
+    from disttrain.train.data import build_dataset, fetch
+    from disttrain.train.loop import loss_fn
+
+    train = build_dataset(dataset).train
+    indices = torch.arange(batch)
+    with torch.no_grad():
+        out = net(fetch(train, indices)[0])
+
+    def run() -> float:
+        _, targets = fetch(train, indices)
+        net.zero_grad(set_to_none=True)
+        loss = loss_fn(out.detach().requires_grad_(), targets)
+        loss.backward()
+        return float(loss.detach())
+    return run

@@ -8,15 +8,18 @@ not have is skipped, saying so) and each world size, it
    with the configuration the benchmark uses: the global batch fixed, the ``ring``
    algorithm, every rank a pipeline stage, 8 micro-batches (the only count the benchmark
    runs: another ``--microbatches`` is rejected);
-3. adds the training loop's per-step overhead that per-layer timing cannot see (fetching
-   the batch, the loss, ``zero_grad``, Python): the single-process reference's measured
-   step minus its simulated compute (the benchmark runs that reference anyway),
-4. runs the strategy with the benchmark's machinery
+   including what the step pays besides its layers, measured in the profile
+   (:class:`~disttrain.simulate.overheads.Overheads`: the loop, the optimizer, collective
+   calls, DDP's hooks, ZeRO's own work, the wake-up of a collective after compute, the
+   slowdown of ranks computing at once) and ranks beyond this machine's cores sharing them,
+3. runs the strategy with the benchmark's machinery
    (:func:`disttrain.bench.strategy_bench.run_table`: fresh processes, median step time of
    the slowest rank after warm-up),
 
-and prints both with their ratio. ``--json FILE`` writes one object per row with
-``strategy, world_size, predicted_step_s, measured_step_s`` (and ``ratio``).
+and prints both with their ratio. The single-process reference the benchmark runs anyway
+is printed as a check of the profile alone (no communication, no sharing). ``--json FILE``
+writes one object per row with ``strategy, world_size, predicted_step_s, measured_step_s``
+(and ``ratio``).
 """
 
 from __future__ import annotations
@@ -56,27 +59,18 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def predicted(profile: ModelProfile, strategy: str, world_size: int, global_batch: int,
-              microbatches: int, overhead_s: float = 0.0) -> float:
-    """The simulated step on the local cluster, plus the loop's per-step overhead (reference
-    seconds, slowed like compute when ranks outnumber cores)."""
+              microbatches: int) -> float:
+    """The simulated step on the local cluster (NaN when the strategy cannot run it)."""
     wl = Workload(global_batch=global_batch, algorithm="ring", pp_size=world_size,
                   microbatches=microbatches)
-    cluster = local()
-    row = simulate(profile, cluster, wl, strategy, world_size)
-    if row.error is not None:
-        return float("nan")
-    return row.step_s + overhead_s * cluster.compute_scale(profile.reference_flops, world_size)
+    row = simulate(profile, local(), wl, strategy, world_size)
+    return float("nan") if row.error is not None else row.step_s
 
 
-def loop_overhead(profile: ModelProfile, single_step_s: float | None,
-                  global_batch: int) -> float:
-    """What the training loop adds to the profiled layers in one process (fetching the
-    batch, the loss, zero_grad, Python): the single-process reference's measured step
-    minus its simulated compute. The benchmark runs that reference anyway."""
-    if not single_step_s:
-        return 0.0
-    modelled = profile.compute(global_batch) + profile.optimizer(profile.params)
-    return max(0.0, single_step_s - modelled)
+def single_step(profile: ModelProfile, global_batch: int) -> float:
+    """One process, no communication: the loop, forward, backward, the optimizer."""
+    return profile.overheads.step_s + profile.compute(global_batch) + profile.optimizer(
+        profile.params, "sgd", profile.tensors)
 
 
 def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -92,16 +86,22 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
                          eval_every=10**6)
     outcome = run_table(config, on_start=lambda i, n, run: print(
         f"[{i + 1}/{n}] measuring {run.label}", file=sys.stderr, flush=True))
-    single = next((r for r in outcome.rows if r["strategy"] == "single"), {})
-    overhead = loop_overhead(profile, single.get("step_time_s"), config.global_batch)
-    print(f"per-step loop overhead from the single-process reference: {overhead * 1e3:.2f} ms",
+    fwd_bwd = profile.compute(config.global_batch)
+    print(f"profile of {profile.name}: forward+backward {fwd_bwd * 1e3:.2f} ms at batch "
+          f"{config.global_batch}; per-step overheads:\n{profile.overheads.text()}",
           file=sys.stderr)
+    single = next((r for r in outcome.rows if r["strategy"] == "single"), {})
+    if single.get("step_time_s"):
+        pred = single_step(profile, config.global_batch)
+        print(f"single process: predicted {pred * 1e3:.2f} ms, measured "
+              f"{single['step_time_s'] * 1e3:.2f} ms ({pred / single['step_time_s']:.2f})",
+              file=sys.stderr)
     rows = []
     for row in outcome.rows:
         if row["strategy"] == "single":
             continue
         pred = predicted(profile, row["strategy"], row["world_size"], config.global_batch,
-                         args.microbatches, overhead)
+                         args.microbatches)
         measured = row.get("step_time_s") if row.get("error") is None else None
         rows.append({"strategy": row["strategy"], "world_size": row["world_size"],
                      "predicted_step_s": pred, "measured_step_s": measured,

@@ -1,0 +1,139 @@
+"""How much slower a rank computes when every core of this machine computes at once.
+
+Ranks of ``disttrain bench`` are processes, one thread each. Alone, a process has a core,
+the shared caches and the memory bandwidth to itself; when every core computes, each
+process gets its core but shares the rest (and on a virtual machine its vCPUs may be
+hyperthreads of one physical core). :func:`concurrent_slowdown` runs the same work in
+``processes`` forked processes at once and divides their time by the time alone; the
+event engine applies it while more than one core computes
+(:class:`~disttrain.simulate.events.Simulation`'s ``slowdown``). It concerns this machine
+only: on a cluster every rank has its own device.
+
+:func:`collective_wakeup` measures the other thing sharing does: a collective issued right
+after both ranks computed costs more than the same collective issued back to back, which
+is how ``disttrain bench comm --calibrate`` times it (threads and processes that must be
+woken and scheduled again). Two forked ranks over gloo time both.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from disttrain.simulate.overheads import median_time
+
+log = logging.getLogger(__name__)
+TIMEOUT_S = 60.0
+
+
+def _child(work: Callable[[], object], barrier: Any, results: Any, repeats: int) -> None:
+    torch.set_num_threads(1)
+    try:
+        barrier.wait(TIMEOUT_S)
+        results.put(median_time(work, repeats))
+    except Exception as exc:  # reported to the parent, which falls back to 1
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def concurrent_slowdown(work: Callable[[], object], processes: int,
+                        repeats: int = 40) -> float:
+    """Time of ``work`` in each of ``processes`` processes at once (their mean median)
+    over its time alone, at least 1. Falls back to 1 (logged) if the processes fail."""
+    if processes < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return 1.0
+    alone = median_time(work, repeats)
+    ctx = multiprocessing.get_context("fork")  # the work is a closure: not picklable
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    children = [ctx.Process(target=_child, args=(work, barrier, results, repeats),
+                            daemon=True) for _ in range(processes)]
+    for child in children:
+        child.start()
+    times: list[float] = []
+    try:
+        for _ in children:
+            value = results.get(timeout=TIMEOUT_S)
+            if isinstance(value, str):
+                raise RuntimeError(value)
+            times.append(value)
+    except Exception as exc:
+        log.warning("could not measure the concurrent slowdown (%s); assuming none", exc)
+        return 1.0
+    finally:
+        for child in children:
+            child.join(timeout=5)
+            if child.is_alive():
+                child.kill()
+    return max(1.0, statistics.mean(times) / alone) if alone > 0 else 1.0
+
+
+def _collective_child(rank: int, store_path: str, work: Callable[[], object], nbytes: int,
+                      repeats: int, results: Any) -> None:
+    import torch.distributed as dist
+
+    from disttrain.comm import Communicator
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
+                                world_size=2)
+        comm = Communicator.from_torch()
+        x = torch.zeros(max(1, nbytes // 4))
+        hot, cold = [], []
+        for _ in range(repeats + 2):
+            comm.barrier()
+            start = time.perf_counter()
+            comm.all_reduce(x, algorithm="ring")
+            hot.append(time.perf_counter() - start)
+            comm.barrier()
+            work()  # both ranks compute, as in a training step
+            start = time.perf_counter()
+            comm.all_reduce(x, algorithm="ring")
+            cold.append(time.perf_counter() - start)
+        comm.close()
+        dist.destroy_process_group()
+        results.put((statistics.median(cold[2:]), statistics.median(hot[2:])))
+    except Exception as exc:  # reported to the parent, which falls back to 0
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def collective_wakeup(work: Callable[[], object], nbytes: int, repeats: int = 15) -> float:
+    """Extra seconds of a 2-rank ring all-reduce of ``nbytes`` issued right after both ranks
+    ran ``work`` (as in a training step) over the same all-reduce issued back to back (as
+    ``disttrain bench comm --calibrate`` times it): the median over ranks of the
+    difference of medians, at least 0. Falls back to 0 (logged) if the ranks fail."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 0.0
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        children = [ctx.Process(target=_collective_child, daemon=True,
+                                args=(r, store, work, nbytes, repeats, results))
+                    for r in range(2)]
+        for child in children:
+            child.start()
+        try:
+            pairs = []
+            for _ in children:
+                value = results.get(timeout=TIMEOUT_S)
+                if isinstance(value, str):
+                    raise RuntimeError(value)
+                pairs.append(value)
+        except Exception as exc:
+            log.warning("could not measure the in-step collective wake-up (%s); assuming "
+                        "none", exc)
+            return 0.0
+        finally:
+            for child in children:
+                child.join(timeout=10)
+                if child.is_alive():
+                    child.kill()
+    return max(0.0, statistics.median(cold - hot for cold, hot in pairs))

@@ -1,0 +1,166 @@
+"""What a training step pays besides its layers' forward and backward, measured here.
+
+Per-layer timing (:mod:`~disttrain.simulate.profile`) sees the arithmetic; a real step also
+runs the optimizer, the loop around the model, and the Python work of the strategy's
+wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, shown by
+``disttrain simulate`` and used as tasks by the strategies' event simulations:
+
+==========================  ==========================================================
+``step_s``                  the loop's own work per step: fetch the batch, ``zero_grad``,
+                            the cross-entropy loss, ``float(loss)``
+``sgd_fixed_s``,            SGD with momentum: ``fixed + bytes · per_byte`` per call on
+``sgd_s_per_byte``          one flat tensor (fp32 parameter bytes)
+``adam_fixed_s``,           the same for Adam
+``adam_s_per_byte``
+``optimizer_tensor_s``      extra per parameter tensor when the optimizer runs on the
+                            model's own tensors instead of one flat shard
+``collective_call_s``       one collective call through a Communicator with nothing to
+                            send (a one-rank group): queueing it to the progress thread,
+                            the hand-off, the flight recorder, the wait
+``hook_s_per_tensor``       DDP's reducer per parameter tensor: its post-accumulate-grad
+                            hook and the copy into the bucket (measured on the real
+                            ``DataParallel``, one rank, minus ``collective_call_s`` per
+                            bucket)
+``zero_s`` (stage → s)      the real ZeRO wrapper's own per-step work (flatten, shard and
+                            copy back; stage 3: gather and free per unit) on one rank,
+                            minus its collective calls and its optimizer
+``collective_wakeup_s``     a 2-rank ring all-reduce of the gradients issued right after
+                            both ranks ran forward+backward, minus the same issued back
+                            to back (as the calibration times it)
+                            (:mod:`~disttrain.simulate.contention`)
+``concurrent_slowdown``     how much slower the model's forward+backward runs in each of
+                            this machine's cores at once than alone (a ratio ≥ 1;
+                            :mod:`~disttrain.simulate.contention`)
+==========================  ==========================================================
+
+Everything is measured with one thread, as ``disttrain bench`` ranks run. The collectives
+measured on one rank move no bytes: their cost on p ranks is the α-β-γ model's, and only
+the software overhead of issuing them is here. How each piece carries to other clusters is
+in :meth:`Overheads.host_scale` (docs/simulate.md, "Overheads").
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+REPEATS = 15
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Measured per-step costs besides the layers (seconds; see the module docstring).
+    All zero (the default) means "not measured": analytic profiles have none."""
+
+    step_s: float = 0.0
+    sgd_fixed_s: float = 0.0
+    sgd_s_per_byte: float = 0.0
+    adam_fixed_s: float = 0.0
+    adam_s_per_byte: float = 0.0
+    optimizer_tensor_s: float = 0.0
+    collective_call_s: float = 0.0
+    hook_s_per_tensor: float = 0.0
+    zero_s: dict[int, float] = field(default_factory=dict)
+    collective_wakeup_s: float = 0.0  # this machine only (see Case.wakeup)
+    concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
+
+    def __post_init__(self) -> None:
+        for name, value in self.named():
+            if not value >= 0:
+                raise ValueError(f"Overheads.{name} must be ≥ 0 seconds, got {value!r}")
+        if not self.concurrent_slowdown >= 1:
+            raise ValueError(f"Overheads.concurrent_slowdown must be ≥ 1 (1: none), got "
+                             f"{self.concurrent_slowdown!r}")
+
+    def named(self) -> list[tuple[str, float]]:
+        """Every quantity by name (for the profile printout and validation)."""
+        plain = [(k, float(getattr(self, k))) for k in (
+            "step_s", "sgd_fixed_s", "sgd_s_per_byte", "adam_fixed_s", "adam_s_per_byte",
+            "optimizer_tensor_s", "collective_call_s", "hook_s_per_tensor",
+            "collective_wakeup_s")]
+        return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())]
+
+    @property
+    def measured(self) -> bool:
+        return any(v > 0 for _, v in self.named())
+
+    def optimizer(self, name: str, nbytes: float, tensors: int = 1) -> float:
+        """One optimizer step over ``nbytes`` of fp32 parameters in ``tensors`` tensors."""
+        fixed, per_byte = ((self.sgd_fixed_s, self.sgd_s_per_byte) if name == "sgd"
+                           else (self.adam_fixed_s, self.adam_s_per_byte))
+        return fixed + nbytes * per_byte + max(0, tensors - 1) * self.optimizer_tensor_s
+
+    def text(self) -> str:
+        """One line per quantity, µs (per byte: ns per KB)."""
+        lines = []
+        for name, value in self.named():
+            shown = f"{value * 1e9 * 1e3:.2f} ns/KB" if name.endswith("per_byte") else \
+                f"{value * 1e6:.1f} µs"
+            lines.append(f"  {name:22s} {shown}")
+        lines.append(f"  {'concurrent_slowdown':22s} ×{self.concurrent_slowdown:.2f}")
+        return "\n".join(lines)
+
+
+def median_time(run: Callable[[], object], repeats: int = REPEATS) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def paired(base: Callable[[], object], other: Callable[[], object],
+           repeats: int = 21, rounds: int = 3) -> float:
+    """``other``'s time minus ``base``'s, run alternately (a load that comes and goes on a
+    shared machine hits both halves of a pair alike): the median over ``repeats`` pairs,
+    the least of ``rounds`` such medians (a burst of load inflates a whole round)."""
+    base()
+    other()
+    medians = []
+    for _ in range(rounds):
+        diffs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            base()
+            mid = time.perf_counter()
+            other()
+            diffs.append((time.perf_counter() - mid) - (mid - start))
+        medians.append(statistics.median(diffs))
+    return min(medians)
+
+
+def optimizer_costs(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+                    ) -> tuple[float, float]:
+    """(fixed s, s per byte) of the step of ``make([param])`` on one flat fp32 tensor,
+    fitted from two sizes (4 KB and 1 MB)."""
+    sizes, times = (1 << 10, 1 << 18), []
+    for n in sizes:
+        p = nn.Parameter(torch.zeros(n))
+        p.grad = torch.full((n,), 1e-3)
+        opt = make([p])
+        times.append(median_time(opt.step))
+    per_byte = max(0.0, (times[1] - times[0]) / ((sizes[1] - sizes[0]) * 4))
+    return max(0.0, times[0] - sizes[0] * 4 * per_byte), per_byte
+
+
+def tensor_cost(params: Sequence[nn.Parameter], fixed: float, per_byte: float) -> float:
+    """Extra seconds per tensor of an SGD step over ``params`` against one flat tensor."""
+    if len(params) < 2:
+        return 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.SGD(params, lr=0.0, momentum=0.9)
+    took = median_time(opt.step)
+    nbytes = sum(p.numel() * 4 for p in params)
+    for p in params:
+        p.grad = None
+    return max(0.0, (took - fixed - nbytes * per_byte) / (len(params) - 1))

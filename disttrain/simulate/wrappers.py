@@ -1,0 +1,160 @@
+"""Measure the Python work of the strategies' own wrappers on one rank (for
+:class:`~disttrain.simulate.overheads.Overheads`).
+
+A one-rank :class:`~disttrain.comm.Communicator` over :class:`SoloTransport` runs every
+collective's machinery (the call, the progress thread, the flight recorder, the wait) but
+no algorithm moves a byte: what the real ``DataParallel`` and ZeRO wrappers cost on top of
+the plain model, with nothing to communicate, is then their bookkeeping. Collective
+*transfers* on p ranks are the α-β-γ model's business; these are the software overheads
+around them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from disttrain.comm import CommConfig, Communicator, LinkCosts, Transport
+from disttrain.simulate.overheads import (
+    Overheads,
+    median_time,
+    optimizer_costs,
+    paired,
+    tensor_cost,
+)
+
+
+class SoloTransport(Transport):
+    """A group of one rank: nothing is ever sent (a collective on one rank moves no bytes)."""
+
+    name = "solo"
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        return (0,)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> object:  # type: ignore[override]
+        raise RuntimeError("SoloTransport has no peer to send to")
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> object:  # type: ignore[override]
+        raise RuntimeError("SoloTransport has no peer to receive from")
+
+    def subgroup(self, ranks: Sequence[int]) -> Transport | None:
+        return self
+
+
+def solo_comm() -> Communicator:
+    return Communicator(SoloTransport(), CommConfig(), costs=LinkCosts())
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _fwd_bwd(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        _loss(model(x)).backward()
+    return run
+
+
+def collective_call(comm: Communicator) -> float:
+    """Seconds of one asynchronous all-reduce call plus its wait, nothing to send."""
+    x = torch.zeros(1)
+
+    def run() -> None:
+        work = comm.all_reduce(x, async_op=True)
+        assert work is not None
+        work.wait()
+    return median_time(run)
+
+
+def ddp_hook(module: nn.Module, x: torch.Tensor, comm: Communicator, call_s: float) -> float:
+    """DDP's reducer per parameter tensor: (wrapped − plain forward+backward − one
+    collective call per bucket) / tensors."""
+    from disttrain.parallel.data_parallel import DataParallel
+
+    wrapped = DataParallel(copy.deepcopy(module), comm)
+    try:
+        extra = paired(_fwd_bwd(module, x), _fwd_bwd(wrapped, x))
+        buckets = len(wrapped.buckets)
+    finally:
+        wrapped.reducer.remove_hooks()
+    tensors = sum(1 for p in module.parameters() if p.requires_grad)
+    return max(0.0, (extra - buckets * call_s) / max(1, tensors))
+
+
+def zero_work(stage: int, module: nn.Module, x: torch.Tensor, comm: Communicator,
+              call_s: float, sgd: tuple[float, float]) -> float:
+    """The ZeRO ``stage`` wrapper's own work per step on one rank: its step minus the plain
+    forward+backward, its collective calls and its SGD step on the flat shard."""
+    from disttrain.parallel.zero import STAGES, ZeroConfig
+
+    net = copy.deepcopy(module)
+    quiet = logging.getLogger("disttrain.parallel.zero")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # the wrapper logs its layout at INFO
+    try:
+        zero = STAGES[stage](net, comm, lambda ps: torch.optim.SGD(ps, lr=0.0, momentum=0.9),
+                             ZeroConfig())
+    finally:
+        quiet.setLevel(level)
+    model = zero if isinstance(zero, nn.Module) else net
+
+    def step() -> None:
+        zero.zero_grad(set_to_none=True)
+        _loss(model(x)).backward()
+        zero.step()
+
+    calls = _calls(comm)
+    step()
+    per_step = _calls(comm) - calls
+    extra = paired(_fwd_bwd(module, x), step)
+    nbytes = sum(p.numel() * 4 for p in module.parameters() if p.requires_grad)
+    return max(0.0, extra - per_step * call_s - (sgd[0] + nbytes * sgd[1]))
+
+
+def _calls(comm: Communicator) -> int:
+    return sum(op["calls"] for op in comm.stats.snapshot().values())
+
+
+def measure_overheads(module: nn.Module, x: torch.Tensor,
+                      loop: Callable[[], object] | None = None, cores: int = 1) -> Overheads:
+    """Every :class:`Overheads` quantity for ``module`` on input ``x`` (one thread is the
+    caller's business). ``loop`` runs the loop's own per-step work once; ``cores`` > 1
+    measures ``concurrent_slowdown`` with that many processes."""
+    from disttrain.simulate.contention import collective_wakeup, concurrent_slowdown
+
+    sgd = optimizer_costs(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
+    adam = optimizer_costs(lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    params = [p for p in module.parameters() if p.requires_grad]
+    # before any thread starts (it forks). The least of three: other load on the machine
+    # needs a free core to hurt one process, two to hurt the pair, and inflates the ratio
+    slowdown = min(concurrent_slowdown(_fwd_bwd(module, x), cores) for _ in range(3))
+    nbytes = sum(p.numel() * 4 for p in module.parameters() if p.requires_grad)
+    wakeup = collective_wakeup(_fwd_bwd(module, x), nbytes) if cores > 1 else 0.0
+    comm = solo_comm()
+    try:
+        call = collective_call(comm)
+        hook = ddp_hook(module, x, comm, call)
+        zero = {k: zero_work(k, module, x, comm, call, sgd) for k in (1, 2, 3)}
+    finally:
+        comm.close()
+    return Overheads(step_s=median_time(loop) if loop is not None else 0.0,
+                     sgd_fixed_s=sgd[0], sgd_s_per_byte=sgd[1], adam_fixed_s=adam[0],
+                     adam_s_per_byte=adam[1],
+                     optimizer_tensor_s=tensor_cost(params, sgd[0], sgd[1]),
+                     collective_call_s=call, hook_s_per_tensor=hook, zero_s=zero,
+                     collective_wakeup_s=wakeup, concurrent_slowdown=slowdown)

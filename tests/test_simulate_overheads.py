@@ -1,0 +1,220 @@
+"""The pieces a step pays besides its layers (measured ``Overheads``) and ranks sharing
+cores, as events: fixed profile numbers in, exact timelines out (no timing assertions),
+plus one run of the real measurement on a tiny model (values only checked for sanity)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from disttrain.comm.cost_model import LinkCosts
+from disttrain.simulate.base import Case
+from disttrain.simulate.cluster import Cluster, Link
+from disttrain.simulate.data_parallel import simulate_ddp, simulate_zero3, simulate_zero12
+from disttrain.simulate.events import Simulation
+from disttrain.simulate.overheads import Overheads
+from disttrain.simulate.parameter_server import PULL_MESSAGES, PUSH_MESSAGES, simulate_ps
+from disttrain.simulate.pipeline import simulate_pipeline
+from disttrain.simulate.profile import LayerProfile, ModelProfile
+from disttrain.simulate.workload import Workload
+
+FREE = LinkCosts(alpha=0.0, beta=0.0, gamma=0.0, native_alpha=0.0, native_beta=0.0)
+PAYS = Overheads(step_s=0.5, sgd_fixed_s=0.25, sgd_s_per_byte=1e-3, adam_fixed_s=1.0,
+                 adam_s_per_byte=4e-3, optimizer_tensor_s=0.125, collective_call_s=0.75,
+                 hook_s_per_tensor=0.0625, zero_s={1: 3.0, 2: 5.0, 3: 8.0})
+
+
+def _profile(layers: int = 4, params: int = 100, overheads: Overheads = PAYS) -> ModelProfile:
+    """Layers of 1 s forward and 2 s backward per sample, two tensors each."""
+    return ModelProfile("toy", tuple(LayerProfile(f"l{i}", 0.0, 1.0, 0.0, 2.0, params, 0.0,
+                                                  0.0, tensors=2) for i in range(layers)),
+                        reference_flops=1.0, optimizer_s_per_param=0.0, overheads=overheads)
+
+
+def _cluster(costs: LinkCosts = FREE, cores: int = 0) -> Cluster:
+    return Cluster("toy", 1, 64, 1e12, Link(1.0, 1.0), Link(1.0, 1.0), gamma=1e-300,
+                   intra_costs=costs, shared_cores=cores)
+
+
+def _case(workers: int, overheads: Overheads = PAYS, cores: int = 0,
+          costs: LinkCosts = FREE, **workload: object) -> Case:
+    wl = Workload(global_batch=workers, algorithm="ring", **workload)  # type: ignore[arg-type]
+    return Case(_profile(overheads=overheads), _cluster(costs, cores), wl, workers)
+
+
+# ---------------------------------------------------------------------------- the engine
+def test_tasks_on_shared_cores_slow_each_other_only_while_they_overlap() -> None:
+    sim = Simulation(cores=2)
+    for r in range(4):
+        sim.resource(f"r{r}", load=1)
+    first = [sim.add(f"a{r}", f"r{r}", 1.0) for r in range(4)]  # 4 runnable on 2 cores
+    alone = sim.add("alone", "r0", 1.0, (first[0],))
+    link = sim.add("msg", "link", 0.5, (first[1],))  # not on the cores: full speed
+    assert sim.run() == pytest.approx(3.0)
+    assert [sim.end(t) for t in first] == pytest.approx([2.0] * 4)
+    assert (sim.start(alone), sim.end(alone)) == pytest.approx((2.0, 3.0))
+    assert (sim.start(link), sim.end(link)) == pytest.approx((2.0, 2.5))
+    assert sim.busy("r0") == pytest.approx(3.0)  # wall time, stretched
+
+
+def test_a_representative_load_and_unequal_tasks_share_cores() -> None:
+    sim = Simulation(cores=1)
+    sim.resource("a", load=1)
+    sim.resource("b", load=1)
+    short, long = sim.add("s", "a", 1.0), sim.add("l", "b", 3.0)
+    assert sim.run() == pytest.approx(4.0)  # both at half speed until s ends at 2
+    assert (sim.end(short), sim.end(long)) == pytest.approx((2.0, 4.0))
+    rep = Simulation(cores=2)
+    rep.resource("p4", load=4)  # one task standing for 4 ranks on 2 cores
+    rep.add("x", "p4", 1.0)
+    assert rep.run() == pytest.approx(2.0)
+    off = Simulation()  # cores=0: loads are ignored
+    off.resource("p4", load=4)
+    off.add("x", "p4", 1.0)
+    assert off.run() == pytest.approx(1.0)
+
+
+def test_measured_slowdown_applies_only_while_several_cores_compute() -> None:
+    sim = Simulation(cores=2, slowdown=1.5)
+    sim.resource("a", load=1)
+    sim.resource("b", load=1)
+    together = [sim.add("a0", "a", 3.0), sim.add("b0", "b", 3.0)]  # both cores: ×1.5
+    alone = sim.add("a1", "a", 1.0, (together[1],))  # one core busy: full speed
+    assert sim.run() == pytest.approx(5.5)
+    assert [sim.end(t) for t in together] == pytest.approx([4.5, 4.5])
+    assert (sim.start(alone), sim.end(alone)) == pytest.approx((4.5, 5.5))
+    four = Simulation(cores=2, slowdown=1.5)  # oversubscribed: shared, and slowed
+    four.resource("p4", load=4)
+    four.add("x", "p4", 1.0)
+    assert four.run() == pytest.approx(3.0)
+
+
+def test_engine_rejects_negative_cores_and_conflicting_loads() -> None:
+    with pytest.raises(ValueError, match="cores"):
+        Simulation(cores=-1)
+    with pytest.raises(ValueError, match="slowdown"):
+        Simulation(cores=2, slowdown=0.5)
+    sim = Simulation(cores=2)
+    sim.resource("r", load=1)
+    with pytest.raises(ValueError, match="load"):
+        sim.resource("r", load=2)
+    with pytest.raises(ValueError, match="load"):
+        sim.resource("q", load=-1)
+
+
+# ---------------------------------------------------------------------------- overheads
+def test_overheads_validate_name_and_price_the_optimizer() -> None:
+    with pytest.raises(ValueError, match="collective_call_s"):
+        Overheads(collective_call_s=-1.0)
+    with pytest.raises(ValueError, match="concurrent_slowdown"):
+        Overheads(concurrent_slowdown=0.9)
+    assert not Overheads(concurrent_slowdown=1.3).measured  # a ratio, not a cost
+    assert not Overheads().measured and PAYS.measured
+    assert PAYS.optimizer("sgd", 400.0, tensors=3) == pytest.approx(0.25 + 0.4 + 2 * 0.125)
+    assert PAYS.optimizer("adam", 400.0) == pytest.approx(1.0 + 1.6)
+    text = PAYS.text()
+    assert all(name in text for name, _ in PAYS.named()) and "zero3_s" in text
+    # without measured overheads the profile falls back to its per-parameter rate
+    bare = ModelProfile("toy", _profile().layers, 1.0, 0.01)
+    assert bare.optimizer(100, "adam", 8) == pytest.approx(1.0)
+
+
+def test_ddp_timeline_pays_loop_hooks_call_and_optimizer() -> None:
+    row = simulate_ddp(_case(2))  # 4 layers × 100 fp32 = 1.6 kB: one bucket
+    compute = 4 * (1.0 + 2.0)
+    hooks = 4 * 2 * 0.0625
+    opt = 0.25 + 1600 * 1e-3 + 7 * 0.125  # 8 tensors
+    # loop, F, B (+hooks), then the bucket's call on the link, then the optimizer
+    assert row.step_s == pytest.approx(0.5 + compute + hooks + 0.75 + opt)
+    bare = simulate_ddp(_case(2, Overheads()))
+    assert bare.step_s == pytest.approx(compute)
+
+
+def test_zero_stages_pay_their_calls_and_their_own_work() -> None:
+    one = simulate_zero12(_case(2), 1)
+    compute, opt = 4 * 3.0, 0.25 + 800 * 1e-3  # SGD on Ψ/2
+    # loop, F, B, call + reduce-scatter, optimizer, call + all-gather, ZeRO's own work
+    assert one.step_s == pytest.approx(0.5 + compute + 0.75 + opt + 0.75 + 3.0)
+    three = simulate_zero3(_case(2))
+    # every F and B carries 8 / (2·4) s of ZeRO-3's gather-and-free work; prefetched
+    # gathers' calls hide behind compute (0.75 s < 2 s), the loop behind the first call.
+    # Critical path: call agF0, F0..F3 (2 s each), call agB3, B3..B0 (3 s each), call rs0,
+    # optimizer on Ψ/2 in one flat tensor
+    assert three.step_s == pytest.approx(0.75 + 4 * 2.0 + 0.75 + 4 * 3.0 + 0.75 + opt)
+
+
+def test_wakeup_after_compute_is_charged_only_where_ranks_share_cores() -> None:
+    wake = Overheads(collective_wakeup_s=0.25)
+    plain = simulate_ddp(_case(2, Overheads()))
+    assert simulate_ddp(_case(2, wake)).step_s == pytest.approx(plain.step_s)  # a cluster
+    # this machine (2 ranks on 2 cores): the one bucket's all-reduce waits 0.25 s more
+    assert simulate_ddp(_case(2, wake, cores=2)).step_s == pytest.approx(plain.step_s + 0.25)
+    # ZeRO-1: its reduce-scatter and its all-gather both follow compute
+    zero = simulate_zero12(_case(2, Overheads()), 1)
+    assert simulate_zero12(_case(2, wake, cores=2), 1).step_s == pytest.approx(
+        zero.step_s + 0.5)
+
+
+def test_zero3_gathers_only_layers_with_parameters() -> None:
+    layers = tuple(LayerProfile(f"l{i}", 0.0, 1.0, 0.0, 2.0, 100 if i % 2 == 0 else 0, 0.0,
+                                0.0, tensors=2 if i % 2 == 0 else 0) for i in range(4))
+    profile = ModelProfile("toy", layers, 1.0, 0.0,
+                           overheads=Overheads(step_s=0.5, collective_call_s=0.75))
+    row = simulate_zero3(Case(profile, _cluster(), Workload(global_batch=2), 2))
+    # loop, 4 F, 4 B, optimizer; 2 units × (gather, gather, reduce-scatter) × (call, op)
+    assert row.details["events"] == 1 + 4 + 4 + 1 + 2 * 3 * 2
+
+
+def test_ps_round_trips_are_charged_per_protocol_message() -> None:
+    alpha = 0.01
+    costs = LinkCosts(alpha=alpha, beta=0.0, gamma=0.0, native_alpha=0.0)
+    clocks = 3
+    row = simulate_ps(_case(2, Overheads(step_s=0.5), costs=costs, servers=1, clocks=clocks),
+                      "sync")
+    compute = 4 * 3.0 + 0.5  # one sample each, plus the loop
+    per_clock = compute + PUSH_MESSAGES * alpha + PULL_MESSAGES * alpha
+    assert row.step_s == pytest.approx((PULL_MESSAGES * alpha + clocks * per_clock) / clocks)
+
+
+def test_ranks_beyond_the_cores_share_them_only_when_they_compute_at_once() -> None:
+    plain = simulate_ddp(_case(4, Overheads()))
+    shared = simulate_ddp(_case(4, Overheads(), cores=2))  # 4 ranks on 2 cores
+    assert shared.step_s == pytest.approx(2 * plain.step_s)
+    assert any("share 2 cores" in n for n in shared.notes)
+    slowed = simulate_ddp(_case(4, Overheads(concurrent_slowdown=1.25), cores=2))
+    assert slowed.step_s == pytest.approx(2.5 * plain.step_s)
+    cluster = simulate_ddp(_case(4, Overheads(concurrent_slowdown=1.25)))  # no shared cores
+    assert cluster.step_s == pytest.approx(plain.step_s)
+    # model parallelism: one stage computes at a time, nothing to share
+    mp = simulate_pipeline(_case(4, Overheads(), cores=2, pp_size=4), "model-parallel")
+    assert mp.step_s == pytest.approx(4 * 4 * (1.0 + 2.0))  # 4 stages, 4 samples each
+    # GPipe: stages overlap in the steady state, so sharing stretches part of the step
+    free = simulate_pipeline(_case(4, Overheads(), pp_size=4, microbatches=4), "gpipe")
+    busy = simulate_pipeline(_case(4, Overheads(), cores=2, pp_size=4, microbatches=4),
+                             "gpipe")
+    assert free.step_s < busy.step_s < 2 * free.step_s
+
+
+# ---------------------------------------------------------------------------- measuring
+def test_measured_overheads_come_from_the_real_wrappers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from disttrain.simulate.wrappers import measure_overheads
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    calls = []
+    with caplog.at_level(logging.WARNING):
+        overheads = measure_overheads(net, torch.randn(4, 8), loop=lambda: calls.append(1),
+                                      cores=2)
+    assert "could not measure" not in caplog.text  # the forked processes reported
+    assert calls  # the loop's work was timed
+    assert sorted(overheads.zero_s) == [1, 2, 3]
+    values = dict(overheads.named())
+    assert all(v >= 0 for v in values.values())
+    assert values["collective_call_s"] > 0 and values["sgd_s_per_byte"] > 0
+    assert "could not measure the in-step" not in caplog.text  # two gloo ranks ran
+    assert overheads.concurrent_slowdown >= 1  # two forked processes ran the model
+    assert all(p.grad is None for p in net.parameters())  # the model is left as it was
