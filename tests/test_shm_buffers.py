@@ -89,10 +89,28 @@ def mismatch(_torch_comm: Communicator) -> tuple[str, bool]:
     return message, bool((shared == 2.0 * comm.world_size).all())
 
 
+def op_mismatch(_torch_comm: Communicator) -> str:
+    comm = shm_comm()
+    x = torch.ones(20_000)
+    try:
+        comm.all_reduce(x, "max" if comm.rank == 1 else "sum", algorithm="shm")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_disagreeing_on_the_op_fail_on_every_rank(pools):
+    """The declaration covers the slot path too: a rank reducing with another op (or
+    dtype, or size) would silently mix results."""
+    for message in pools(2).run(op_mismatch):
+        assert "rank 0: an ordinary tensor, 80000 bytes of float32, sum" in message
+        assert "rank 1: an ordinary tensor, 80000 bytes of float32, max" in message
+
+
 def test_ranks_disagreeing_on_the_tensor_fail_on_every_rank(pools):
     per_rank = pools(3).run(mismatch)
     for message, usable in per_rank:
-        assert "rank 0: an ordinary tensor of 80000 bytes" in message
+        assert "rank 0: an ordinary tensor, 80000 bytes of float32, sum" in message
         assert "rank 1: shared buffer #" in message and "Communicator.shared_zeros" in message
         assert usable
 

@@ -54,7 +54,8 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, op: ReduceOp) -> No
         _one_shot(ctx, area, tensor, op)
         return
     shared = ctx.transport.buffers.find(tensor)  # type: ignore[attr-defined]
-    intent = (0, 0, nbytes) if shared is None else (shared[0].index + 1, shared[1], nbytes)
+    what = _what(nbytes, tensor.dtype, op)
+    intent = (0, 0, what) if shared is None else (shared[0].index + 1, shared[1], what)
     area.declare(intent)  # checked after the first step: every rank must take the same path
     if shared is not None:
         buffer, offset = shared
@@ -159,10 +160,28 @@ def _in_place(ctx: CollectiveContext, area: CollectiveArea, regions: list[torch.
     count(ctx, n * es, ((p - 1) * (s1 - s0) + n - (s1 - s0)) * es)
 
 
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+_OPS = tuple(ReduceOp)
+
+
+def _what(nbytes: int, dtype: torch.dtype, op: ReduceOp) -> int:
+    """Bytes, dtype and op in one 48-bit word of the intent: bits 0-37, 38-43, 44-47."""
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else 63
+    return nbytes % (1 << 38) | code << 38 | _OPS.index(op) << 44
+
+
+def _describe(what: int) -> str:
+    code, op = what >> 38 & 63, _OPS[what >> 44 & 15]
+    dtype = str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "other"
+    return f"{what % (1 << 38)} bytes of {dtype}, {op.value}"
+
+
 def _agree(ctx: CollectiveContext, area: CollectiveArea, intent: tuple[int, int, int]) -> None:
     """Raise on every rank unless all declared the same intent: a rank passing an ordinary
-    tensor while another passes a shared one would otherwise read garbage or hang. Every
-    rank has taken the same steps and rounds by then, so the communicator stays usable."""
+    tensor while another passes a shared one (or another size, dtype or op) would otherwise
+    read garbage or hang. Every rank has taken the same steps and rounds by then, so the
+    communicator stays usable."""
     intents = area.intents()
     if all(i == intent for i in intents):
         return
@@ -170,12 +189,12 @@ def _agree(ctx: CollectiveContext, area: CollectiveArea, intent: tuple[int, int,
     def said(i: tuple[int, int, int] | None) -> str:
         if i is None:
             return "no large all_reduce"
-        return (f"an ordinary tensor of {i[2]} bytes" if i[0] == 0 else
-                f"shared buffer #{i[0] - 1} at byte {i[1]}, {i[2]} bytes")
+        return (f"an ordinary tensor, {_describe(i[2])}" if i[0] == 0 else
+                f"shared buffer #{i[0] - 1} at byte {i[1]}, {_describe(i[2])}")
 
     listing = "; ".join(f"rank {r}: {said(i)}" for r, i in enumerate(intents))
     raise ValueError(
-        f"{ctx.op} #{ctx.seq} (shm) on rank {ctx.rank}: the ranks passed different kinds of "
-        f"tensor ({listing}). Pass tensors from Communicator.shared_zeros (allocated on every "
-        f"rank in the same order, the same slice on every rank) on every rank, or ordinary "
-        f"tensors on every rank")
+        f"{ctx.op} #{ctx.seq} (shm) on rank {ctx.rank}: the ranks passed different tensors "
+        f"or ops ({listing}). Pass the same size, dtype and op on every rank, and either "
+        f"tensors from Communicator.shared_zeros (allocated in the same order on every rank, "
+        f"the same slice on every rank) or ordinary tensors, on every rank alike")
