@@ -18,8 +18,8 @@ from disttrain.bench.pipeline_bench import (
 from disttrain.cli import main
 
 
-def _step(wall: float, inside: float, wait: float, busy: float) -> dict[str, float]:
-    return {"wall_s": wall, "inside_s": inside, "wait_s": wait, "busy_s": busy}
+def _step(wall: float, idle: float, busy: float) -> dict[str, float]:
+    return {"wall_s": wall, "inside_s": wall, "wait_s": idle, "idle_s": idle, "busy_s": busy}
 
 
 def test_theory_is_the_bubble():
@@ -29,10 +29,10 @@ def test_theory_is_the_bubble():
 
 def test_a_row_splits_each_stage_interval_into_idle_busy_and_overhead():
     config = PipelineBenchConfig(stages=(2,), microbatches=(4,), steps=3)
-    # stage 0: 1 s intervals, 0.1 s after its step, 0.1 s waiting inside, 0.7 s computing;
-    # its third step was disturbed (the median leaves it out). Stage 1 waits 0.3 s inside.
-    stage0 = [_step(1.0, 0.9, 0.1, 0.7), _step(1.0, 0.9, 0.1, 0.7), _step(2.0, 1.0, 0.9, 0.1)]
-    stage1 = [_step(1.0, 1.0, 0.3, 0.6)] * 3
+    # stage 0: 1 s periods, 0.2 s waiting for a neighbour, 0.7 s computing; its third step
+    # was disturbed (the median leaves it out). Stage 1 waits 0.3 s, computes 0.6 s.
+    stage0 = [_step(1.0, 0.2, 0.7), _step(1.0, 0.2, 0.7), _step(2.0, 1.0, 0.1)]
+    stage1 = [_step(1.0, 0.3, 0.6)] * 3
     reports = [{"schedule": "gpipe", "microbatches": 4, "stage": s, "steps": steps,
                 "peak_stashed": 4} for s, steps in enumerate((stage0, stage1))]
     row = make_row(2, config, reports)
@@ -44,6 +44,7 @@ def test_a_row_splits_each_stage_interval_into_idle_busy_and_overhead():
     assert row["not_computing_per_stage"] == pytest.approx([0.3, 0.4])
     assert row["overhead_per_microbatch_s"] == pytest.approx([0.1 / 4, 0.1 / 4])
     assert row["step_s"] == pytest.approx(1.0)
+    assert row["transport"] == "torch"
     assert "gpipe" in format_row(row) and "+25.0%" in format_row(row)
 
 
@@ -77,6 +78,7 @@ def test_command_prints_and_writes_every_row(tmp_path, capsys):
                  "--width", "4", "--timeout", "30", "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
+    assert "over transport torch" in printed
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["schedule"], r["microbatches"]) for r in rows] == [
         ("gpipe", 1), ("gpipe", 3), ("1f1b", 1), ("1f1b", 3)]
@@ -85,6 +87,7 @@ def test_command_prints_and_writes_every_row(tmp_path, capsys):
         assert len(row["idle_per_stage"]) == 2
         assert all(0 <= idle <= 1 for idle in row["idle_per_stage"])
         assert format_row(row) in printed
+        assert row["transport"] == "torch"
     # what each stage held, measured: GPipe all m micro-batches, 1F1B at most p − s
     assert rows[1]["peak_stashed"] == [3, 3] and rows[3]["peak_stashed"] == [2, 1]
 

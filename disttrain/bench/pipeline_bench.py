@@ -2,18 +2,22 @@
 
 For each number of stages p the parent starts p local ranks (:mod:`disttrain.bench.ranks`);
 they build a *balanced* synthetic model (the same layers on every stage), run each schedule
-with each micro-batch count m. Each stage times the same interval (``steps`` steps between
-two barriers, ``wall``) and splits it into::
+with each micro-batch count m. Each stage runs ``steps`` consecutive steps as a training
+loop does (no barrier between them), takes each step's *period* (from its start to the
+start of the next: in steady state every stage's period is the pipeline's step) as
+``wall``, and splits it into::
 
     busy      inside its forwards and backwards (measured by the Stage)
     idle      blocked waiting for a neighbour: in a receive or the end-of-step send wait
-              (measured by the StageLink), or between steps         ← the bubble
-    overhead  the rest: packing, posting and unpacking messages, Python bookkeeping
+              (measured by the StageLink)                            ← the bubble
+    overhead  the rest: packing, posting and unpacking messages, Python bookkeeping,
+              the loop between steps
 
 and reports ``idle / wall`` per stage against theory, (p − 1)/(m + p − 1), as well as
 ``1 − busy/wall`` (idle and overhead together) and the overhead per micro-batch. Overhead
 makes every micro-batch slot longer on every stage alike, so it stretches the step without
-changing the idle share; the time messages spend in flight does show up as idle.
+changing the idle share; the time messages spend in flight does show up as idle. (Until
+2026-11-22 each step was timed alone between two barriers, whose latency counted as idle.)
 
 What a layer computes (``compute``):
 
@@ -33,6 +37,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -60,7 +65,7 @@ class PipelineBenchConfig:
     layers: int = 2  # per stage
     width: int = 256  # features of every layer's input and output
     rows: int = 32  # samples per micro-batch
-    steps: int = 3  # timed steps per row (each between two barriers; medians reported)
+    steps: int = 3  # timed consecutive steps per row (medians reported)
     warmup: int = 1  # untimed steps before them
     transport: str = "torch"
     timeout_s: float = 60.0
@@ -139,7 +144,10 @@ def synthetic_model(config: PipelineBenchConfig, p: int) -> nn.Sequential:
 
 
 def measure(comm: Communicator, config: PipelineBenchConfig, schedule: str, m: int) -> Row:
-    """One row on this rank: warm up, then time ``steps`` steps between two barriers."""
+    """One row on this rank: warm up, then ``steps + 1`` consecutive steps, as a training
+    loop runs them (no barrier between steps). Each step's interval is this stage's period,
+    from the start of the step to the start of the next; the first is left out (it starts
+    at the barrier, whose exit is not simultaneous on all ranks)."""
     from disttrain.parallel.pipeline import build_pipeline
 
     p = comm.world_size
@@ -156,15 +164,17 @@ def measure(comm: Communicator, config: PipelineBenchConfig, schedule: str, m: i
 
     for _ in range(config.warmup):
         step()
-    totals, samples = pipe.totals, []
-    for _ in range(config.steps):  # each step between two barriers: one interval per step
-        comm.barrier()
-        start, busy, inside, wait = (time.perf_counter(), totals.busy_s, totals.wall_s,
-                                     totals.wait_s)
-        step()
-        comm.barrier()
-        samples.append({"wall_s": time.perf_counter() - start, "busy_s": totals.busy_s - busy,
-                        "inside_s": totals.wall_s - inside, "wait_s": totals.wait_s - wait})
+    totals = pipe.totals
+    comm.barrier()
+    marks = []
+    for _ in range(config.steps + 2):  # marks before each step and after the last
+        marks.append((time.perf_counter(), totals.busy_s, totals.wall_s, totals.wait_s))
+        if len(marks) < config.steps + 2:
+            step()
+    comm.barrier()
+    samples = [{"wall_s": b[0] - a[0], "busy_s": b[1] - a[1], "inside_s": b[2] - a[2],
+                "wait_s": b[3] - a[3], "idle_s": b[3] - a[3]}
+               for a, b in pairwise(marks[1:])]
     return {"schedule": schedule, "microbatches": m, "stage": pipe.stage_index,
             "steps": samples, "peak_stashed": totals.peak_stashed}
 
@@ -198,20 +208,19 @@ def make_row(p: int, config: PipelineBenchConfig, per_rank: list[Row]) -> Row:
     keeps a step disturbed by another process on a shared machine out of the figures)."""
     first = per_rank[0]
     m = first["microbatches"]
-    # idle: waiting for a neighbour, inside the step (blocked in a receive or in the final
-    # send wait) or after it (in the barrier that closes the interval)
-    idle = _per_stage(per_rank, lambda s: (s["wall_s"] - s["inside_s"] + s["wait_s"])
-                      / s["wall_s"])
+    # idle: blocked waiting for a neighbour (in a receive or in the final send wait)
+    idle = _per_stage(per_rank, lambda s: s["idle_s"] / s["wall_s"])
     expected = theory(p, m)
     mean = sum(idle) / len(idle)
-    return {"compute": config.compute, "stages": p, "microbatches": m,
+    return {"compute": config.compute, "transport": config.transport, "stages": p,
+            "microbatches": m,
             "schedule": first["schedule"], "theory": expected, "idle_per_stage": idle,
             "idle_mean": mean, "relative_error": (mean - expected) / expected,
             "worst_relative_error": max(abs(i - expected) for i in idle) / expected,
             "not_computing_per_stage": _per_stage(per_rank,
                                                   lambda s: 1 - s["busy_s"] / s["wall_s"]),
             "overhead_per_microbatch_s": _per_stage(
-                per_rank, lambda s: (s["inside_s"] - s["wait_s"] - s["busy_s"]) / m),
+                per_rank, lambda s: (s["wall_s"] - s["idle_s"] - s["busy_s"]) / m),
             "busy_per_microbatch_s": _per_stage(per_rank, lambda s: s["busy_s"] / m),
             "step_s": _median([max(r["steps"][k]["wall_s"] for r in per_rank)
                                for k in range(config.steps)]),
@@ -252,8 +261,9 @@ def _title(config: PipelineBenchConfig) -> str:
     else:
         what = (f"matmul: {config.layers} × Linear({config.width}, {config.width}) + Tanh per "
                 f"stage, {config.rows} rows per micro-batch (real compute: needs a core per stage)")
-    return (f"disttrain bench pipeline: balanced {what}; median of {config.steps} timed steps "
-            f"after {config.warmup}; idle = waiting for a neighbour / wall, per stage; theory "
+    return (f"disttrain bench pipeline: balanced {what}; messages over transport "
+            f"{config.transport}; median of {config.steps} consecutive steps after "
+            f"{config.warmup}; idle = waiting for a neighbour / step period, per stage; theory "
             f"(p−1)/(m+p−1); 1−busy = idle + overhead; overhead per micro-batch, worst stage")
 
 

@@ -3,7 +3,8 @@ micro-batches that flow through the stages under a schedule (GPipe or 1F1B).
 
 * :mod:`.partition`: which layers go to which stage (explicit, by parameters, by time);
 * :mod:`.schedules`: each stage's ordered actions, pure data; :mod:`.simulate` checks them
-  and prints them as a grid;
+  and prints them as a grid; :mod:`.interleaved`: interleaved 1F1B (v chunks per rank),
+  data and paper simulation only;
 * :mod:`.link`, :mod:`.stage`, :mod:`.step`, :mod:`.runtime`: the engine that executes a
   schedule over :mod:`disttrain.comm`; :mod:`.grid`: pipelines × data-parallel replicas.
 
@@ -12,6 +13,12 @@ See docs/pipeline.md.
 
 from disttrain.parallel.pipeline.config import PipelineConfig, PipelineTotals, StepStats
 from disttrain.parallel.pipeline.grid import PipelineGrid, make_grid
+from disttrain.parallel.pipeline.interleaved import (
+    InterleavedSchedule,
+    InterleavedScheduleError,
+    interleaved_1f1b,
+    simulate_interleaved,
+)
 from disttrain.parallel.pipeline.link import PipelineError, StageFailedError
 from disttrain.parallel.pipeline.partition import (
     PartitionError,
@@ -42,6 +49,8 @@ __all__ = [
     "Action",
     "Backward",
     "Forward",
+    "InterleavedSchedule",
+    "InterleavedScheduleError",
     "PartitionError",
     "PipelineConfig",
     "PipelineError",
@@ -62,10 +71,12 @@ __all__ = [
     "format_schedule",
     "get_schedule",
     "gpipe",
+    "interleaved_1f1b",
     "layers_of",
     "make_grid",
     "one_f_one_b",
     "param_costs",
     "simulate",
+    "simulate_interleaved",
     "time_costs",
 ]

@@ -9,6 +9,7 @@ list (GPipe, 1F1B, or a new one) runs unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 
 import torch
 
@@ -28,14 +29,22 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ACTIVATION, GRADIENT = Direction.ACTIVATION, Direction.GRADIENT
 
 
-def begin_step(link: StageLink, actions: Sequence[Action]) -> None:
-    """Tell the link how many messages this step sends and receives each way (it posts the
-    receives now, so they land while the stage computes)."""
+@lru_cache(maxsize=64)
+def _message_counts(actions: tuple[Action, ...]) -> tuple[int, int, int, int]:
+    """(activations sent, gradients sent, activations received, gradients received): the
+    same every step of a schedule, so counted once."""
     def count(kind: type[Action]) -> int:
         return sum(isinstance(a, kind) for a in actions)
 
-    link.begin(TRAIN, sends={ACTIVATION: count(SendAct), GRADIENT: count(SendGrad)},
-               recvs={ACTIVATION: count(RecvAct), GRADIENT: count(RecvGrad)})
+    return count(SendAct), count(SendGrad), count(RecvAct), count(RecvGrad)
+
+
+def begin_step(link: StageLink, actions: Sequence[Action]) -> None:
+    """Tell the link how many messages this step sends and receives each way (it posts the
+    receives now, so they land while the stage computes)."""
+    send_act, send_grad, recv_act, recv_grad = _message_counts(tuple(actions))
+    link.begin(TRAIN, sends={ACTIVATION: send_act, GRADIENT: send_grad},
+               recvs={ACTIVATION: recv_act, GRADIENT: recv_grad})
 
 
 class StepRun:
@@ -97,7 +106,8 @@ class StepRun:
         def loss(out: torch.Tensor) -> torch.Tensor:
             return self.loss_fn(out, target) * weight
 
-        value = self.stage.forward(mb, x, source=self._source(), loss=loss)
+        key = (tuple(target.shape), target.dtype, target.untyped_storage().nbytes())
+        value = self.stage.forward(mb, x, source=self._source(), loss=loss, loss_key=key)
         if value.numel() != 1:
             raise PipelineError(f"loss_fn must return a scalar (the micro-batch's mean loss), "
                                 f"got shape {tuple(value.shape)}")
