@@ -26,7 +26,7 @@ from disttrain.bench.comm import (
     plan,
 )
 from disttrain.bench.comm_job import start_barrier
-from disttrain.bench.ranks import BenchError, RankGroup
+from disttrain.bench.ranks import BenchError, RankGroup, bind_plan
 from disttrain.bench.timing import (
     bandwidths,
     busbw_factor,
@@ -366,3 +366,19 @@ def test_bench_comm_on_shm_reports_the_copy_bandwidth(tmp_path):
     assert all(r["shared_buffers"] and r["interleaved"] and r["iters"] == 3 for r in rows[:4])
     assert rows[4]["busbw_GBps"] > 0 and "np.copyto 1 core" in result.stdout
     assert "shared buffers; algorithms interleaved call by call" in result.stdout
+
+def _report_affinity(comm, emit):
+    emit(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_bound_ranks_each_run_on_their_own_core():
+    plan = bind_plan(2)
+    with RankGroup(2, _report_affinity, (), transport="torch", timeout_s=20,
+                   bind_cores=True) as group:
+        (cores,) = list(group.reports())
+    if plan is None:  # fewer than 2 cores: nothing is bound
+        assert cores[0] == cores[1] == sorted(os.sched_getaffinity(0))
+    else:
+        assert cores == [[plan[0]], [plan[1]]] and plan[0] != plan[1]
+    assert bind_plan(10_000) is None  # more ranks than cores: the kernel shares them

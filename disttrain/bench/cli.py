@@ -82,6 +82,8 @@ def _add_comm_parser(inner: argparse._SubParsersAction) -> None:  # type: ignore
                         help="time the algorithms of each size call by call in rotating "
                         "order instead of one block each, so that all see the same load "
                         "(fairer ratios on a busy or oversubscribed machine)")
+    parser.add_argument("--bind-cores", action="store_true",
+                        help="pin each rank to a core of its own when there are enough cores")
     parser.add_argument("--calibrate", action="store_true",
                         help="instead of benchmarking, measure this machine's α, β, γ and "
                         "native costs at each world size of -n and store them for the cost "
@@ -108,7 +110,8 @@ def _run_comm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             ops=args.ops, algorithms=args.algorithms, sizes=args.sizes,
             world_sizes=args.world_sizes, transport=args.transport, iters=args.iters,
             warmup=args.warmup, budget_s=args.budget, timeout_s=args.timeout,
-            shared_buffers=args.shared_buffers, interleave=args.interleave)
+            shared_buffers=args.shared_buffers, interleave=args.interleave,
+            bind_cores=args.bind_cores)
     except ValueError as exc:
         parser.error(str(exc))
     if args.calibrate:
@@ -118,7 +121,8 @@ def _run_comm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"{','.join(format_size(s) for s in config.sizes)}; world sizes "
           f"{','.join(map(str, config.world_sizes))}; transport {config.transport}"
           + ("; shared buffers" if config.shared_buffers else "")
-          + ("; algorithms interleaved call by call" if config.interleave else ""), file=out)
+          + ("; algorithms interleaved call by call" if config.interleave else "")
+          + ("; ranks bound to cores" if config.bind_cores else ""), file=out)
     json_file = args.json.open("w") if args.json else None
     skipped: list[str] = []
     try:

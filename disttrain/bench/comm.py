@@ -48,6 +48,7 @@ class CommBenchConfig:
     timeout_s: float = 60.0
     shared_buffers: bool = False  # in-place cases on Communicator.shared_zeros tensors
     interleave: bool = False  # time a size's algorithms call by call, not block by block
+    bind_cores: bool = False  # pin each rank to a core of its own (when ranks ≤ cores)
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in cases.BENCHMARKED_OPS]
@@ -162,7 +163,7 @@ def run(config: CommBenchConfig, on_row: Callable[[Row], None] = lambda row: Non
 
         with RankGroup(p, run_plan, (cases_p, timing, config.shared_buffers, config.interleave),
                        transport=config.transport, timeout_s=config.timeout_s,
-                       describe=describe) as group:
+                       describe=describe, bind_cores=config.bind_cores) as group:
             for i, ((op, algorithm, _), per_rank) in enumerate(zip(cases_p, group.reports())):
                 if "skipped" in per_rank[0]:
                     on_skip(f"{op}/{algorithm}: {per_rank[0]['skipped']}")

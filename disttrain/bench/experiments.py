@@ -82,6 +82,7 @@ class BenchConfig:
     staleness: int | None = None  # ps-ssp rows (None: the strategy's default, 2)
     straggler: tuple[tuple[int, float], ...] = ()  # parameter-server rows: slowed workers
     straggler_every: int | None = None  # ... each slow-down moving to the next worker every N
+    bind_cores: bool = False  # pin each rank to a core of its own (when ranks ≤ cores)
     extra: dict[str, str] = field(default_factory=dict)  # recorded in the environment
 
     def __post_init__(self) -> None:

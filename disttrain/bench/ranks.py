@@ -46,8 +46,20 @@ def _exit_when_parent_leaves(control: Any) -> None:
     os._exit(3)
 
 
+def bind_plan(world_size: int) -> list[int] | None:
+    """The core each rank is bound to with ``bind_cores``: rank r on the r-th core this
+    process may use, when there are enough cores; None when there are fewer cores than ranks
+    (then the ranks share them as the kernel likes) or binding is unsupported."""
+    if not hasattr(os, "sched_getaffinity") or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[:world_size] if world_size <= len(cores) else None
+
+
 def _rank_main(out: Any, control: Any, rank: int, world_size: int, store: str, transport: str,
-               timeout_s: float, job: Job, args: tuple[Any, ...]) -> None:
+               timeout_s: float, job: Job, args: tuple[Any, ...], core: int | None) -> None:
+    if core is not None:  # first, so every thread the rank starts (Gloo's too) inherits it
+        os.sched_setaffinity(0, {core})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threading.Thread(target=_exit_when_parent_leaves, args=(control,), daemon=True).start()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -82,7 +94,11 @@ class RankGroup:
     """``world_size`` local ranks running one job; use as a context manager."""
 
     def __init__(self, world_size: int, job: Job, args: tuple[Any, ...], *, transport: str,
-                 timeout_s: float, describe: Callable[[int], str] = str) -> None:
+                 timeout_s: float, describe: Callable[[int], str] = str,
+                 bind_cores: bool = False) -> None:
+        """``bind_cores``: pin rank r to one core of its own (:func:`bind_plan`), as
+        DeepSpeed's ``--bind_cores_to_rank`` does; otherwise the kernel may keep two ranks
+        on one core for a whole run while the other idles, which makes runs bimodal."""
         self.world_size, self.timeout_s, self._describe = world_size, timeout_s, describe
         self._tmp = tempfile.TemporaryDirectory(prefix="disttrain-bench-")
         store = os.path.join(self._tmp.name, "store")
@@ -92,9 +108,11 @@ class RankGroup:
         self._controls: list[Any] = []
         self._finished = False
         self._received = [0] * world_size  # reports received from each rank so far
+        cores = bind_plan(world_size) if bind_cores else None
         try:
             for rank in range(world_size):
-                self._start(ctx, (rank, world_size, store, transport, timeout_s, job, args))
+                self._start(ctx, (rank, world_size, store, transport, timeout_s, job, args,
+                                  None if cores is None else cores[rank]))
         except BaseException:  # e.g. Ctrl-C while starting: stop the ranks already running
             self.close()
             raise

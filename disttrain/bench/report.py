@@ -153,6 +153,7 @@ def environment(config: Any, command: str) -> dict[str, Any]:
             "servers": getattr(config, "servers", None),
             "straggler": dict(getattr(config, "straggler", ())),
             "straggler_every": getattr(config, "straggler_every", None),
+            "bind_cores": getattr(config, "bind_cores", False),
             "warmup_steps": config.warmup_steps,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

@@ -114,7 +114,8 @@ def run_once(config: BenchConfig, run: Run, trace: bool,
     tconfig = train_config(config, run)
     with RankGroup(run.ranks, _train_job, (tconfig, trace),
                    transport=transport_of(config, run), timeout_s=config.timeout_s,
-                   describe=lambda _: f"{run.label}: training") as group:
+                   describe=lambda _: f"{run.label}: training",
+                   bind_cores=config.bind_cores) as group:
         final = None
         for reports in group.reports():  # to the end: the ranks then exit on their own
             if "result" in reports[0]:

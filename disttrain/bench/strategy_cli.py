@@ -71,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--algorithm", default=d.algorithm,
                         help="collective algorithm of ddp and zero (default ring: its bytes "
                         "are counted and compared with theory; 'auto' lets the cost model pick)")
+    parser.add_argument("--bind-cores", action="store_true",
+                        help="pin each rank to a core of its own when there are enough cores "
+                        "(every row alike, like DeepSpeed's --bind_cores_to_rank): otherwise "
+                        "the kernel may keep two ranks on one core for a whole run")
     parser.add_argument("--eval-every", type=int, default=d.eval_every,
                         help="steps between evaluations, the accuracy curves (default "
                         "%(default)s; 0: only at the end, so nothing makes parameter-server "
@@ -118,7 +122,7 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
                        transport=args.transport, algorithm=args.algorithm,
                        timeout_s=args.timeout, eval_every=args.eval_every,
                        servers=args.servers, staleness=args.staleness,
-                       **straggler_options(args.straggler))
+                       bind_cores=args.bind_cores, **straggler_options(args.straggler))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -140,7 +144,8 @@ def _run_table(config: BenchConfig, args: argparse.Namespace) -> int:
     epochs, steps = config.length
     length = f"{steps} steps" if steps else f"{epochs} epoch(s)"
     print(f"disttrain bench: {len(runs)} runs of {config.model} on {config.dataset}, "
-          f"{length}, global batch {config.global_batch}, transport {config.transport} "
+          f"{length}, global batch {config.global_batch}, transport {config.transport}"
+          f"{', ranks bound to cores' if config.bind_cores else ''} "
           f"(Ctrl-C stops and keeps the finished rows)", file=sys.stderr, flush=True)
     started = time.monotonic()
 
