@@ -170,7 +170,7 @@ def _calibrate(config: comm_bench.CommBenchConfig) -> int:
     from disttrain.bench.calibrate import calibrate
 
     print(f"calibrating transport {config.transport!r} on {','.join(map(str, config.world_sizes))}"
-          " ranks (about 30-60 s per world size)...", flush=True)
+          " ranks (about 40-80 s per world size)...", flush=True)
     costs, path = calibrate(config.transport, config.world_sizes, config.timeout_s)
     print(f"stored in {path} (set DISTTRAIN_CALIBRATION to use another file):")
     print(f"{'ranks':>5s}  {'alpha':>9s}  {'1/beta':>10s}  {'alpha_x':>9s}  {'1/beta_x':>10s}  "
