@@ -25,7 +25,7 @@ from disttrain.bench.comm import (
     make_row,
     plan,
 )
-from disttrain.bench.comm_job import start_barrier
+from disttrain.bench.comm_job import Timing, run_plan, start_barrier
 from disttrain.bench.ranks import BenchError, RankGroup, bind_plan
 from disttrain.bench.timing import (
     bandwidths,
@@ -382,3 +382,16 @@ def test_bound_ranks_each_run_on_their_own_core():
     else:
         assert cores == [[plan[0]], [plan[1]]] and plan[0] != plan[1]
     assert bind_plan(10_000) is None  # more ranks than cores: the kernel shares them
+
+
+def test_a_size_whose_algorithms_all_refuse_is_skipped_interleaved_or_not():
+    """Interleaving with nothing left to time must not divide by zero: every rank reports
+    the refusal (``shm`` cannot run on the torch transport)."""
+    plan = [("all_reduce", "shm", 4096), ("all_reduce", "shm", 8192)]
+    for interleave in (False, True):
+        with RankGroup(2, run_plan, (plan, Timing(3, 0, 0.0), False, interleave),
+                       transport="torch", timeout_s=20) as group:
+            reports = list(group.reports())
+        assert len(reports) == 2
+        assert all("'shm' cannot run on the 'torch' transport" in r["skipped"]
+                   for per_rank in reports for r in per_rank)

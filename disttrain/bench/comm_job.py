@@ -1,10 +1,11 @@
 """What each rank runs for ``disttrain bench comm``: time every (op, size, algorithm) case.
 
 For each case: one checked call (it also warms up), ``warmup`` untimed calls, then the timed
-block. Every timed iteration is ``reset`` (untimed) → barrier (:func:`start_barrier`) → timed
-call → check, so every iteration starts together and every result is verified (nccl-tests
-``-c``). The rank reports
-its own times; the parent takes the slowest rank per iteration.
+calls: one block per algorithm, or (``interleave``) a size's algorithms call by call in
+rotating order. Every timed iteration is ``reset`` (untimed) → barrier
+(:func:`start_barrier`) → timed call → check, so every iteration starts together and every
+result is verified (nccl-tests ``-c``). The rank reports its own times; the parent takes the
+slowest rank per iteration.
 
 Iteration count: ``iters``, or fewer when ``budget_s`` > 0 and ``iters`` calls would take
 longer than that (judged from the slowest rank's warm-up time, agreed by an all_reduce, so
@@ -66,38 +67,18 @@ def _agree_iters(comm: Communicator, warm: list[float], timing: Timing) -> int:
     return max(min(MIN_ITERS, timing.iters), min(timing.iters, fits))
 
 
-def measure(comm: Communicator, case: cases.Case, algorithm: str,
-            timing: Timing, shared: bool = False) -> dict[str, Any]:
-    """One case on this rank: its times, bytes sent, correctness and chosen algorithm; or
-    ``{"skipped": why}`` when the algorithm cannot run here (e.g. ``native`` without a
-    torch.distributed group): algorithms refuse with a ValueError before any byte moves."""
-    barrier = start_barrier(comm)
-    try:
-        warm = [_timed_call(comm, case, algorithm, barrier)]
-    except ValueError as exc:
-        return {"skipped": str(exc)}
-    correct = case.check()
-    warm += [_timed_call(comm, case, algorithm, barrier) for _ in range(timing.warmup)]
-    iters = _agree_iters(comm, warm, timing)
-    sent_before = comm.stats.snapshot().get(case.op, {}).get("bytes_sent", 0)
-    times = []
-    for _ in range(iters):
-        times.append(_timed_call(comm, case, algorithm, barrier))
-        correct = case.check() and correct
-    sent = comm.stats.snapshot().get(case.op, {}).get("bytes_sent", 0) - sent_before
-    chosen = comm.flight_recorder.dump()[-1]["algorithm"]
-    return {"times": times, "bytes_sent": sent / iters, "correct": correct, "chosen": chosen,
-            "nbytes": case.nbytes, "transport": comm.transport.name, "shared_buffers": shared}
+def measure(comm: Communicator, case: cases.Case, algorithms: list[str], timing: Timing,
+            shared: bool = False) -> list[dict[str, Any]]:
+    """Time ``algorithms`` on one case; one report per algorithm, in the order given: its
+    times, bytes sent, correctness and chosen algorithm, or ``{"skipped": why}`` when it
+    cannot run here (e.g. ``native`` without a torch.distributed group: algorithms refuse
+    with a ValueError before any byte moves, on every rank alike).
 
-
-def measure_interleaved(comm: Communicator, case: cases.Case, algorithms: list[str],
-                        timing: Timing, shared: bool = False) -> list[dict[str, Any]]:
-    """Like :func:`measure` for several algorithms at once, timed call by call in rotating
-    order (a, b, c, then b, c, a, …) instead of one block each. On a busy or oversubscribed
-    machine (4 ranks on 2 cores) two blocks of the *same* code can differ by more than two
-    algorithms do; interleaved, every algorithm sees the same moods of the machine, so
-    their ratios (``auto`` against the best) mean something. One report per algorithm, in
-    the order given."""
+    With several algorithms the calls are interleaved in rotating order (a, b, c, then
+    b, c, a, …) instead of one block each. On a busy or oversubscribed machine (4 ranks on
+    2 cores) two blocks of the *same* code can differ by more than two algorithms do;
+    interleaved, every algorithm sees the same moods of the machine, so their ratios
+    (``auto`` against the best) mean something. One algorithm is one block."""
     barrier = start_barrier(comm)
     reports: dict[str, dict[str, Any]] = {}
     warm: dict[str, list[float]] = {}
@@ -110,28 +91,29 @@ def measure_interleaved(comm: Communicator, case: cases.Case, algorithms: list[s
             continue
         correct[algorithm] = case.check()
     live = list(warm)
-    for _ in range(timing.warmup):
-        for algorithm in live:
-            warm[algorithm].append(_timed_call(comm, case, algorithm, barrier))
-    rounds = [sum(warm[a][k] for a in live) for k in range(timing.warmup + 1)] if live else [0.0]
-    iters = _agree_iters(comm, rounds, Timing(timing.iters, timing.warmup,
-                                              timing.budget_s * max(1, len(live))))
-    times: dict[str, list[float]] = {a: [] for a in live}
-    sent = dict.fromkeys(live, 0)
-    chosen: dict[str, str] = {}
-    for i in range(iters):
-        for algorithm in live[i % len(live):] + live[: i % len(live)]:
-            before = _bytes_sent(comm, case.op)
-            times[algorithm].append(_timed_call(comm, case, algorithm, barrier))
-            sent[algorithm] += _bytes_sent(comm, case.op) - before
-            correct[algorithm] = case.check() and correct[algorithm]
-            if algorithm not in chosen:
-                chosen[algorithm] = comm.flight_recorder.dump()[-1]["algorithm"]
-    for a in live:
-        reports[a] = {"times": times[a], "bytes_sent": sent[a] / iters, "correct": correct[a],
-                      "chosen": chosen[a], "nbytes": case.nbytes,
-                      "transport": comm.transport.name, "shared_buffers": shared,
-                      "interleaved": True}
+    if live:
+        for _ in range(timing.warmup):
+            for algorithm in live:
+                warm[algorithm].append(_timed_call(comm, case, algorithm, barrier))
+        rounds = [sum(warm[a][k] for a in live) for k in range(timing.warmup + 1)]
+        iters = _agree_iters(comm, rounds, Timing(timing.iters, timing.warmup,
+                                                  timing.budget_s * len(live)))
+        times: dict[str, list[float]] = {a: [] for a in live}
+        sent = dict.fromkeys(live, 0)
+        chosen: dict[str, str] = {}
+        for i in range(iters):
+            for algorithm in live[i % len(live):] + live[: i % len(live)]:
+                before = _bytes_sent(comm, case.op)
+                times[algorithm].append(_timed_call(comm, case, algorithm, barrier))
+                sent[algorithm] += _bytes_sent(comm, case.op) - before
+                correct[algorithm] = case.check() and correct[algorithm]
+                if algorithm not in chosen:
+                    chosen[algorithm] = comm.flight_recorder.dump()[-1]["algorithm"]
+        for a in live:
+            reports[a] = {"times": times[a], "bytes_sent": sent[a] / iters,
+                          "correct": correct[a], "chosen": chosen[a], "nbytes": case.nbytes,
+                          "transport": comm.transport.name, "shared_buffers": shared,
+                          "interleaved": len(live) > 1}
     return [reports[a] for a in algorithms]
 
 
@@ -144,7 +126,7 @@ def run_plan(comm: Communicator, emit: Callable[[Any], None],
              interleave: bool = False) -> None:
     """The job: ``plan`` is [(op, algorithm, nbytes)], grouped by (op, nbytes) so each case's
     buffers and references are built once and its algorithms are timed back to back (one
-    block each), or call by call with ``interleave`` (:func:`measure_interleaved`).
+    block each), or call by call with ``interleave`` (:func:`measure`).
     ``shared``: in-place cases use ``Communicator.shared_zeros`` buffers."""
     groups: list[tuple[str, int, list[str]]] = []
     for op, algorithm, nbytes in plan:
@@ -154,10 +136,8 @@ def run_plan(comm: Communicator, emit: Callable[[Any], None],
             groups.append((op, nbytes, [algorithm]))
     for op, nbytes, algorithms in groups:
         case = cases.build(comm, op, nbytes, shared)
-        if interleave:
-            for report in measure_interleaved(comm, case, algorithms, timing, shared):
+        batches = [algorithms] if interleave else [[a] for a in algorithms]
+        for batch in batches:
+            for report in measure(comm, case, batch, timing, shared):
                 emit(report)
-        else:
-            for algorithm in algorithms:
-                emit(measure(comm, case, algorithm, timing, shared))
         del case  # free the buffers before the next case's

@@ -91,13 +91,14 @@ class CollectiveArea:
     # ------------------------------------------------------------------ agreement
     def declare(self, intent: tuple[int, int, int]) -> None:
         """Publish what this rank's next step belongs to: (shared buffer index + 1 or 0 for
-        an ordinary tensor, byte offset, bytes), in the words after its arrival counter.
+        an ordinary tensor, byte offset, a 48-bit word the caller packs, e.g. size, dtype
+        and op), in the words after its arrival counter.
         Stored before the step's counter (x86 TSO keeps the order), so a peer that sees the
         counter sees the intent. Two slots by step parity: a peer reading intents of step v
         may find this rank already declaring for step v + 1, never further (it waits there)."""
-        v, (kind, offset, nbytes) = self._step + 1, intent
+        v, (kind, offset, what) = self._step + 1, intent
         at, flags = self._me_at + 1 + 3 * (v % 2), self._flags
-        flags[at + 1], flags[at + 2] = kind << 48 | nbytes, offset
+        flags[at + 1], flags[at + 2] = kind << 48 | what, offset
         flags[at] = v
 
     def intents(self) -> list[tuple[int, int, int] | None]:
