@@ -54,24 +54,30 @@ def concurrent_slowdown(work: Callable[[], object], processes: int,
     barrier, results = ctx.Barrier(processes), ctx.Queue()
     children = [ctx.Process(target=_child, args=(work, barrier, results, repeats),
                             daemon=True) for _ in range(processes)]
-    for child in children:
-        child.start()
-    times: list[float] = []
     try:
-        for _ in children:
-            value = results.get(timeout=TIMEOUT_S)
-            if isinstance(value, str):
-                raise RuntimeError(value)
-            times.append(value)
+        times = _gather(children, results)
     except Exception as exc:
         log.warning("could not measure the concurrent slowdown (%s); assuming none", exc)
         return 1.0
+    return max(1.0, statistics.mean(times) / alone) if alone > 0 else 1.0
+
+
+def _gather(children: list[Any], results: Any) -> list[Any]:
+    """Start ``children``, take one result from each (a str is a child's error: raised),
+    each within TIMEOUT_S, and always reap them (killing any still running)."""
+    for child in children:
+        child.start()
+    try:
+        values = [results.get(timeout=TIMEOUT_S) for _ in children]
+        errors = [v for v in values if isinstance(v, str)]
+        if errors:
+            raise RuntimeError(errors[0])
+        return values
     finally:
         for child in children:
-            child.join(timeout=5)
+            child.join(timeout=10)
             if child.is_alive():
                 child.kill()
-    return max(1.0, statistics.mean(times) / alone) if alone > 0 else 1.0
 
 
 def _collective_child(rank: int, store_path: str, work: Callable[[], object], nbytes: int,
@@ -118,22 +124,10 @@ def collective_wakeup(work: Callable[[], object], nbytes: int, repeats: int = 15
         children = [ctx.Process(target=_collective_child, daemon=True,
                                 args=(r, store, work, nbytes, repeats, results))
                     for r in range(2)]
-        for child in children:
-            child.start()
         try:
-            pairs = []
-            for _ in children:
-                value = results.get(timeout=TIMEOUT_S)
-                if isinstance(value, str):
-                    raise RuntimeError(value)
-                pairs.append(value)
+            pairs = _gather(children, results)
         except Exception as exc:
             log.warning("could not measure the in-step collective wake-up (%s); assuming "
                         "none", exc)
             return 0.0
-        finally:
-            for child in children:
-                child.join(timeout=10)
-                if child.is_alive():
-                    child.kill()
     return max(0.0, statistics.median(cold - hot for cold, hot in pairs))
