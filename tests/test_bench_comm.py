@@ -3,6 +3,7 @@ real ranks, the command end to end, its errors, and its clean-up on Ctrl-C and o
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from disttrain.bench.comm import (
     make_row,
     plan,
 )
-from disttrain.bench.comm_job import Timing, run_plan, start_barrier
+from disttrain.bench.comm_job import Timing, round_order, run_plan, start_barrier
 from disttrain.bench.ranks import BenchError, RankGroup, bind_plan
 from disttrain.bench.timing import (
     bandwidths,
@@ -395,3 +396,19 @@ def test_a_size_whose_algorithms_all_refuse_is_skipped_interleaved_or_not():
         assert len(reports) == 2
         assert all("'shm' cannot run on the 'torch' transport" in r["skipped"]
                    for per_rank in reports for r in per_rank)
+
+
+def test_interleaved_rounds_shuffle_so_no_algorithm_always_follows_the_same_one():
+    """Every rank must call the same algorithm at the same time (the order depends on the
+    round only), and a call must not always come right after the same other algorithm: the
+    call before can slow it (a rotation put auto behind native in 5 rounds of 6)."""
+    algos = ["naive", "ring", "tree", "halving_doubling", "native", "auto"]
+    rounds = [round_order(algos, i) for i in range(600)]
+    assert all(sorted(r) == sorted(algos) for r in rounds)
+    assert rounds == [round_order(list(algos), i) for i in range(600)]  # same on every rank
+    calls = [a for r in rounds for a in r]
+    pairs = list(itertools.pairwise(calls))
+    behind = set(pairs)
+    after_native = pairs.count(("native", "auto"))
+    assert {(x, y) for x in algos for y in algos if x != y} <= behind
+    assert after_native < 0.35 * 600  # a rotation: ~500 of 600

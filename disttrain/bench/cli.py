@@ -79,7 +79,7 @@ def _add_comm_parser(inner: argparse._SubParsersAction) -> None:  # type: ignore
                         "then reads the other ranks' tensors in place, with no copy in "
                         "(like nccl-tests -R); other transports see ordinary tensors")
     parser.add_argument("--interleave", action="store_true",
-                        help="time the algorithms of each size call by call in rotating "
+                        help="time the algorithms of each size call by call in shuffled "
                         "order instead of one block each, so that all see the same load "
                         "(fairer ratios on a busy or oversubscribed machine)")
     parser.add_argument("--bind-cores", action="store_true",
