@@ -218,3 +218,36 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert "could not measure the in-step" not in caplog.text  # two gloo ranks ran
     assert overheads.concurrent_slowdown >= 1  # two forked processes ran the model
     assert all(p.grad is None for p in net.parameters())  # the model is left as it was
+
+
+def test_each_pipeline_backward_pays_one_autograd_call() -> None:
+    from dataclasses import replace
+
+    # model parallel on 4 ranks: one micro-batch goes down and back up the 4 stages one
+    # after the other, so each stage's backward call lies on the critical path once
+    without = simulate_pipeline(_case(4, PAYS), "model-parallel")
+    paying = simulate_pipeline(_case(4, replace(PAYS, backward_call_s=0.375)), "model-parallel")
+    assert paying.step_s - without.step_s == pytest.approx(4 * 0.375)
+    # GPipe with m micro-batches: every stage pays it m times (its busy time grows by m·c)
+    g0 = simulate_pipeline(_case(4, PAYS, microbatches=2), "gpipe")
+    g1 = simulate_pipeline(_case(4, replace(PAYS, backward_call_s=0.375), microbatches=2),
+                           "gpipe")
+    assert g1.step_s > g0.step_s
+    assert g1.details["bubble"] != g0.details["bubble"]
+
+
+def test_pipeline_stages_are_cut_as_the_workload_says() -> None:
+    # layer 0 holds nearly every parameter; every layer takes the same time
+    layers = tuple(LayerProfile(f"l{i}", 0.0, 1.0, 0.0, 2.0, 1000 if i == 0 else 1, 0.0, 0.0)
+                   for i in range(4))
+    profile = ModelProfile("toy", layers, reference_flops=1.0, optimizer_s_per_param=0.0)
+    runs = {}
+    for partition in ("params", "time"):
+        wl = Workload(global_batch=8, microbatches=4, algorithm="ring", partition=partition)
+        runs[partition] = simulate_pipeline(Case(profile, _cluster(), wl, 2), "gpipe")
+    # as disttrain's pipelines split by default (choose_balance(..., "params")): (1, 3)
+    assert runs["params"].details["balance"] == [1, 3]
+    assert runs["time"].details["balance"] == [2, 2]
+    assert runs["params"].step_s > runs["time"].step_s  # 3 layers on one stage: slower
+    with pytest.raises(ValueError, match="partition must be one of params, time"):
+        Workload(partition="layers")

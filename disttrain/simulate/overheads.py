@@ -21,6 +21,10 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             hook and the copy into the bucket (measured on the real
                             ``DataParallel``, one rank, minus ``collective_call_s`` per
                             bucket)
+``backward_call_s``         one ``torch.autograd.backward`` call on a graph of one tiny op:
+                            what a pipeline stage pays per micro-batch besides its
+                            layers' backward (the profile's layer times come from one
+                            whole-model pass, which pays it once, in ``step_s``)
 ``zero_s`` (stage → s)      the real ZeRO wrapper's own per-step work (flatten, shard and
                             copy back; stage 3: gather and free per unit) on one rank,
                             minus its collective calls and its optimizer
@@ -67,6 +71,7 @@ class Overheads:
     optimizer_tensor_s: float = 0.0
     collective_call_s: float = 0.0
     hook_s_per_tensor: float = 0.0
+    backward_call_s: float = 0.0
     zero_s: dict[int, float] = field(default_factory=dict)
     collective_wakeup_s: float = 0.0  # this machine only (see Case.wakeup)
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
@@ -84,7 +89,7 @@ class Overheads:
         plain = [(k, float(getattr(self, k))) for k in (
             "step_s", "sgd_fixed_s", "sgd_s_per_byte", "adam_fixed_s", "adam_s_per_byte",
             "optimizer_tensor_s", "collective_call_s", "hook_s_per_tensor",
-            "collective_wakeup_s")]
+            "backward_call_s", "collective_wakeup_s")]
         return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())]
 
     @property
@@ -136,6 +141,14 @@ def paired(base: Callable[[], object], other: Callable[[], object],
             diffs.append((time.perf_counter() - mid) - (mid - start))
         medians.append(statistics.median(diffs))
     return min(medians)
+
+
+def backward_call() -> float:
+    """Seconds of one ``torch.autograd.backward`` on a one-op graph of a 1-element tensor:
+    the autograd engine's own cost per call (``Overheads.backward_call_s``)."""
+    x = torch.zeros(1, requires_grad=True)
+    grad = torch.ones(1)
+    return median_time(lambda: torch.autograd.backward(x.mul(2.0), grad), 41)
 
 
 def optimizer_costs(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]

@@ -2,11 +2,15 @@
 pipeline's own schedule tables.
 
 The model's layers are cut into pp contiguous stages by
-:func:`~disttrain.parallel.pipeline.partition.balance_by_cost` on forward + backward time
-(what ``--partition time`` does). :func:`~disttrain.parallel.pipeline.schedules.get_schedule`
-gives each stage's action list (``rA0 F0 sA0 … rG0 B0 sG0``); every compute action becomes
-a task on the stage's compute stream, every send a task on its link (α + activation bytes
-· β, intra- or inter-node depending on where the neighbour sits), and every receive a
+:func:`~disttrain.parallel.pipeline.partition.balance_by_cost` as the workload's
+``partition`` says: on parameter counts (``"params"``, the default of disttrain's pipelines,
+so a prediction is for the split that actually runs) or on profiled forward + backward time
+(``"time"``). :func:`~disttrain.parallel.pipeline.schedules.get_schedule` gives each
+stage's action list (``rA0 F0 sA0 … rG0 B0 sG0``); every compute action becomes a task on
+the stage's compute stream (a backward also pays one autograd call,
+``Overheads.backward_call_s``: a stage back-propagates each micro-batch with its own
+``torch.autograd.backward``), every send a task on its link (α + activation bytes · β,
+intra- or inter-node depending on where the neighbour sits), and every receive a
 dependency on the matching send. The bubble, the idle time at the start and end of the
 step, comes out of the simulation: with equal stage times and free messages it is
 (p − 1)/(m + p − 1).
@@ -61,7 +65,8 @@ class _Replica:
     def stage_time(self, stage: int, backward: bool) -> float:
         lo, hi = self.bounds[stage]
         f = self.case.backward if backward else self.case.forward
-        return sum(f(i, self.micro, self.factor) for i in range(lo, hi))
+        call = self.case.overheads.backward_call_s if backward else 0.0
+        return call + sum(f(i, self.micro, self.factor) for i in range(lo, hi))
 
     def boundary_bytes(self, stage: int) -> float:
         lay = self.case.profile.layers[self.bounds[stage][1] - 1]
@@ -124,7 +129,9 @@ def simulate_pipeline(case: Case, name: str, pp: int | None = None,
     if replica_batch < m:
         return not_applicable(case, name, f"{replica_batch:g} samples per replica < {m} "
                               f"micro-batches")
-    costs = [lay.forward(1) + lay.backward(1) for lay in case.profile.layers]
+    costs = [float(lay.params) for lay in case.profile.layers] \
+        if case.workload.partition == "params" else \
+        [lay.forward(1) + lay.backward(1) for lay in case.profile.layers]
     bounds = boundaries(balance_by_cost(costs, pp))
     schedule = get_schedule("gpipe" if name == "model-parallel" else name, pp, m)
     factor = case.workload.speeds.slowest(case.workers)

@@ -19,6 +19,9 @@ from statistics import NormalDist
 
 PRECISIONS = {"fp32": 4, "bf16": 2}  # bytes per parameter and per gradient element
 OPTIMIZERS = ("sgd", "adam")
+# how pipeline stages are cut: "params" balances parameters (disttrain's default, what
+# `disttrain train`/`bench` run), "time" balances the profiled forward+backward time
+PARTITIONS = ("params", "time")
 MAX_REPRESENTATIVES = 32
 
 
@@ -105,6 +108,7 @@ class Workload:
     first_bucket_mb: float = 1.0
     microbatches: int = 8
     pp_size: int | None = None  # None: min(workers, layers, 8)
+    partition: str = "params"  # pipeline stages: as disttrain's pipelines split (PARTITIONS)
     servers: int | None = None  # parameter servers; None: max(1, workers // 8)
     staleness: int = 2
     clocks: int = 6  # parameter-server clocks simulated per worker
@@ -128,6 +132,9 @@ class Workload:
                              f"{self.optimizer!r}")
         if not self.bucket_mb > 0 or not self.first_bucket_mb > 0:
             raise ValueError("bucket_mb and first_bucket_mb must be > 0 MiB")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}, got "
+                             f"{self.partition!r}")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) \
                 or self.staleness < 0:
             raise ValueError(f"staleness must be an integer ≥ 0, got {self.staleness!r}")
