@@ -55,6 +55,7 @@ def test_rows_carry_every_key_in_json(outcome, tmp_path):
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
         assert row["samples_per_s"] > 0 and row["peak_mem_bytes"] > 0
         assert 0 <= row["accuracy"] <= 1 and row["final_loss"] > 0
+        assert row["step_time_s_runs"] == [row["step_time_s"]]  # one run: its own median
     ddp = _row(outcome, "ddp", 2)
     assert ddp["algorithm"] == "ring" and ddp["steps"] == 6
     assert ddp["speedup"] == pytest.approx(ddp["samples_per_s"] / _row(

@@ -204,3 +204,24 @@ def test_validate_predicts_every_locally_runnable_strategy(world_size: int) -> N
             continue
         bare = predicted(profile, name, world_size, 32, 8)
         assert 0 < bare < predicted(paying, name, world_size, 32, 8), name
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--repeat", "0"], "--repeat must be an integer ≥ 1"),
+    (["--partition", "time"], "--partition time cannot be validated"),
+])
+def test_validate_rejects_what_the_bench_cannot_measure(
+        args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:  # before anything is profiled or measured
+        main(["simulate", "--validate", "-n", "2", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_validate_compares_the_fastest_fresh_run() -> None:
+    from disttrain.simulate.validate import measured_step
+
+    assert measured_step({"step_time_s": 9.0, "step_time_s_runs": [3.0, 1.5, 2.0]}) == 1.5
+    assert measured_step({"step_time_s": 9.0, "step_time_s_runs": [3.0, None, 2.0]}) == 2.0
+    assert measured_step({"step_time_s": 9.0}) == 9.0  # rows written before the runs key
+    assert measured_step({"step_time_s": None, "step_time_s_runs": []}) is None

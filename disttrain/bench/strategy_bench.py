@@ -145,6 +145,17 @@ def base_row(config: BenchConfig, run: Run) -> Row:
             "error": None}
 
 
+def _timed_steps(config: BenchConfig, results: list[TrainResult]) -> list[float]:
+    """Each step's time on the slowest rank, after the warm-up steps."""
+    slowest = [max(col) for col in zip(*(r.step_times for r in results))]
+    return slowest[config.warmup_steps:] or slowest
+
+
+def _median_step(config: BenchConfig, results: list[TrainResult]) -> float | None:
+    timed = _timed_steps(config, results)
+    return statistics.median(timed) if timed else None
+
+
 def make_row(config: BenchConfig, run: Run, repeats: list[list[dict[str, Any]]]) -> Row:
     """The row of a run from every repeat's reports (each: one report per rank)."""
     speeds = [samples_per_s(reports[0]["result"]) for reports in repeats]
@@ -152,15 +163,15 @@ def make_row(config: BenchConfig, run: Run, repeats: list[list[dict[str, Any]]])
     chosen = min(repeats, key=lambda r: abs(samples_per_s(r[0]["result"]) - median))
     results: list[TrainResult] = [report["result"] for report in chosen]
     first = results[0]
-    warm = config.warmup_steps
-    slowest = [max(col) for col in zip(*(r.step_times for r in results))]
-    timed = slowest[warm:] or slowest
+    timed = _timed_steps(config, results)
     row = base_row(config, run)
     row.update({
         "dp_size": first.dp_size, "steps": first.steps, "repeats": len(repeats),
         "samples_per_s": median, "samples_per_s_runs": speeds,
         "spread": (max(speeds) - min(speeds)) / median if median > 0 else 0.0,
         "step_time_s": statistics.median(timed) if timed else None,
+        "step_time_s_runs": [_median_step(config, [report["result"] for report in reports])
+                             for reports in repeats],
         "peak_mem_bytes": max(r.peak_mem_bytes for r in results),
         "peak_mem_bytes_per_rank": [r.peak_mem_bytes for r in results],
         "bytes_sent_per_rank_per_step": first.bytes_sent_per_step_max,

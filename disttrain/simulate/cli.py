@@ -19,7 +19,7 @@ from typing import Any
 
 from disttrain.simulate.cluster import PRESETS, Cluster, get_cluster
 from disttrain.simulate.profile import ModelProfile
-from disttrain.simulate.workload import Speeds, Workload
+from disttrain.simulate.workload import PARTITIONS, Speeds, Workload
 
 DEFAULT_WORKERS = (8, 64, 512, 4096)
 
@@ -71,6 +71,10 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("-n", "--world-sizes", type=_ints, default=(2, 4),
                    help="--validate: world sizes (default 2,4)")
     p.add_argument("--steps", type=int, default=30, help="--validate: steps per run")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="--validate: fresh runs of each strategy and world size; the fastest "
+                   "is compared (default 3: a run's step time moves 20-35%% from run to run "
+                   "on a shared machine)")
     p.set_defaults(func=lambda args: run(args, p))
 
 
@@ -86,6 +90,9 @@ def _workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches")
     p.add_argument("--pp-size", type=int, default=None,
                    help="pipeline stages (default: min(workers, layers, 8))")
+    p.add_argument("--partition", default="params", choices=PARTITIONS,
+                   help="how pipeline stages are cut: params (disttrain's default) or time "
+                        "(balance the profiled compute)")
     p.add_argument("--servers", type=int, default=None,
                    help="parameter servers (default: workers // 8)")
     p.add_argument("--staleness", type=int, default=2, help="ps-ssp bound")
@@ -109,6 +116,7 @@ def workload(args: argparse.Namespace) -> Workload:
                     precision=args.precision, optimizer=args.optimizer,
                     algorithm=args.algorithm, bucket_mb=args.bucket_mb,
                     microbatches=args.microbatches, pp_size=args.pp_size,
+                    partition=args.partition,
                     servers=args.servers, staleness=args.staleness, speeds=args.worker_speeds)
 
 
