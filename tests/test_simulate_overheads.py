@@ -251,3 +251,22 @@ def test_pipeline_stages_are_cut_as_the_workload_says() -> None:
     assert runs["params"].step_s > runs["time"].step_s  # 3 layers on one stage: slower
     with pytest.raises(ValueError, match="partition must be one of params, time"):
         Workload(partition="layers")
+
+
+def test_pipeline_messages_cost_two_busy_ranks_and_share_the_cores() -> None:
+    from disttrain.comm.cost_model import with_world_sizes
+
+    # α calibrated on 2 ranks: 0.25 s a message; on 4 ranks of 2 cores: 4 s (contention)
+    two, four = (LinkCosts(alpha=a, beta=0.0, gamma=0.0, native_alpha=a, native_beta=0.0)
+                 for a in (0.25, 4.0))
+    costs = with_world_sizes(two, {2: two, 4: four})
+    # model parallelism on 4 ranks: 3 activations down, 3 gradients up, one at a time, so
+    # each message pays the 2-rank α and nothing stretches it
+    base = simulate_pipeline(_case(4, Overheads(), cores=2, pp_size=4), "model-parallel")
+    mp = simulate_pipeline(_case(4, Overheads(), cores=2, costs=costs, pp_size=4),
+                           "model-parallel")
+    assert mp.step_s - base.step_s == pytest.approx(6 * 0.25)
+    # on a cluster (a device per rank) the constants of its own world size apply
+    gpu = simulate_pipeline(_case(4, Overheads(), costs=costs, pp_size=4), "model-parallel")
+    assert gpu.step_s - simulate_pipeline(_case(4, Overheads(), pp_size=4),
+                                          "model-parallel").step_s == pytest.approx(6 * 4.0)

@@ -10,8 +10,9 @@ stage's action list (``rA0 F0 sA0 … rG0 B0 sG0``); every compute action become
 the stage's compute stream (a backward also pays one autograd call,
 ``Overheads.backward_call_s``: a stage back-propagates each micro-batch with its own
 ``torch.autograd.backward``), every send a task on its link (α + activation bytes · β,
-intra- or inter-node depending on where the neighbour sits), and every receive a
-dependency on the matching send. The bubble, the idle time at the start and end of the
+intra- or inter-node depending on where the neighbour sits; on this machine, the constants
+calibrated with as many ranks as cores, the link sharing the cores with compute), and every
+receive a dependency on the matching send. The bubble, the idle time at the start and end of the
 step, comes out of the simulation: with equal stage times and free messages it is
 (p − 1)/(m + p − 1).
 
@@ -51,6 +52,7 @@ class _Replica:
         self.bytes = [0.0] * schedule.num_stages
         for s in range(schedule.num_stages):  # a stage stands for its dp copies
             case.compute(self.sim, f"compute{s}", dp)
+            case.compute(self.sim, f"link{s}", dp)  # messages need a core too (see link)
             if case.overheads.step_s:  # every stage runs the loop (fetch, zero_grad, ...)
                 self.last_compute[s] = self.sim.add(f"loop@{s}", f"compute{s}",
                                                     case.overheads.step_s, (), "overhead")
@@ -58,8 +60,16 @@ class _Replica:
     def link(self, stage: int, to: int, nbytes: float) -> float:
         dpn = self.case.cluster.devices_per_node
         same_node = stage // dpn == to // dpn  # one replica's stages are contiguous ranks
-        costs = self.case.cluster.intra_link() if same_node else self.case.cluster.inter_link()
-        costs = costs.at(self.case.workers)
+        cluster = self.case.cluster
+        costs = cluster.intra_link() if same_node else cluster.inter_link()
+        # A message joins two ranks. Where ranks share cores (this machine), it costs what
+        # the calibration measured with no more ranks than cores, and the engine stretches
+        # it while more tasks than cores run (its link is on the shared cores): the
+        # constants calibrated on 4 ranks of 2 cores already include that sharing, and
+        # would charge it twice, or charge it to model parallelism, where one stage works
+        # at a time.
+        ranks = min(self.case.workers, cluster.shared_cores or self.case.workers)
+        costs = costs.at(max(2, ranks))
         return costs.alpha + nbytes * costs.beta
 
     def stage_time(self, stage: int, backward: bool) -> float:
