@@ -52,3 +52,12 @@ def test_layers_whose_output_takes_no_gradient_keep_standalone_times() -> None:
     assert _pass_times(layers, torch.randn(4, 8)) is None
     rows = _run_layers(layers, torch.randn(4, 8))
     assert len(rows) == 2 and all(f > 0 for f, _, _, _ in rows)
+
+
+def test_an_in_place_layer_counts_its_backward_in_the_layer_before() -> None:
+    layers: list[nn.Module] = [nn.Linear(8, 8), Slow(), nn.ReLU(inplace=True), nn.Linear(8, 2)]
+    times = _pass_times(layers, torch.randn(4, 8))
+    assert times is not None
+    assert all(f >= 0 and b >= 0 for f, b in times)
+    assert times[2][1] < SLOW_BACKWARD / 2  # the in-place ReLU shares Slow's output tensor
+    assert times[1][1] >= SLOW_BACKWARD  # Slow's own backward is still found

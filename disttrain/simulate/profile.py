@@ -175,7 +175,9 @@ def _least(a: list[tuple[float, float, int, int]], b: list[tuple[float, float, i
 def _one_pass(layers: list[nn.Module], sample: torch.Tensor) -> list[tuple[float, float]] | None:
     """One forward and one backward of ``layers`` in sequence (the loss on the last output
     as :func:`_time_layer` uses), with a timestamp after each layer's forward and one when
-    the gradient of each layer's output arrives; None if an output takes no gradient."""
+    the gradient of each layer's output arrives; None if an output takes no gradient. An
+    in-place layer (``ReLU(inplace=True)``) returns its input tensor, so both hooks sit on
+    one tensor: its backward is counted in the layer before it (the sum stays right)."""
     n = len(layers)
     marks = [time.perf_counter()]
     outputs, x = [], sample
@@ -202,7 +204,7 @@ def _one_pass(layers: list[nn.Module], sample: torch.Tensor) -> list[tuple[float
     for layer in layers:
         layer.zero_grad(set_to_none=True)
     ends = [arrived[i - 1] if i else done for i in range(n)]  # input's gradient (or the end)
-    return [(marks[i + 1] - marks[i], ends[i] - arrived[i]) for i in range(n)]
+    return [(marks[i + 1] - marks[i], max(0.0, ends[i] - arrived[i])) for i in range(n)]
 
 
 def _pass_times(layers: list[nn.Module], sample: torch.Tensor,
