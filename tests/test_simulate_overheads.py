@@ -228,12 +228,13 @@ def test_each_pipeline_backward_pays_one_autograd_call() -> None:
     without = simulate_pipeline(_case(4, PAYS), "model-parallel")
     paying = simulate_pipeline(_case(4, replace(PAYS, backward_call_s=0.375)), "model-parallel")
     assert paying.step_s - without.step_s == pytest.approx(4 * 0.375)
-    # GPipe with m micro-batches: every stage pays it m times (its busy time grows by m·c)
-    g0 = simulate_pipeline(_case(4, PAYS, microbatches=2), "gpipe")
-    g1 = simulate_pipeline(_case(4, replace(PAYS, backward_call_s=0.375), microbatches=2),
-                           "gpipe")
-    assert g1.step_s > g0.step_s
-    assert g1.details["bubble"] != g0.details["bubble"]
+    # GPipe with m micro-batches on p equal stages: the backward half of the step is
+    # m + p − 1 backward slots on the critical path, each one call longer
+    for m in (1, 2, 4):
+        g0 = simulate_pipeline(_case(4, PAYS, microbatches=m, pp_size=4), "gpipe")
+        g1 = simulate_pipeline(_case(4, replace(PAYS, backward_call_s=0.375), microbatches=m,
+                                     pp_size=4), "gpipe")
+        assert g1.step_s - g0.step_s == pytest.approx((m + 4 - 1) * 0.375)
 
 
 def test_pipeline_stages_are_cut_as_the_workload_says() -> None:

@@ -219,9 +219,11 @@ def test_validate_rejects_what_the_bench_cannot_measure(
 
 
 def test_validate_compares_the_fastest_fresh_run() -> None:
-    from disttrain.simulate.validate import measured_step
+    from disttrain.simulate.validate import measured_step, runs_text
 
     assert measured_step({"step_time_s": 9.0, "step_time_s_runs": [3.0, 1.5, 2.0]}) == 1.5
     assert measured_step({"step_time_s": 9.0, "step_time_s_runs": [3.0, None, 2.0]}) == 2.0
     assert measured_step({"step_time_s": 9.0}) == 9.0  # rows written before the runs key
     assert measured_step({"step_time_s": None, "step_time_s_runs": []}) is None
+    assert runs_text([3e-3, None, 2e-3]) == "; runs 3.00, 2.00 ms"  # every run is printed
+    assert runs_text([3e-3]) == runs_text(None) == ""

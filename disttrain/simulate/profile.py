@@ -42,7 +42,7 @@ from disttrain.parallel.pipeline.partition import layers_of
 from disttrain.simulate.overheads import Overheads
 
 PROFILE_BATCHES = (4, 32)
-REPEATS = 5  # standalone runs of a layer (its bytes)
+REPEATS = 5  # standalone runs of a layer, when whole-model passes cannot time it
 PASSES = 21  # whole-model passes timed per batch size (the median per layer)
 
 
@@ -130,10 +130,12 @@ def _saved_bytes(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
     return out, total
 
 
-def _time_layer(layer: nn.Module, x: torch.Tensor, loss: bool) -> tuple[float, float, int, int]:
-    """Median (forward s, backward s), saved bytes and output bytes of ``layer`` on ``x``."""
+def _time_layer(layer: nn.Module, x: torch.Tensor, loss: bool, repeats: int = REPEATS
+                ) -> tuple[float, float, int, int]:
+    """Median (forward s, backward s) of ``repeats`` runs after one warm-up, saved bytes and
+    output bytes of ``layer`` on ``x``."""
     fwd, bwd, saved, out_bytes = [], [], 0, 0
-    for run in range(REPEATS + 1):
+    for run in range(repeats + 1):
         x_in = x.detach().requires_grad_(x.is_floating_point())
         start = time.perf_counter()
         y, saved = _saved_bytes(lambda: layer(x_in))  # noqa: B023 (used at once)
@@ -154,13 +156,15 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, loss: bool) -> tuple[float, f
 def _run_layers(layers: list[nn.Module], sample: torch.Tensor) -> list[tuple[float, float, int,
                                                                              int]]:
     """Per layer: (forward s, backward s) from whole-model passes (:func:`_pass_times`),
-    saved bytes and output bytes from one standalone run."""
+    saved bytes and output bytes from a standalone run (its times are used only when the
+    passes cannot time the layers: then each layer is timed alone, :data:`REPEATS` runs)."""
+    times = _pass_times(layers, sample)
     rows, x = [], sample
     for i, layer in enumerate(layers):
-        rows.append(_time_layer(layer, x, loss=i == len(layers) - 1))
+        rows.append(_time_layer(layer, x, loss=i == len(layers) - 1,
+                                repeats=REPEATS if times is None else 1))
         with torch.no_grad():
             x = layer(x)
-    times = _pass_times(layers, sample)
     if times is None:  # a layer's output takes no gradient: keep the standalone times
         return rows
     return [(f, b, saved, out) for (f, b), (_, _, saved, out) in zip(times, rows, strict=True)]

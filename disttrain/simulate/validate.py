@@ -53,7 +53,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     """ValueError for a setting the benchmark cannot measure: it runs pipelines with
     :data:`DEFAULT_MICROBATCHES` micro-batches (``disttrain bench`` has no option for it),
     so a prediction for another count would be compared with the wrong measurement."""
-    repeat, partition = getattr(args, "repeat", 1), getattr(args, "partition", "params")
+    repeat, partition = args.repeat, args.partition
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"--repeat must be an integer ≥ 1 (fresh runs per strategy and "
                          f"world size), got {repeat!r}")
@@ -88,14 +88,20 @@ def measured_step(row: dict[str, Any]) -> float | None:
     one. The least, as the profile's rounds: this machine has slow spells (every step
     ×1.8 for tens of seconds) and interference only adds time, so the fastest run is the
     undisturbed machine the profile and the calibration describe."""
-    runs = [t for t in row.get("step_time_s_runs") or [] if t]
+    runs = _runs(row.get("step_time_s_runs"))
     if runs:
         return min(runs)
     return row.get("step_time_s") or None
 
 
-def runs_text(row: dict[str, Any]) -> str:
-    runs = [t for t in row.get("step_time_s_runs") or [] if t]
+def _runs(times: list[float | None] | None) -> list[float]:
+    """The runs that measured a step time."""
+    return [t for t in times or [] if t]
+
+
+def runs_text(times: list[float | None] | None) -> str:
+    """``; runs a, b, c ms`` for more than one run, else nothing."""
+    runs = _runs(times)
     return f"; runs {', '.join(f'{t * 1e3:.2f}' for t in runs)} ms" if len(runs) > 1 else ""
 
 
@@ -109,7 +115,7 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = BenchConfig(strategies=tuple(names), world_sizes=tuple(args.world_sizes),
                          model=args.model, dataset=dataset, steps=args.steps,
                          global_batch=args.global_batch or GLOBAL_BATCH, algorithm="ring",
-                         eval_every=10**6, repeat=getattr(args, "repeat", 1))
+                         eval_every=10**6, repeat=args.repeat)
     outcome = run_table(config, on_start=lambda i, n, run: print(
         f"[{i + 1}/{n}] measuring {run.label}", file=sys.stderr, flush=True))
     fwd_bwd = profile.compute(config.global_batch)
@@ -121,7 +127,7 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
     if took:
         pred = single_step(profile, config.global_batch)
         print(f"single process: predicted {pred * 1e3:.2f} ms, measured {took * 1e3:.2f} ms "
-              f"({pred / took:.2f}){runs_text(single)}", file=sys.stderr)
+              f"({pred / took:.2f}){runs_text(single.get('step_time_s_runs'))}", file=sys.stderr)
     rows = []
     for row in outcome.rows:
         if row["strategy"] == "single":
@@ -142,7 +148,7 @@ def run_validation(args: argparse.Namespace) -> int:
     for r in rows:
         measured = f"{r['measured_step_s'] * 1e3:.2f} ms" if r["measured_step_s"] else "-"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else (r["error"] or "-")
-        runs = runs_text({"step_time_s_runs": r.get("measured_step_s_runs")})
+        runs = runs_text(r.get("measured_step_s_runs"))
         print(f"{r['strategy']:15s} {r['world_size']:>3d} {r['predicted_step_s'] * 1e3:7.2f} ms "
               f"{measured:>10s} {ratio:>6s}{runs}")
     if args.json:
