@@ -224,6 +224,26 @@ def test_a_failing_rank_is_named_and_every_rank_stopped(how, message):
     assert not any(proc.is_alive() for proc in procs)
 
 
+
+def test_a_rank_that_cannot_start_raises_its_own_error(monkeypatch):
+    """Starting rank 1 fails: rank 0 is stopped and the caller sees the start's error, not
+    the AssertionError of joining a process that never started."""
+    from multiprocessing.context import SpawnProcess
+
+    started = []
+    real_start = SpawnProcess.start
+
+    def start(self):
+        if started:
+            raise OSError("no more processes (from the test)")
+        started.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(SpawnProcess, "start", start)
+    with pytest.raises(OSError, match="no more processes"):
+        RankGroup(2, _fail_on_rank_one, ("raise",), transport="torch", timeout_s=20)
+    assert len(started) == 1 and not started[0].is_alive()
+
 # ---------------------------------------------------------------------------- the command
 def _disttrain(*args, env=None, **kwargs):
     return subprocess.run([sys.executable, "-m", "disttrain", *args], cwd=ROOT, env=env,

@@ -124,10 +124,15 @@ class RankGroup:
         proc = ctx.Process(target=_rank_main, daemon=True,
                            name=f"disttrain-bench-r{rank_args[0]}",
                            args=(out_send, ctl_recv, *rank_args))
+        try:
+            proc.start()
+        except BaseException:  # never started: close() must not join it (that raises an
+            for conn in (out_recv, out_send, ctl_recv, ctl_send):  # AssertionError hiding
+                conn.close()  # this error, e.g. a script without a __main__ guard)
+            raise
         self._procs.append(proc)
         self._outs.append(out_recv)
         self._controls.append(ctl_send)
-        proc.start()
         out_send.close()
         ctl_recv.close()
 
