@@ -242,3 +242,63 @@ def test_a_parameter_server_row_reports_the_workers_rate_and_staleness():
     table = text_table(rows)
     assert "ps-async  2+1" in table and "ps-async n=2+1: staleness {" in table
     assert "straggler rank 1 ×2" in table
+
+
+# ------------------------------------------------------------- repeats spread over the table
+def _fake_runs(monkeypatch, fail=None, interrupt=None):
+    """run_once and make_row replaced: records the order of the fresh runs; ``fail`` =
+    (label, k): that label's k-th run raises a BenchError; ``interrupt``: the n-th run (0-based)
+    raises KeyboardInterrupt."""
+    from disttrain.bench import strategy_bench as sb
+    from disttrain.bench.ranks import BenchError
+
+    order = []
+
+    def run_once(config, run, trace, on_progress):
+        if interrupt is not None and len(order) == interrupt:
+            raise KeyboardInterrupt
+        order.append(run.label)
+        if fail is not None and (run.label, order.count(run.label)) == fail:
+            raise BenchError(f"rank 1 of {run.world_size} died (from the test)")
+        return [{"label": run.label}]
+
+    def make_row(config, run, repeats):
+        return {**sb.base_row(config, run), "samples_per_s": 1.0, "accuracy": 0.5,
+                "final_loss": 1.0, "repeats": len(repeats)}
+
+    monkeypatch.setattr(sb, "run_once", run_once)
+    monkeypatch.setattr(sb, "make_row", make_row)
+    return order
+
+
+def test_repeats_go_round_the_table_and_rows_come_in_plan_order(monkeypatch):
+    order = _fake_runs(monkeypatch)
+    config = BenchConfig(strategies=("ddp",), world_sizes=(2, 4), steps=2, repeat=3)
+    starts, rows_seen = [], []
+    outcome = run_table(config, on_row=lambda r: rows_seen.append(r["world_size"]),
+                        on_start=lambda i, n, run: starts.append((i, n, run.label)))
+    labels = ["single n=1", "ddp n=2", "ddp n=4"]
+    assert order == labels * 3  # not single, single, single, ddp n=2, ...
+    assert starts == [(i, 9, label) for i, label in enumerate(labels * 3)]
+    assert [(r["strategy"], r["world_size"], r["repeats"]) for r in outcome.rows] == [
+        ("single", 1, 3), ("ddp", 2, 3), ("ddp", 4, 3)]
+    assert rows_seen == [1, 2, 4] and not outcome.interrupted
+    assert outcome.rows[1]["speedup"] == 1.0  # compared with the reference row
+
+
+def test_a_run_that_fails_in_a_later_repeat_is_not_run_again(monkeypatch):
+    order = _fake_runs(monkeypatch, fail=("ddp n=2", 2))
+    config = BenchConfig(strategies=("ddp",), world_sizes=(2,), steps=2, repeat=3)
+    outcome = run_table(config)
+    assert order == ["single n=1", "ddp n=2", "single n=1", "ddp n=2", "single n=1"]
+    single, ddp = outcome.rows
+    assert single["repeats"] == 3 and single["error"] is None
+    assert "rank 1 of 2 died" in ddp["error"]
+
+
+def test_ctrl_c_keeps_the_runs_with_a_finished_repeat(monkeypatch):
+    order = _fake_runs(monkeypatch, interrupt=4)  # single, ddp2, ddp4, single, then Ctrl-C
+    config = BenchConfig(strategies=("ddp",), world_sizes=(2, 4), steps=2, repeat=3)
+    outcome = run_table(config)
+    assert outcome.interrupted and len(order) == 4
+    assert [(r["world_size"], r["repeats"]) for r in outcome.rows] == [(1, 2), (2, 1), (4, 1)]

@@ -1,6 +1,7 @@
 """Run the strategy table: every experiment in fresh local processes, one row per run.
 
-Each (experiment, world size) runs ``repeat`` times, each time in new processes
+Each (experiment, world size) runs ``repeat`` times, each time in new processes, the
+repeats spread over the table (all runs once, then all again: :func:`run_table`)
 (:class:`~disttrain.bench.ranks.RankGroup`: a rank that raises, dies or stays silent is named
 and stopped). Each rank calls :func:`disttrain.train.train` with the same config and sends
 its :class:`~disttrain.train.TrainResult` back, plus, with ``trace``, its step spans, its
@@ -11,7 +12,8 @@ over ranks, and the maximum over ranks of the bytes each sent per step next to t
 strategy's theoretical figure.
 
 A failing run becomes a row with ``error`` set (the rank and its exception) and the table
-goes on; Ctrl-C stops the current run and returns the finished rows.
+goes on; Ctrl-C stops the current run and returns the rows of the runs with at least one
+finished repeat.
 """
 
 from __future__ import annotations
@@ -213,11 +215,11 @@ def add_comparisons(row: Row, rows: list[Row]) -> None:
 
 def measure(config: BenchConfig, run: Run, trace: bool,
             on_progress: Progress | None = None) -> tuple[Row, list[dict[str, Any]]]:
-    """All repeats of one run: its row (with ``error`` on failure) and the last reports."""
-    try:
-        checked_setup(train_config(config, run), run.ranks)
-    except ValueError as exc:
-        return {**base_row(config, run), "error": f"not runnable here: {exc}"}, []
+    """All repeats of one run, back to back: its row (with ``error`` on failure) and the
+    last reports. :func:`run_table` spreads the repeats over the table instead."""
+    refused = _refusal(config, run)
+    if refused is not None:
+        return refused, []
     repeats = []
     try:
         for _ in range(config.repeat):
@@ -227,28 +229,66 @@ def measure(config: BenchConfig, run: Run, trace: bool,
     return make_row(config, run, repeats), repeats[-1]
 
 
+def _refusal(config: BenchConfig, run: Run) -> Row | None:
+    """The error row of a run that cannot run here (checked before any process starts)."""
+    try:
+        checked_setup(train_config(config, run), run.ranks)
+    except ValueError as exc:
+        return {**base_row(config, run), "error": f"not runnable here: {exc}"}
+    return None
+
+
 def run_table(config: BenchConfig, on_row: Callable[[Row], None] | None = None,
               on_start: Callable[[int, int, Run], None] | None = None,
               trace: bool = False, on_progress: Progress | None = None) -> Outcome:
-    """Run the whole plan; Ctrl-C ends it early with the rows finished so far.
-    ``on_start`` hears each run as it begins, ``on_progress`` its steps done every
-    ``HEARTBEAT_STEPS`` steps, ``on_row`` its finished row."""
+    """Run the whole plan; Ctrl-C ends it early with the rows of the runs finished so far.
+
+    With ``repeat`` > 1 the table is run ``repeat`` times over (run 1, run 2, …, run 1,
+    run 2, …), not each run ``repeat`` times in a row: a machine whose speed drifts for tens
+    of seconds (a virtual machine's slow spells) then slows one repeat of many rows instead
+    of every repeat of one row, and the medians over repeats compare the rows under the
+    same conditions. ``on_start(i, n, run)`` hears each of the n fresh runs as it begins,
+    ``on_progress`` its steps done every ``HEARTBEAT_STEPS`` steps, ``on_row`` each row
+    when its last repeat is done (rows come in plan order)."""
     outcome = Outcome()
     runs = plan(config)
+    rows: list[Row | None] = [_refusal(config, run) for run in runs]  # set: failed
+    repeats: list[list[list[dict[str, Any]]]] = [[] for _ in runs]
+    finished: set[int] = set()
+    total, started = len(runs) * config.repeat, 0
     try:
-        for i, run in enumerate(runs):
-            if on_start is not None:
-                on_start(i, len(runs), run)
-            row, reports = measure(config, run, trace, on_progress)
-            add_comparisons(row, [*outcome.rows, row])
-            outcome.rows.append(row)
-            if trace and reports:
-                from disttrain.bench.trace import chrome_trace
-
-                outcome.traces[f"{run.experiment.name}-n{run.world_size}"] = chrome_trace(
-                    reports)
-            if on_row is not None:
-                on_row(row)
-    except KeyboardInterrupt:
+        for k in range(config.repeat):
+            for i, run in enumerate(runs):
+                if rows[i] is None:
+                    if on_start is not None:
+                        on_start(started, total, run)
+                    started += 1
+                    try:
+                        repeats[i].append(run_once(config, run, trace, on_progress))
+                    except (BenchError, ValueError) as exc:
+                        rows[i] = {**base_row(config, run), "error": _error_text(exc)}
+                if k == config.repeat - 1:
+                    _finish(config, outcome, run, rows[i], repeats[i], trace, on_row)
+                    finished.add(i)
+    except KeyboardInterrupt:  # keep every run with a finished repeat (or an error)
         outcome.interrupted = True
+        for i, run in enumerate(runs):
+            if i not in finished and (rows[i] is not None or repeats[i]):
+                _finish(config, outcome, run, rows[i], repeats[i], trace, None)
     return outcome
+
+
+def _finish(config: BenchConfig, outcome: Outcome, run: Run, row: Row | None,
+            repeats: list[list[dict[str, Any]]], trace: bool,
+            on_row: Callable[[Row], None] | None) -> None:
+    """Make the row of ``run`` (``row`` when it already failed) and add it to ``outcome``."""
+    if row is None:
+        row = make_row(config, run, repeats)
+    add_comparisons(row, [*outcome.rows, row])
+    outcome.rows.append(row)
+    if trace and repeats and row.get("error") is None:
+        from disttrain.bench.trace import chrome_trace
+
+        outcome.traces[f"{run.experiment.name}-n{run.world_size}"] = chrome_trace(repeats[-1])
+    if on_row is not None:
+        on_row(row)

@@ -64,7 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="samples per step over all ranks, the same for every row "
                         "(default %(default)s)")
     parser.add_argument("--repeat", type=int, default=d.repeat,
-                        help="runs per row; the table shows the median and the spread")
+                        help="fresh runs per row, taken round the table (every row once, "
+                        "then again), so a slow spell of the machine hits one run of many "
+                        "rows rather than every run of one; the table shows the median and "
+                        "the spread")
     parser.add_argument("--transport", default=d.transport,
                         help=f"transport of the disttrain rows (torch baselines always use "
                         f"torch; known: {', '.join(TRANSPORTS)})")
@@ -143,18 +146,28 @@ def _run_table(config: BenchConfig, args: argparse.Namespace) -> int:
     runs = plan(config)
     epochs, steps = config.length
     length = f"{steps} steps" if steps else f"{epochs} epoch(s)"
-    print(f"disttrain bench: {len(runs)} runs of {config.model} on {config.dataset}, "
+    rounds = f" × {config.repeat} rounds of the table" if config.repeat > 1 else ""
+    print(f"disttrain bench: {len(runs)} runs{rounds} of {config.model} on {config.dataset}, "
           f"{length}, global batch {config.global_batch}, transport {config.transport}"
           f"{', ranks bound to cores' if config.bind_cores else ''} "
           f"(Ctrl-C stops and keeps the finished rows)", file=sys.stderr, flush=True)
     started = time.monotonic()
 
+    # with --repeat the table goes round several times; a row is printed after its last run
+    open_line = [False]
+
     def on_start(i: int, total: int, run: Run) -> None:
+        if open_line[0]:
+            print(file=sys.stderr)
         print(f"[{i + 1}/{total}] {run.label} ...", end="", file=sys.stderr, flush=True)
+        open_line[0] = True
 
     def on_row(row: Row) -> None:
         what = "FAILED" if row.get("error") else f"{row['samples_per_s']:.1f} samples/s"
-        print(f" {what} ({time.monotonic() - started:.0f}s)", file=sys.stderr, flush=True)
+        label = "" if config.repeat == 1 else f" {row['strategy']} n={row['world_size']}:"
+        print(f"{label} {what} ({time.monotonic() - started:.0f}s)", file=sys.stderr,
+              flush=True)
+        open_line[0] = False
 
     def on_progress(run: Run, step: int) -> None:  # every 10 steps, from rank 0's heartbeat
         print(f" step {step}/{steps}" if steps else f" step {step}", end="",

@@ -14,7 +14,8 @@ not have is skipped, saying so) and each world size, it
    slowdown of ranks computing at once) and ranks beyond this machine's cores sharing them,
 3. runs the strategy with the benchmark's machinery
    (:func:`disttrain.bench.strategy_bench.run_table`: fresh processes, median step time of
-   the slowest rank after warm-up), ``--repeat`` times (default 3), and takes the fastest
+   the slowest rank after warm-up), ``--repeat`` times (default 3; the table goes round
+   that many times, so the runs of a row are minutes apart), and takes the fastest
    run (one run's step time moves by 20-35 % from run to run on this machine: the single
    process measured 2.35 and 3.13 ms back to back; see :func:`measured_step`),
 
