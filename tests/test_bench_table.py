@@ -302,3 +302,16 @@ def test_ctrl_c_keeps_the_runs_with_a_finished_repeat(monkeypatch):
     outcome = run_table(config)
     assert outcome.interrupted and len(order) == 4
     assert [(r["world_size"], r["repeats"]) for r in outcome.rows] == [(1, 2), (2, 1), (4, 1)]
+
+
+def test_a_refused_run_is_announced_once_and_never_started(monkeypatch):
+    order = _fake_runs(monkeypatch)
+    config = BenchConfig(strategies=("ddp", "gpipe"), world_sizes=(3,), steps=2,
+                         global_batch=32, repeat=2)  # 32 does not split over 3 ddp ranks
+    starts = []
+    outcome = run_table(config, on_start=lambda i, n, run: starts.append((i, n, run.label)))
+    assert order == ["single n=1", "gpipe n=3"] * 2
+    assert starts == [(0, 5, "single n=1"), (1, 5, "gpipe n=3"), (2, 5, "single n=1"),
+                      (3, 5, "ddp n=3"), (4, 5, "gpipe n=3")]
+    assert [r["strategy"] for r in outcome.rows] == ["single", "ddp", "gpipe"]
+    assert "does not split evenly" in outcome.rows[1]["error"]

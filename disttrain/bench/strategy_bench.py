@@ -253,21 +253,25 @@ def run_table(config: BenchConfig, on_row: Callable[[Row], None] | None = None,
     outcome = Outcome()
     runs = plan(config)
     rows: list[Row | None] = [_refusal(config, run) for run in runs]  # set: failed
+    refused = {i for i, row in enumerate(rows) if row is not None}  # announced once, at the end
     repeats: list[list[list[dict[str, Any]]]] = [[] for _ in runs]
     finished: set[int] = set()
-    total, started = len(runs) * config.repeat, 0
+    total = len(refused) + (len(runs) - len(refused)) * config.repeat
+    started = 0
     try:
         for k in range(config.repeat):
+            last = k == config.repeat - 1
             for i, run in enumerate(runs):
-                if rows[i] is None:
+                if rows[i] is None or (last and i in refused):
                     if on_start is not None:
                         on_start(started, total, run)
                     started += 1
+                if rows[i] is None:
                     try:
                         repeats[i].append(run_once(config, run, trace, on_progress))
                     except (BenchError, ValueError) as exc:
                         rows[i] = {**base_row(config, run), "error": _error_text(exc)}
-                if k == config.repeat - 1:
+                if last:
                     _finish(config, outcome, run, rows[i], repeats[i], trace, on_row)
                     finished.add(i)
     except KeyboardInterrupt:  # keep every run with a finished repeat (or an error)

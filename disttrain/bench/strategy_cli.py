@@ -164,7 +164,8 @@ def _run_table(config: BenchConfig, args: argparse.Namespace) -> int:
 
     def on_row(row: Row) -> None:
         what = "FAILED" if row.get("error") else f"{row['samples_per_s']:.1f} samples/s"
-        label = "" if config.repeat == 1 else f" {row['strategy']} n={row['world_size']}:"
+        label = "" if open_line[0] and config.repeat == 1 else (
+            f" {row['strategy']} n={row['world_size']}:")
         print(f"{label} {what} ({time.monotonic() - started:.0f}s)", file=sys.stderr,
               flush=True)
         open_line[0] = False
