@@ -179,3 +179,69 @@ def test_flight_recorder_holds_the_latest_collectives_completed(pools):
         for r in records:
             assert r["state"] == "completed" and r["error"] == ""
             assert r["queued_at"] <= r["started_at"] <= r["ended_at"]
+
+
+# ------------------------------------------------------------ scratch reused call to call
+def scratch_reuse(comm: Communicator, algorithm: str, n: int) -> dict[str, Any]:
+    """Three all-reduces of different inputs on one communicator: each result exact, and
+    the landing buffers come from one arena that stops growing after the first call."""
+    c = _fresh(comm)
+    kept, pointers, correct = [], [], []
+    for call in range(3):
+        inputs = [x + call for x in _inputs(comm.world_size, n, torch.float32)]
+        t = inputs[comm.rank].clone()
+        c.all_reduce(t, algorithm=algorithm)
+        correct.append(bool(torch.equal(t, torch.stack(inputs).sum(0))))
+        kept.append(c._scratch.kept_bytes())
+        pointers.append(c._scratch._buffers[torch.device("cpu")].data_ptr())
+    c.close()
+    return {"kept": kept, "pointers": pointers, "correct": correct,
+            "cleared": c._scratch.kept_bytes()}
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "naive", "tree", "halving_doubling"])
+def test_collectives_reuse_their_scratch_instead_of_allocating_per_call(pools, algorithm):
+    n = (1 << 20) // 4 + 3  # 1 MiB and an uneven tail
+    for res in pools(2).run(scratch_reuse, algorithm, n):
+        assert res["correct"] == [True, True, True]
+        assert res["kept"][0] > 0 and len(set(res["kept"])) == 1
+        assert len(set(res["pointers"])) == 1  # the same memory every call
+        assert res["cleared"] == 0  # close() gives it back
+
+
+def test_scratch_regions_of_one_collective_are_disjoint_aligned_and_reused_by_the_next():
+    from disttrain.comm.context import CollectiveContext, ScratchArena
+    from disttrain.simulate.wrappers import SoloTransport
+
+    arena = ScratchArena(max_bytes=1 << 20)
+
+    def ctx() -> CollectiveContext:
+        return CollectiveContext(SoloTransport(), comm_stats(), op="all_reduce", seq=0,
+                                 algorithm="ring", timeout_s=1.0, chunk_bytes=1 << 20,
+                                 scratch=arena)
+
+    first = ctx()
+    a = first.scratch(3, torch.zeros(1, dtype=torch.uint8))  # 3 bytes: the next is realigned
+    b = first.scratch(5, torch.zeros(1, dtype=torch.float64))
+    c = first.scratch_copy(torch.arange(7, dtype=torch.int32))
+    assert (a.dtype, b.dtype, c.dtype) == (torch.uint8, torch.float64, torch.int32)
+    assert b.data_ptr() % 64 == 0 and c.data_ptr() % 64 == 0
+    assert a.data_ptr() + 3 <= b.data_ptr() and b.data_ptr() + 40 <= c.data_ptr()
+    assert c.tolist() == list(range(7))
+    second = ctx()
+    assert second.scratch(5, torch.zeros(1, dtype=torch.float64)).data_ptr() == a.data_ptr()
+    # past the cap: a buffer of its own, not kept
+    big = second.scratch((1 << 20) // 4, torch.zeros(1))
+    assert big.numel() == (1 << 20) // 4 and arena.kept_bytes() == 1 << 20
+    assert not a.data_ptr() <= big.data_ptr() < a.data_ptr() + (1 << 20)
+    # without an arena every call allocates
+    alone = CollectiveContext(SoloTransport(), comm_stats(), op="x", seq=0, algorithm="ring",
+                              timeout_s=1.0, chunk_bytes=1)
+    assert alone.scratch(4, torch.zeros(1)).data_ptr() != alone.scratch(4, torch.zeros(1)
+                                                                        ).data_ptr()
+
+
+def comm_stats():
+    from disttrain.comm.stats import TrafficStats
+
+    return TrafficStats()

@@ -21,7 +21,12 @@ import torch
 from disttrain.comm import algorithms, checks
 from disttrain.comm.agreement import agreed_costs
 from disttrain.comm.config import CommConfig
-from disttrain.comm.context import MAX_USER_TAG, CollectiveContext, instance_tag_base
+from disttrain.comm.context import (
+    MAX_USER_TAG,
+    CollectiveContext,
+    ScratchArena,
+    instance_tag_base,
+)
 from disttrain.comm.cost_model import LinkCosts, load_costs
 from disttrain.comm.errors import CommError
 from disttrain.comm.flight_recorder import FlightRecorder
@@ -58,6 +63,7 @@ class Communicator:
         self._failure: BaseException | None = None
         self._progress = ProgressThread(f"disttrain-comm-r{transport.rank}")
         self._tag_base = instance_tag_base(transport)  # own tags: communicators may share a group
+        self._scratch = ScratchArena()  # the algorithms' landing buffers, reused call to call
 
     @classmethod
     def from_torch(cls, group: Any | None = None, config: CommConfig | None = None) -> Communicator:
@@ -89,7 +95,7 @@ class Communicator:
         return CollectiveContext(
             self.transport, self.stats, op=op, seq=seq, algorithm=algorithm,
             timeout_s=self.config.timeout_s, chunk_bytes=self._chunk_bytes,
-            tag_base=self._tag_base, on_progress=self._progress.beat,
+            tag_base=self._tag_base, on_progress=self._progress.beat, scratch=self._scratch,
         )
 
     def _check_usable(self) -> None:
@@ -346,6 +352,7 @@ class Communicator:
 
         close_hierarchy(self)
         self._progress.close(self.config.timeout_s)
+        self._scratch.clear()
         if self._owns_transport:
             self.transport.close()
 

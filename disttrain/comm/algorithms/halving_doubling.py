@@ -37,7 +37,7 @@ def _real_rank(v: int, members: list[list[int]]) -> int:
 def _halving(ctx: CollectiveContext, buf: torch.Tensor, vbounds: list[tuple[int, int]],
              vr: int, q: int, members: list[list[int]], op: ReduceOp) -> None:
     lo, hi, dist, step = 0, q, q // 2, _STEPS
-    tmp = buf.new_empty(buf.numel())
+    tmp = ctx.scratch_like(buf)
     while dist >= 1:
         partner = _real_rank(vr ^ dist, members)
         mid = lo + dist
@@ -82,7 +82,7 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, op: ReduceOp) -> No
         ctx.recv(tensor, r + 1, _UNFOLD)
         return
     if len(members[vr]) == 2:
-        tmp = torch.empty_like(tensor)
+        tmp = ctx.scratch_like(tensor)
         ctx.recv(tmp, r - 1, _FOLD)
         combine_(tensor, tmp, op)
     vbounds = segment_bounds(tensor.numel(), q)
@@ -102,9 +102,9 @@ def reduce_scatter(
         ctx.send(tensor, r + 1, _FOLD)
         ctx.recv(output, r + 1, _UNFOLD)
         return
-    work = tensor.clone()
+    work = ctx.scratch_copy(tensor)
     if len(members[vr]) == 2:
-        tmp = torch.empty_like(tensor)
+        tmp = ctx.scratch_like(tensor)
         ctx.recv(tmp, r - 1, _FOLD)
         combine_(work, tmp, op)
     bounds = [(i * n, (i + 1) * n) for i in range(p)]

@@ -29,11 +29,11 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, op: ReduceOp) -> No
     p, me = ctx.world_size, ctx.rank
     if p == 1:
         return
-    bufs = {peer: torch.empty_like(tensor) for peer in range(p) if peer != me}
+    bufs = {peer: ctx.scratch_like(tensor) for peer in range(p) if peer != me}
     pending: list[Pending] = [ctx.irecv(bufs[peer], peer) for peer in bufs]
     pending += [ctx.isend(tensor, peer) for peer in bufs]
     ctx.wait_all(pending)
-    mine = tensor.clone()
+    mine = ctx.scratch_copy(tensor)
     _reduce_in_rank_order(tensor, [mine if r == me else bufs[r] for r in range(p)], op)
 
 
@@ -49,9 +49,9 @@ def reduce(ctx: CollectiveContext, tensor: torch.Tensor, root: int, op: ReduceOp
     if me != root:
         ctx.send(tensor, root)
         return
-    bufs = {peer: torch.empty_like(tensor) for peer in range(p) if peer != me}
+    bufs = {peer: ctx.scratch_like(tensor) for peer in range(p) if peer != me}
     ctx.wait_all([ctx.irecv(bufs[peer], peer) for peer in bufs])
-    mine = tensor.clone()
+    mine = ctx.scratch_copy(tensor)
     _reduce_in_rank_order(tensor, [mine if r == me else bufs[r] for r in range(p)], op)
 
 
@@ -103,7 +103,7 @@ def reduce_scatter(
     ctx: CollectiveContext, output: torch.Tensor, tensor: torch.Tensor, op: ReduceOp
 ) -> None:
     p, me, n = ctx.world_size, ctx.rank, output.numel()
-    bufs = {peer: torch.empty_like(output) for peer in range(p) if peer != me}
+    bufs = {peer: ctx.scratch_like(output) for peer in range(p) if peer != me}
     pending = [ctx.irecv(bufs[peer], peer) for peer in bufs]
     pending += [ctx.isend(tensor[r * n : (r + 1) * n], r) for r in range(p) if r != me]
     ctx.wait_all(pending)

@@ -45,7 +45,7 @@ def post_reduce_scatter(ctx: CollectiveContext, buf: torch.Tensor,
     left = (r - 1) % p
     per_chunk = chunk_elems(ctx.chunk_bytes, buf.element_size())
     longest = max(end - start for start, end in bounds)
-    scratch = buf.new_empty(max(0, p - 1) * longest)
+    scratch = ctx.scratch(max(0, p - 1) * longest, buf)
     posted = []
     for step in range(p - 1):
         start, end = bounds[(r + owned_shift - step - 2) % p]
@@ -153,7 +153,7 @@ def reduce_scatter(
     ctx: CollectiveContext, output: torch.Tensor, tensor: torch.Tensor, op: ReduceOp
 ) -> None:
     n = output.numel()
-    work = tensor.clone()  # the input stays untouched, as torch's reduce_scatter leaves it
+    work = ctx.scratch_copy(tensor)  # the input stays untouched, as torch leaves it
     bounds = [(i * n, (i + 1) * n) for i in range(ctx.world_size)]
     if ctx.world_size > 1:
         posted = post_reduce_scatter(ctx, work, bounds, owned_shift=0)

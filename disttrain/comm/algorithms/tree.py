@@ -47,7 +47,7 @@ def broadcast(ctx: CollectiveContext, tensor: torch.Tensor, root: int) -> None:
 def reduce(ctx: CollectiveContext, tensor: torch.Tensor, root: int, op: ReduceOp) -> None:
     """Result on ``root``; on other ranks ``tensor`` holds a partial sum afterwards."""
     p, vr = ctx.world_size, _rel(ctx, root)
-    tmp = torch.empty_like(tensor)
+    tmp = ctx.scratch_like(tensor)
     mask = 1
     while mask < p:
         if vr & mask:
@@ -65,7 +65,7 @@ def gather(
     """Each node collects its subtree's blocks (contiguous in relative-rank order)."""
     p, vr, n = ctx.world_size, _rel(ctx, root), tensor.numel()
     span = 1  # relative ranks [vr, vr + span) are held in ``held``
-    held = tensor.new_empty(_subtree_size(vr, p) * n)
+    held = ctx.scratch(_subtree_size(vr, p) * n, tensor)
     held[:n].copy_(tensor)
     mask = 1
     while mask < p:
@@ -88,7 +88,7 @@ def scatter(
 ) -> None:
     p, vr, n = ctx.world_size, _rel(ctx, root), output.numel()
     size = _subtree_size(vr, p)
-    held = output.new_empty(size * n)  # blocks of relative ranks [vr, vr + size)
+    held = ctx.scratch(size * n, output)  # blocks of relative ranks [vr, vr + size)
     mask = 1
     while mask < p:
         if vr & mask:
