@@ -227,12 +227,12 @@ def test_parameter_server_rows_add_their_servers_and_take_their_options():
 
 @pytest.mark.timeout(240)
 def test_a_parameter_server_row_reports_the_workers_rate_and_staleness():
-    from disttrain.bench.strategy_bench import add_comparisons, measure
+    from disttrain.bench.strategy_bench import add_comparisons, make_row, run_once
 
     config = BenchConfig(strategies=("ps-async",), world_sizes=(2,), steps=6, eval_every=0,
                          model="mlp", warmup_steps=1, timeout_s=30.0, straggler=((1, 2.0),))
     run = plan(config)[1]  # the reference is left out: it is not what this test is about
-    row, _ = measure(config, run, trace=False)
+    row = make_row(config, run, [run_once(config, run, False)])
     add_comparisons(row, [row])
     rows = [row]
     assert row["error"] is None and (row["world_size"], row["servers"]) == (2, 1)

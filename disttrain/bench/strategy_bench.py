@@ -213,22 +213,6 @@ def add_comparisons(row: Row, rows: list[Row]) -> None:
     row["reference_final_loss"] = ref["final_loss"] if ref else None
 
 
-def measure(config: BenchConfig, run: Run, trace: bool,
-            on_progress: Progress | None = None) -> tuple[Row, list[dict[str, Any]]]:
-    """All repeats of one run, back to back: its row (with ``error`` on failure) and the
-    last reports. :func:`run_table` spreads the repeats over the table instead."""
-    refused = _refusal(config, run)
-    if refused is not None:
-        return refused, []
-    repeats = []
-    try:
-        for _ in range(config.repeat):
-            repeats.append(run_once(config, run, trace, on_progress))
-    except (BenchError, ValueError) as exc:
-        return {**base_row(config, run), "error": _error_text(exc)}, []
-    return make_row(config, run, repeats), repeats[-1]
-
-
 def _refusal(config: BenchConfig, run: Run) -> Row | None:
     """The error row of a run that cannot run here (checked before any process starts)."""
     try:
