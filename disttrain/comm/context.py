@@ -58,7 +58,8 @@ class ScratchArena:
     of it and the next collective starts again at 0. Requests beyond ``max_bytes`` in
     total are allocated per call and not kept. A collective that fails leaves its
     communicator unusable, so a late message can never land in a region that a later
-    collective uses.
+    collective uses. The exception is ValueError/TypeError (bad arguments), which leave it
+    usable: an algorithm must raise those before posting its first receive.
     """
 
     def __init__(self, max_bytes: int = 256 << 20) -> None:
