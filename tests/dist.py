@@ -11,8 +11,11 @@ Two ways:
 * :func:`run_fresh` starts new processes for one call of ``fn(rank, world_size, store, *args)``,
   for tests that need their own initialization or that kill ranks.
 
-Functions must be importable module-level functions (they are sent to spawned processes).
-The pipes carry pickles between this test process and its own children only.
+Functions must be importable module-level functions (they are pickled to the ranks). Ranks
+come from :func:`rank_context`: forked from a server that imported torch once, with this
+process's environment of the moment applied first (a fork server's children would otherwise
+see the environment it started with). The pipes carry pickles between this test process and
+its own children only.
 """
 
 from __future__ import annotations
@@ -31,6 +34,30 @@ DEFAULT_TIMEOUT_S = 120.0  # a whole call on every rank
 COMM_TIMEOUT_S = 20.0  # each blocking wait inside a collective
 
 
+def rank_context() -> Any:
+    """The multiprocessing context test ranks start from: a fork server that preloads torch
+    (``tests/rank_preload.py``), or spawn where there is no fork server. Either way every
+    rank is a fresh process of its own, as under spawn, and takes its target and arguments
+    by pickle; call :func:`adopt_environment` with :func:`environment` first thing in it."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.rank_preload"])
+    return ctx
+
+
+def environment() -> dict[str, str]:
+    """This process's environment now, to hand to a rank (a ``monkeypatch.setenv`` included)."""
+    return dict(os.environ)
+
+
+def adopt_environment(env: dict[str, str]) -> None:
+    """In a rank: take the parent's environment as it was when the rank was started."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 class RankFailure(AssertionError):
     """A rank raised (or died, or timed out); the message names it."""
 
@@ -46,8 +73,9 @@ def _init_torch(rank: int, world_size: int, store: str, comm_timeout_s: float) -
     )
 
 
-def _pool_worker(rank: int, world_size: int, store: str, conn: Any, comm_timeout_s: float) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _pool_worker(rank: int, world_size: int, store: str, conn: Any, comm_timeout_s: float,
+                 env: dict[str, str]) -> None:
+    adopt_environment(env)
     try:
         _init_torch(rank, world_size, store, comm_timeout_s)
         from disttrain.comm import CommConfig, Communicator
@@ -85,13 +113,14 @@ class DistPool:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self._tmp = tempfile.TemporaryDirectory(prefix="disttrain-test-")
         store = os.path.join(self._tmp.name, "store")
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_pool_worker, daemon=True,
-                               args=(rank, self.world_size, store, child, self.comm_timeout_s))
+                               args=(rank, self.world_size, store, child, self.comm_timeout_s,
+                                     environment()))
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -170,8 +199,8 @@ class DistPool:
 
 
 def _fresh_worker(rank: int, world_size: int, store: str, conn: Any,
-                  fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+                  fn: Callable[..., Any], args: tuple[Any, ...], env: dict[str, str]) -> None:
+    adopt_environment(env)
     try:
         conn.send(("ok", fn(rank, world_size, store, *args)))
     except BaseException:
@@ -183,13 +212,13 @@ def run_fresh(fn: Callable[..., Any], world_size: int, *args: Any,
     """Run ``fn(rank, world_size, store_path, *args)`` in ``world_size`` new processes; the
     function initializes whatever it needs (``init_gloo`` below is the usual start)."""
     pool = DistPool(world_size)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     pool._tmp = tempfile.TemporaryDirectory(prefix="disttrain-test-")
     store = os.path.join(pool._tmp.name, "store")
     for rank in range(world_size):
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_fresh_worker, daemon=True,
-                           args=(rank, world_size, store, child, fn, args))
+                           args=(rank, world_size, store, child, fn, args, environment()))
         proc.start()
         child.close()
         pool._procs.append(proc)

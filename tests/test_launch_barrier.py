@@ -3,14 +3,13 @@ raises the same error naming the ranks that were late or dead."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
 import torch
 
 from disttrain.comm.monitored_barrier import BarrierTimeoutError, monitored_barrier
-from tests.dist import init_gloo
+from tests.dist import adopt_environment, environment, init_gloo, rank_context
 
 TIMEOUT_S = 3.0  # generous: ranks of a loaded machine must not look late by accident
 
@@ -47,7 +46,8 @@ def test_late_rank_is_named_on_every_rank_including_itself(pools):
     assert pools(3).run(_barrier_then_sum) == [6.0, 6.0, 6.0]
 
 
-def _dead_rank(rank, store, answers):
+def _dead_rank(rank, store, answers, env):
+    adopt_environment(env)
     comm = init_gloo(rank, 2, store, comm_timeout_s=30)
     comm.barrier()
     if rank == 1:
@@ -62,9 +62,10 @@ def _dead_rank(rank, store, answers):
 
 
 def test_dead_rank_is_named(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     answers = ctx.Queue()
-    procs = [ctx.Process(target=_dead_rank, args=(r, str(tmp_path / "store"), answers),
+    procs = [ctx.Process(target=_dead_rank,
+                         args=(r, str(tmp_path / "store"), answers, environment()),
                          daemon=True) for r in range(2)]
     for proc in procs:
         proc.start()

@@ -9,7 +9,6 @@ where every rank lives run in the shared pool on throw-away transports.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
@@ -21,14 +20,14 @@ from typing import Any
 
 import torch
 
-from tests.dist import init_gloo
+from tests.dist import adopt_environment, environment, init_gloo, rank_context
 
 SHM_PREFIX = "/dev/shm/"
 
 
 def _rank_main(rank: int, world_size: int, store: str, conn: Any,
-               fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+               fn: Callable[..., Any], args: tuple[Any, ...], env: dict[str, str]) -> None:
+    adopt_environment(env)
     try:
         conn.send(("ok", fn(rank, world_size, store, *args)))
     except BaseException:
@@ -39,14 +38,14 @@ def run_all(fn: Callable[..., Any], world_size: int, *args: Any,
             timeout_s: float = 120.0) -> list[tuple[str, Any]]:
     """``fn(rank, world_size, store, *args)`` on fresh ranks; per rank ("ok", value),
     ("err", traceback) or ("died", exit code)."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     with tempfile.TemporaryDirectory(prefix="disttrain-test-") as tmp:
         procs, conns = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, daemon=True,
                                args=(rank, world_size, os.path.join(tmp, "store"), child, fn,
-                                     args))
+                                     args, environment()))
             proc.start()
             child.close()
             procs.append(proc)
