@@ -10,9 +10,11 @@ event engine applies it while more than one core computes
 only: on a cluster every rank has its own device.
 
 :func:`collective_wakeup` measures the other thing sharing does: a collective issued right
-after both ranks computed costs more than the same collective issued back to back, which
-is how ``disttrain bench comm --calibrate`` times it (threads and processes that must be
-woken and scheduled again). Two forked ranks over gloo time both.
+after both ranks computed can cost more than the same collective issued right after a
+barrier, which is how ``disttrain bench comm --calibrate`` times it (threads and processes
+that must be woken and scheduled again). Two forked ranks over gloo time both. On this
+project's 2-vCPU test host the two cost the same within noise (docs/benchmarks.md, "Why
+``collective_wakeup_s`` reads 0").
 """
 
 from __future__ import annotations
@@ -112,8 +114,8 @@ def _collective_child(rank: int, store_path: str, work: Callable[[], object], nb
 
 def collective_wakeup(work: Callable[[], object], nbytes: int, repeats: int = 15) -> float:
     """Extra seconds of a 2-rank ring all-reduce of ``nbytes`` issued right after both ranks
-    ran ``work`` (as in a training step) over the same all-reduce issued back to back (as
-    ``disttrain bench comm --calibrate`` times it): the median over ranks of the
+    ran ``work`` (as in a training step) over the same all-reduce issued right after a
+    barrier (as ``disttrain bench comm --calibrate`` times it): the median over ranks of the
     difference of medians, at least 0. Falls back to 0 (logged) if the ranks fail."""
     if "fork" not in multiprocessing.get_all_start_methods():
         return 0.0

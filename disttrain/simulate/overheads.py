@@ -29,8 +29,8 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             copy back; stage 3: gather and free per unit) on one rank,
                             minus its collective calls and its optimizer
 ``collective_wakeup_s``     a 2-rank ring all-reduce of the gradients issued right after
-                            both ranks ran forward+backward, minus the same issued back
-                            to back (as the calibration times it)
+                            both ranks ran forward+backward, minus the same issued right
+                            after a barrier (as the calibration times it)
                             (:mod:`~disttrain.simulate.contention`)
 ``concurrent_slowdown``     how much slower the model's forward+backward runs in each of
                             this machine's cores at once than alone (a ratio ≥ 1;
