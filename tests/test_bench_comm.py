@@ -204,6 +204,9 @@ def test_theory_bytes_match_the_counters_of_real_runs(pools, world_size):
 
 def _fail_on_rank_one(comm, emit, how):
     emit("first")
+    # rank 0's report is in its pipe before rank 1 fails: the group raises as soon as an
+    # error arrives, and without the barrier a slow rank 0 made the first round incomplete
+    comm.barrier()
     if comm.rank == 1:
         if how == "raise":
             raise RuntimeError("boom from the test")
