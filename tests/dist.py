@@ -21,7 +21,6 @@ its own children only.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import tempfile
@@ -30,31 +29,23 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from disttrain.bench import forkserver
+from disttrain.bench.forkserver import environment
+
 DEFAULT_TIMEOUT_S = 120.0  # a whole call on every rank
 COMM_TIMEOUT_S = 20.0  # each blocking wait inside a collective
 
 
 def rank_context() -> Any:
-    """The multiprocessing context test ranks start from: a fork server that preloads torch
-    (``tests/rank_preload.py``), or spawn where there is no fork server. Either way every
-    rank is a fresh process of its own, as under spawn, and takes its target and arguments
-    by pickle; call :func:`adopt_environment` with :func:`environment` first thing in it."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.rank_preload"])
-    return ctx
-
-
-def environment() -> dict[str, str]:
-    """This process's environment now, to hand to a rank (a ``monkeypatch.setenv`` included)."""
-    return dict(os.environ)
+    """The context test ranks start from: forked from a server that preloaded torch
+    (:mod:`disttrain.bench.forkserver`, with ``tests/rank_preload.py`` first, which also
+    sets one OpenMP thread before torch loads); hand each rank :func:`environment`."""
+    return forkserver.rank_context(("tests.rank_preload", *forkserver.PRELOAD))
 
 
 def adopt_environment(env: dict[str, str]) -> None:
-    """In a rank: take the parent's environment as it was when the rank was started."""
-    os.environ.clear()
-    os.environ.update(env)
+    """In a rank: the parent's environment of the moment, and one OpenMP thread."""
+    forkserver.adopt_environment(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

@@ -231,10 +231,11 @@ def test_a_failing_rank_is_named_and_every_rank_stopped(how, message):
 def test_a_rank_that_cannot_start_raises_its_own_error(monkeypatch):
     """Starting rank 1 fails: rank 0 is stopped and the caller sees the start's error, not
     the AssertionError of joining a process that never started."""
-    from multiprocessing.context import SpawnProcess
+    from disttrain.bench.forkserver import rank_context
 
+    process = rank_context().Process  # the class RankGroup starts its ranks with
     started = []
-    real_start = SpawnProcess.start
+    real_start = process.start
 
     def start(self):
         if started:
@@ -242,7 +243,7 @@ def test_a_rank_that_cannot_start_raises_its_own_error(monkeypatch):
         started.append(self)
         real_start(self)
 
-    monkeypatch.setattr(SpawnProcess, "start", start)
+    monkeypatch.setattr(process, "start", start)
     with pytest.raises(OSError, match="no more processes"):
         RankGroup(2, _fail_on_rank_one, ("raise",), transport="torch", timeout_s=20)
     assert len(started) == 1 and not started[0].is_alive()

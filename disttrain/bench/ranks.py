@@ -1,6 +1,7 @@
 """Start local ranks for a benchmark, stream their reports back, and never leave one behind.
 
-``RankGroup(world_size, job, args)`` spawns ``world_size`` processes that rendezvous over
+``RankGroup(world_size, job, args)`` starts ``world_size`` new processes (forked from a
+server that imported torch once: :mod:`~disttrain.bench.forkserver`) that rendezvous over
 Gloo through a ``file://`` store in a fresh temp dir (no ports to clash) and run
 ``job(comm, emit, *args)`` with a :class:`~disttrain.comm.Communicator`. Each call of
 ``emit(payload)`` on a rank is one report; :meth:`RankGroup.reports` yields, in order, the
@@ -16,7 +17,6 @@ on an error or on Ctrl-C) terminates every rank and removes the temp dir.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+from disttrain.bench.forkserver import adopt_environment, environment, rank_context
 from disttrain.bench.transports import make_communicator
 
 Job = Callable[..., None]
@@ -56,8 +57,10 @@ def bind_plan(world_size: int) -> list[int] | None:
     return cores[:world_size] if world_size <= len(cores) else None
 
 
-def _rank_main(out: Any, control: Any, rank: int, world_size: int, store: str, transport: str,
-               timeout_s: float, job: Job, args: tuple[Any, ...], core: int | None) -> None:
+def _rank_main(out: Any, control: Any, env: dict[str, str], rank: int, world_size: int,
+               store: str, transport: str, timeout_s: float, job: Job, args: tuple[Any, ...],
+               core: int | None) -> None:
+    adopt_environment(env)
     if core is not None:  # first, so every thread the rank starts (Gloo's too) inherits it
         os.sched_setaffinity(0, {core})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -102,7 +105,7 @@ class RankGroup:
         self.world_size, self.timeout_s, self._describe = world_size, timeout_s, describe
         self._tmp = tempfile.TemporaryDirectory(prefix="disttrain-bench-")
         store = os.path.join(self._tmp.name, "store")
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self._procs: list[Any] = []
         self._outs: list[Any] = []
         self._controls: list[Any] = []
@@ -123,7 +126,7 @@ class RankGroup:
         ctl_recv, ctl_send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_rank_main, daemon=True,
                            name=f"disttrain-bench-r{rank_args[0]}",
-                           args=(out_send, ctl_recv, *rank_args))
+                           args=(out_send, ctl_recv, environment(), *rank_args))
         try:
             proc.start()
         except BaseException:  # never started: close() must not join it (that raises an
