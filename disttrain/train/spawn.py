@@ -114,27 +114,58 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
                       [proc.exitcode for proc in procs])
 
 
+# A rank whose error ends in one of these failed because another rank did: a dead or
+# failed peer (disttrain.comm's errors, Gloo's broken connections) or a wait that ran out.
+_CONSEQUENCES = ("PeerFailedError", "CommTimeoutError", "Connection closed by peer",
+                 "Connection reset by peer", "Broken pipe")
+_GRACE_S = 1.0  # after a first failure, how long the others may take to report theirs
+
+
 def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None) -> list[TrainResult]:
+    """Every rank's result, or the root cause of a failure: after the first error or death,
+    the other ranks get ``_GRACE_S`` to report theirs, and the first failure that is not a
+    consequence of another's is raised (see :func:`root_cause`)."""
     results: dict[int, TrainResult] = {}
+    failed: list[RankFailedError] = []  # in the order they were seen
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    grace_end: float | None = None  # set by the first failure
     waiting = {conn: rank for rank, conn in enumerate(conns)}
     sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
     while waiting:
-        if deadline is not None and time.monotonic() > deadline:
+        now = time.monotonic()
+        if grace_end is not None and now >= grace_end:
+            break
+        if grace_end is None and deadline is not None and now > deadline:
             raise RankFailedError(min(waiting.values()), "timed out",
                                   f"no result within {timeout_s:g}s (ranks still running: "
                                   f"{sorted(waiting.values())})")
-        for item in mpc.wait([*waiting, *sentinels], timeout=1.0):
+        wait_s = 1.0 if grace_end is None else min(1.0, grace_end - now)
+        for item in mpc.wait([*waiting, *sentinels], timeout=max(0.0, wait_s)):
             if item in waiting:
                 rank = waiting.pop(item)
-                _receive(item, rank, results)
+                try:
+                    _receive(item, rank, results)
+                except RankFailedError as exc:
+                    failed.append(exc)
             elif item in sentinels:
                 rank = sentinels.pop(item)
                 conn = conns[rank]
                 if conn in waiting and not conn.poll(0.5):
-                    raise RankFailedError(rank, "died",
-                                          f"process exited with code {procs[rank].exitcode}")
+                    waiting.pop(conn)
+                    failed.append(RankFailedError(
+                        rank, "died", f"process exited with code {procs[rank].exitcode}"))
+        if failed and grace_end is None:
+            grace_end = time.monotonic() + _GRACE_S
+    if failed:
+        raise root_cause(failed)
     return [results[rank] for rank in range(len(procs))]
+
+
+def root_cause(failed: list[RankFailedError]) -> RankFailedError:
+    """The first failure (in the order seen) that is not a consequence of another rank's
+    (a broken connection, a dead peer, a timeout); the first one if all are. A survivor
+    blocked on the failed rank may report before it, and must not be named instead."""
+    return min(failed, key=lambda e: any(m in e.detail for m in _CONSEQUENCES))
 
 
 def _receive(conn: Any, rank: int, results: dict[int, TrainResult]) -> None:

@@ -1,0 +1,52 @@
+"""run_local's collection of results: the rank named is the root cause, not a survivor that
+reported its broken connection first."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from disttrain.train.spawn import RankFailedError, _collect, root_cause
+
+SURVIVOR = ("Traceback (most recent call last):\n  ...\nRuntimeError: [../third_party/gloo/"
+            "gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234\n")
+CULPRIT = "Traceback (most recent call last):\n  ...\nRuntimeError: rank 1 refuses\n"
+
+
+def _report(conn, delay_s, message):
+    time.sleep(delay_s)
+    conn.send(("error", message))
+
+
+def _ranks(plan):
+    ctx = mp.get_context("fork")  # plain functions, no torch: forking is enough here
+    procs, conns = [], []
+    for delay_s, message in plan:
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_report, args=(child, delay_s, message), daemon=True)
+        proc.start()
+        child.close()
+        procs.append(proc)
+        conns.append(parent)
+    return procs, conns
+
+
+@pytest.mark.parametrize("survivor_delay, culprit_delay", [(0.0, 0.4), (0.4, 0.0)])
+def test_the_root_cause_is_named_whichever_rank_reports_first(survivor_delay, culprit_delay):
+    procs, conns = _ranks([(survivor_delay, SURVIVOR), (culprit_delay, CULPRIT)])
+    try:
+        with pytest.raises(RankFailedError, match="rank 1 failed: RuntimeError: rank 1 refuses"):
+            _collect(procs, conns, timeout_s=30)
+    finally:
+        for proc in procs:
+            proc.join(5)
+
+
+def test_when_every_failure_is_a_consequence_the_first_seen_is_named():
+    first = RankFailedError(2, "failed", "PeerFailedError: rank 0 failed")
+    second = RankFailedError(0, "failed", "CommTimeoutError: all_reduce #3 timed out")
+    assert root_cause([first, second]) is first
+    culprit = RankFailedError(1, "died", "process exited with code 7")
+    assert root_cause([first, culprit, second]) is culprit
