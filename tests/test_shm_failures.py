@@ -154,13 +154,15 @@ def absent_or_closed(_comm: Any, mode: str) -> str:
     if transport.rank == 1:
         if mode == "closed":
             transport.close()
-        time.sleep(2.0)  # alive, but not in the collective
     else:
         try:
             comm.all_reduce(torch.ones(4), algorithm="shm")
             message = "no error"
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
+    # rank 1 stays alive, out of the collective, until rank 0's has failed: over the pool's
+    # own communicator, so an "absent" rank cannot close before rank 0 has timed out
+    _comm.barrier()
     transport.close()
     return message
 
