@@ -264,5 +264,20 @@ def test_desync_is_reported_on_every_rank(capfd, tmp_path, monkeypatch):
     assert_all_gone(tmp_path, expected=2)
 
 
+def test_ranks_failing_together_each_keep_their_own_error(capfd, tmp_path):
+    """Rank 0 fails 0.15 s after the launcher has seen rank 1 fail: the launcher lets it end
+    by itself (its own error record, not a termination) before stopping anyone, and names
+    rank 1 first."""
+    run_dir = tmp_path / "run"
+    code, _, err = run_in_process(capfd, "worker.py", "tworaise", str(tmp_path),
+                                  nproc_per_node=2, run_dir=str(run_dir))
+    assert code == 1, err
+    assert "rank 1 failed first" in err, err
+    for rank in (0, 1):
+        record = error_record(run_dir, rank)
+        assert record["message"].startswith(f"ValueError: rank {rank} gives up"), record
+    assert_all_gone(tmp_path, expected=2)
+
+
 def json_flight(path):
     return json.loads(path.read_text())

@@ -4,8 +4,9 @@
                       │  127.0.0.1, or on --master-addr across nodes: store.py)
                       ▼
     spawn N workers ──► watch every 50 ms ──► all exited 0 ─────────────► exit 0
-      (torchrun env)      │                ──► a worker failed ──┐
-                          │                                      ▼
+      (torchrun env)      │                ──► a worker failed: 0.5 s for the others
+                          │                    to exit by themselves ──┐
+                          │                                            ▼
                           └─ SIGINT/SIGTERM ─► forward ──► failure notice, SIGTERM the
                                                            others, SIGKILL after the grace
                                                            period, report the root cause,
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 SERVERS_VAR = "DISTTRAIN_PS_SERVERS"  # read by parallel.parameter_server.servers_from_env
 
 _POLL_S = 0.05
+_SETTLE_S = 0.5  # after a failure, how long the others may take to exit by themselves
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -128,14 +130,29 @@ def _watch(workers: list[Worker], caught: _Signals, run_dir: str, host: str) -> 
             return _Outcome("signal", signum=caught.received[0])
         for worker in workers:
             worker.poll()
-        failed = summary.failures(workers)
-        if failed:
-            root = summary.first_failure(failed)
+        if summary.failures(workers):
+            _settle(workers, caught)
+            root = summary.first_failure(summary.failures(workers))
             # Written before the others are signalled, so their last words can name it.
             records.write_failure_notice(run_dir, summary.notice_for(root, host))
             return _Outcome("failure", root=root)
         if all(w.returncode is not None for w in workers):
             return _Outcome("success")
+        caught.wait(_POLL_S)
+
+
+def _settle(workers: list[Worker], caught: _Signals) -> None:
+    """After a first failure, give the other workers up to ``_SETTLE_S`` to exit by
+    themselves before they are stopped. Ranks that fail at the same moment (every rank
+    raising the same collective mismatch) then end with their own error records instead
+    of a termination, and the root cause is chosen among all of them. Survivors blocked on
+    the failed rank do not exit by themselves: they are stopped ``_SETTLE_S`` later."""
+    deadline = time.monotonic() + _SETTLE_S
+    while time.monotonic() < deadline and not caught.received:
+        for worker in workers:
+            worker.poll()
+        if all(w.returncode is not None for w in workers):
+            return
         caught.wait(_POLL_S)
 
 

@@ -6,6 +6,7 @@ sigkill  rank 1 kills itself with SIGKILL while the others are in an all-reduce;
 raise    rank 1 raises while the others are in an all-reduce
 stuck    rank 1 never joins the second all-reduce (DISTTRAIN_TIMEOUT bounds the others)
 desync   ranks all-reduce tensors of different sizes (run with DISTTRAIN_DEBUG=1)
+tworaise rank 1 raises at once; rank 0 raises 0.15 s after the launcher has reaped rank 1
 """
 
 import json
@@ -46,6 +47,19 @@ elif scenario == "raise" and rank == 1:
     raise ValueError("boom from rank 1")
 elif scenario == "stuck" and rank == 1:
     time.sleep(120)
+elif scenario == "tworaise":
+    if rank == 0:  # fail just after the launcher has seen rank 1 fail (it reaps it then)
+        with open(os.path.join(piddir, "pid-rank1")) as f:
+            other = int(f.read())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                os.kill(other, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
+        time.sleep(0.15)
+    raise ValueError(f"rank {rank} gives up on its own")
 elif scenario == "desync":
     comm.all_reduce(torch.ones(4 + rank))
 else:
