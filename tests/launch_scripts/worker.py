@@ -40,7 +40,14 @@ if scenario == "ok":
           flush=True)
     disttrain.shutdown(comm)
 elif scenario == "sigkill" and rank == 1:
-    time.sleep(1.0)  # the others are blocked in collective #2 by now
+    # die once every other rank is about to enter collective #2 (and then some): a fixed
+    # sleep could end first on a loaded machine, and a survivor be stopped elsewhere
+    others = [os.path.join(piddir, f"entering2-rank{r}") for r in range(comm.world_size)
+              if r != rank]
+    deadline = time.monotonic() + 60
+    while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
     os.kill(os.getpid(), signal.SIGKILL)
 elif scenario == "raise" and rank == 1:
     time.sleep(0.5)
@@ -63,5 +70,6 @@ elif scenario == "tworaise":
 elif scenario == "desync":
     comm.all_reduce(torch.ones(4 + rank))
 else:
+    open(os.path.join(piddir, f"entering2-rank{rank}"), "w").close()
     comm.all_reduce(torch.ones(8))  # collective #2, which some peer never completes
     print("unexpected: collective #2 completed", flush=True)
