@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from disttrain.bench import forkserver
 from disttrain.bench.ranks import RankGroup
 
@@ -48,3 +50,11 @@ def test_adopt_environment_replaces_the_whole_environment(monkeypatch):
     finally:
         os.environ.clear()
         os.environ.update(before)
+
+
+def test_the_start_method_can_be_spawn_and_a_typo_is_named(monkeypatch):
+    monkeypatch.setenv(forkserver.START_VAR, "spawn")
+    assert forkserver.rank_context().get_start_method() == "spawn"
+    monkeypatch.setenv(forkserver.START_VAR, "fork-server")
+    with pytest.raises(ValueError, match="DISTTRAIN_RANK_START must be 'forkserver' or 'spawn'"):
+        forkserver.rank_context()

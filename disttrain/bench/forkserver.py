@@ -11,7 +11,8 @@ of it runs when it forks, and the rank takes its target and arguments by pickle,
 spawn. What differs is the environment: a fork server's children inherit the environment
 the server started with, not their parent's of the moment. Hand :func:`environment` to the
 rank and call :func:`adopt_environment` first thing in it. Where there is no fork server
-(not Linux or macOS), the context is spawn and both calls are harmless.
+(not Linux or macOS), or with ``DISTTRAIN_RANK_START=spawn`` in the environment, the
+context is spawn and both calls are harmless.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 PRELOAD = ("torch", "torch.distributed", "disttrain.comm")
+START_VAR = "DISTTRAIN_RANK_START"  # "forkserver" (the default) or "spawn"
 
 
 def rank_context(preload: Sequence[str] = PRELOAD) -> Any:
@@ -29,7 +31,10 @@ def rank_context(preload: Sequence[str] = PRELOAD) -> Any:
 
     The fork server is one per process: ``preload`` counts only if it is not running yet,
     and a list set by someone else before is kept, with ``preload`` added to it."""
-    if "forkserver" not in mp.get_all_start_methods():
+    method = os.environ.get(START_VAR, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_VAR} must be 'forkserver' or 'spawn', got {method!r}")
+    if method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     from multiprocessing import forkserver
