@@ -38,15 +38,18 @@ COMM_TIMEOUT_S = 20.0  # each blocking wait inside a collective
 
 def rank_context() -> Any:
     """The context test ranks start from: forked from a server that preloaded torch
-    (:mod:`disttrain.bench.forkserver`, with ``tests/rank_preload.py`` first, which also
-    sets one OpenMP thread before torch loads); hand each rank :func:`environment`."""
-    return forkserver.rank_context(("tests.rank_preload", *forkserver.PRELOAD))
+    (:mod:`disttrain.bench.forkserver`); hand each rank :func:`environment`."""
+    return forkserver.rank_context()
 
 
 def adopt_environment(env: dict[str, str]) -> None:
-    """In a rank: the parent's environment of the moment, and one OpenMP thread."""
+    """In a rank: the parent's environment of the moment, and one intra-op thread (torch was
+    imported by the server, before any variable here could set it)."""
     forkserver.adopt_environment(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 
 class RankFailure(AssertionError):
