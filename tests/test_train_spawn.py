@@ -3,12 +3,12 @@ reported its broken connection first."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
 
 from disttrain.train.spawn import RankFailedError, _collect, root_cause
+from tests.dist import rank_context
 
 SURVIVOR = ("Traceback (most recent call last):\n  ...\nRuntimeError: [../third_party/gloo/"
             "gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234\n")
@@ -21,7 +21,7 @@ def _report(conn, delay_s, message):
 
 
 def _ranks(plan):
-    ctx = mp.get_context("fork")  # plain functions, no torch: forking is enough here
+    ctx = rank_context()  # not a bare fork of this multi-threaded test process
     procs, conns = [], []
     for delay_s, message in plan:
         parent, child = ctx.Pipe(duplex=False)
