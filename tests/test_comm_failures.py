@@ -219,6 +219,56 @@ def test_killed_rank_is_named_by_the_survivors_native():
     _check_survivors(run_fresh(killed_mid_sequence, 2, 0, "native", timeout_s=120), 0)
 
 
+def _post_to_the_dead(rank: int, world_size: int, store: str) -> dict[str, Any]:
+    """Rank 1 dies between two collectives; rank 0 starts the next one only once Gloo
+    refuses to post to rank 1 at all (checked on the raw process group, on a tag nothing
+    else uses), so the collective fails when posting, not when waiting."""
+    import torch.distributed as dist
+
+    comm = _init(rank, world_size, store)
+    comm.all_reduce(torch.ones(4), algorithm="ring")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    refused, deadline = False, time.monotonic() + 30
+    while not refused and time.monotonic() < deadline:
+        try:
+            dist.group.WORLD.recv([torch.zeros(1)], 1, 999)
+            time.sleep(0.05)
+        except RuntimeError:
+            refused = True
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(4), algorithm="ring")
+        result: dict[str, Any] = {"type": None}
+    except CommError as exc:
+        result = _describe(exc)
+    result.update(refused=refused, elapsed=time.monotonic() - start,
+                  after=_after_failure(comm))
+    return result
+
+
+def post_to_the_dead(rank: int, world_size: int, store: str) -> dict[str, Any]:
+    import torch.distributed  # noqa: F401 - imported once here, before the fork
+
+    return _in_child(_post_to_the_dead, rank, world_size, store)
+
+
+def test_a_collective_that_cannot_even_post_to_a_dead_rank_names_it():
+    """Gloo raises from send/recv themselves once a connection broke. That error must come
+    out as the same named PeerFailedError as a failed wait, not as Gloo's RuntimeError."""
+    survivor, victim = run_fresh(post_to_the_dead, 2, timeout_s=120)
+    assert victim["exit"] == -signal.SIGKILL and victim["result"] is None
+    err = survivor["result"]
+    assert survivor["exit"] == 0 and err is not None, survivor  # None: an unnamed error
+    assert err["refused"], "Gloo kept accepting posts to the dead rank for 30 s"
+    assert err["type"] == "PeerFailedError", err
+    assert (err["op"], err["seq"], err["peer"], err["suspects"]) == ("all_reduce", 2, 1, [1])
+    assert "all_reduce #2 (ring) on rank 0" in err["message"], err
+    assert "starting to" in err["message"] and "rank 1" in err["message"], err
+    assert err["elapsed"] < NO_HANG_S
+    assert err["after"]["type"] == "CommError"
+
+
 def _size_mismatch(rank: int, world_size: int, store: str) -> dict[str, Any]:
     comm = _init(rank, world_size, store)
     t = torch.ones(1000 + 10 * rank)  # no debug checks: nothing compares sizes up front

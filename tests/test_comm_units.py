@@ -10,7 +10,15 @@ import math
 import pytest
 import torch
 
-from disttrain.comm import CommConfig, Communicator, ReduceOp, TrafficStats, Transport, checks
+from disttrain.comm import (
+    CommConfig,
+    CommError,
+    Communicator,
+    ReduceOp,
+    TrafficStats,
+    Transport,
+    checks,
+)
 from disttrain.comm.algorithms import chunking
 from disttrain.comm.checks import rank_arg, splits_arg
 from disttrain.comm.flight_recorder import FlightRecorder
@@ -293,6 +301,61 @@ def test_close_leaves_a_shared_transport_open():
     owner = Communicator(shared, CommConfig())
     owner.close()
     assert shared.closed == 1
+
+
+class _RefusesPosts(Transport):
+    """Rank 0 of 2 over a transport whose every post fails, as Gloo's do once the
+    connection to a dead peer broke ("Connection closed by peer" from send/recv itself)."""
+
+    name = "refuses-posts-test"
+
+    def __init__(self, error: BaseException) -> None:
+        self.error, self.posts = error, 0
+
+    rank = property(lambda self: 0)  # type: ignore[assignment]
+    world_size = property(lambda self: 2)  # type: ignore[assignment]
+    global_ranks = property(lambda self: (0, 1))  # type: ignore[assignment]
+
+    def isend(self, tensor, dst, tag):  # type: ignore[no-untyped-def]
+        self.posts += 1
+        raise self.error
+
+    irecv = isend
+
+    def subgroup(self, ranks):  # type: ignore[no-untyped-def]
+        return None
+
+
+@pytest.mark.parametrize("error, kind", [
+    (ConnectionError("Connection closed by peer [127.0.0.1]:7360"), "PeerFailedError"),
+    (TimeoutError("Timed out waiting 2000ms for send operation to complete"),
+     "CommTimeoutError")])
+@pytest.mark.parametrize("call", ["ring", "tree", "isend", "irecv"])
+def test_a_refused_post_is_named_and_poisons_the_communicator(error, kind, call):
+    from disttrain.comm.cost_model import LinkCosts
+
+    transport = _RefusesPosts(error)
+    comm = Communicator(transport, CommConfig(timeout_s=1.0), costs=LinkCosts())
+    t = torch.ones(8)
+    try:
+        with pytest.raises(CommError) as info:
+            if call in ("isend", "irecv"):
+                getattr(comm, call)(t, 1)
+            else:
+                comm.all_reduce(t, algorithm=call)
+        exc = info.value
+        assert type(exc).__name__ == kind, exc
+        op = {"isend": "send", "irecv": "recv"}.get(call, "all_reduce")
+        assert (exc.op, exc.seq, exc.peer) == (op, 1, 1), exc
+        assert "to rank 1" in str(exc) or "from rank 1" in str(exc), exc
+        assert "starting to" in str(exc) and str(error) in str(exc), exc
+        assert exc.__cause__ is error
+        posts = transport.posts
+        with pytest.raises(CommError, match="failed earlier and cannot be used again"):
+            comm.send(t, 1)
+        assert transport.posts == posts  # refused before anything is posted
+    finally:
+        comm.close()
 
 
 # ----------------------------------------------------------------------------- the fast path

@@ -282,9 +282,13 @@ class Communicator:
         t = self._tensor("tensor", tensor)
         peer, tag = checks.p2p_args(kind, peer, tag, self.world_size, self.rank, MAX_USER_TAG)
         self._p2p_seq += 1
-        work = P2PWork.start(self.transport, self.stats, kind, checks.flat(t), peer, tag,
-                             seq=self._p2p_seq, timeout_s=self.config.timeout_s,
-                             on_error=self._fail)
+        try:
+            work = P2PWork.start(self.transport, self.stats, kind, checks.flat(t), peer, tag,
+                                 seq=self._p2p_seq, timeout_s=self.config.timeout_s,
+                                 on_error=self._fail)
+        except CommError as exc:  # could not even be posted: as a failed wait, it poisons
+            self._fail(exc)
+            raise
         self.stats.count_call(kind)
         return work
 

@@ -5,9 +5,10 @@ Every message an algorithm sends goes through :class:`CollectiveContext`, which
 * skips zero-byte messages on both sides (both sides know every size, so they agree),
 * tags messages by algorithm step, so messages of different steps never mix,
 * counts bytes and messages per collective in the transport's :class:`TrafficStats`,
-* turns a transport's ``TimeoutError``/``ConnectionError`` into an error that names the
-  operation, its sequence number, the peer being waited for and, when the transport can
-  tell (:meth:`CollectiveContext.unresponsive`), the ranks that are really to blame.
+* turns a transport's ``TimeoutError``/``ConnectionError``, whether raised by a wait or
+  when a message is posted, into an error that names the operation, its sequence number,
+  the peer being waited for and, when the transport can tell
+  (:meth:`CollectiveContext.unresponsive`), the ranks that are really to blame.
 """
 
 from __future__ import annotations
@@ -157,13 +158,27 @@ class CollectiveContext:
         if tensor.numel() == 0:
             return Pending(DoneWork(), peer, "send")
         self.stats.count_send(self.op, tensor.numel() * tensor.element_size())
-        return Pending(self.transport.isend(tensor, peer, self._tag(step)), peer, "send")
+        return Pending(self._post(self.transport.isend, tensor, peer, step, "send"), peer,
+                       "send")
 
     def irecv(self, tensor: torch.Tensor, peer: int, step: int = 0) -> Pending:
         if tensor.numel() == 0:
             return Pending(DoneWork(), peer, "recv")
         self.stats.count_recv(self.op, tensor.numel() * tensor.element_size())
-        return Pending(self.transport.irecv(tensor, peer, self._tag(step)), peer, "recv")
+        return Pending(self._post(self.transport.irecv, tensor, peer, step, "recv"), peer,
+                       "recv")
+
+    def _post(self, post: Callable[[torch.Tensor, int, int], RawWork], tensor: torch.Tensor,
+              peer: int, step: int, kind: str) -> RawWork:
+        """Start one message. Posting can fail too: Gloo refuses a send or receive on a
+        connection that already broke (a peer that died a moment ago), so the error must
+        name the operation and the peer as a failed wait does."""
+        try:
+            return post(tensor, peer, self._tag(step))
+        except (TimeoutError, ConnectionError) as exc:
+            to_from = "to" if kind == "send" else "from"
+            raise self.failure(f"starting to {kind} {to_from} rank {peer}", exc, peer,
+                               timed_out=isinstance(exc, TimeoutError)) from exc
 
     def wait(self, pending: Pending) -> None:
         """Wait for one message; on failure, name the op, its sequence number and the peer."""

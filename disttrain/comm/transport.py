@@ -8,7 +8,9 @@ collective) lives above it, so a new transport is a small file.
 
 Contract for ``RawWork.wait(timeout_s)``: return when the transfer completed; raise the
 builtin ``TimeoutError`` when it did not within ``timeout_s``; raise ``ConnectionError``
-when the peer is gone. The caller turns those into errors that name the operation.
+when the peer is gone. ``isend``/``irecv`` may raise the same two when the message cannot
+even be posted (Gloo refuses a connection that already broke). The caller turns those into
+errors that name the operation.
 """
 
 from __future__ import annotations
