@@ -236,6 +236,20 @@ def _post_to_the_dead(rank: int, world_size: int, store: str) -> dict[str, Any]:
             time.sleep(0.05)
         except RuntimeError:
             refused = True
+    # a single message to it fails at once (no check-in round, whose grace would be 30 s
+    # with this timeout), and its communicator stays usable
+    from disttrain.comm.cost_model import LinkCosts
+    from disttrain.comm.transports.torch_p2p import TorchTransport
+
+    patient = Communicator(TorchTransport(), CommConfig(timeout_s=60), costs=LinkCosts())
+    p2p = []
+    for _ in range(2):
+        start = time.monotonic()
+        try:
+            patient.isend(torch.ones(4), 1)
+            p2p.append({"type": None})
+        except CommError as exc:
+            p2p.append(_describe(exc) | {"elapsed": time.monotonic() - start})
     start = time.monotonic()
     try:
         comm.all_reduce(torch.ones(4), algorithm="ring")
@@ -243,7 +257,7 @@ def _post_to_the_dead(rank: int, world_size: int, store: str) -> dict[str, Any]:
     except CommError as exc:
         result = _describe(exc)
     result.update(refused=refused, elapsed=time.monotonic() - start,
-                  after=_after_failure(comm))
+                  after=_after_failure(comm), p2p=p2p)
     return result
 
 
@@ -267,6 +281,10 @@ def test_a_collective_that_cannot_even_post_to_a_dead_rank_names_it():
     assert "starting to" in err["message"] and "rank 1" in err["message"], err
     assert err["elapsed"] < NO_HANG_S
     assert err["after"]["type"] == "CommError"
+    for p2p in err["p2p"]:  # the second try too: a refused message does not poison
+        assert p2p["type"] == "PeerFailedError", p2p
+        assert (p2p["op"], p2p["peer"]) == ("send", 1) and "starting to send" in p2p["message"]
+        assert p2p["elapsed"] < 10, p2p  # not after a 30 s check-in round
 
 
 def _size_mismatch(rank: int, world_size: int, store: str) -> dict[str, Any]:

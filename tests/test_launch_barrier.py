@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
+import torch.distributed
 
 from disttrain.comm.monitored_barrier import BarrierTimeoutError, monitored_barrier
 from tests.dist import adopt_environment, environment, init_gloo, rank_context
@@ -46,12 +48,19 @@ def test_late_rank_is_named_on_every_rank_including_itself(pools):
     assert pools(3).run(_barrier_then_sum) == [6.0, 6.0, 6.0]
 
 
-def _dead_rank(rank, store, answers, env):
+def _dead_rank(rank, store, answers, env, refused_first):
     adopt_environment(env)
     comm = init_gloo(rank, 2, store, comm_timeout_s=30)
     comm.barrier()
     if rank == 1:
         os._exit(0)  # dies without a word
+    deadline = time.monotonic() + 30
+    while refused_first and time.monotonic() < deadline:  # until Gloo refuses to post to it
+        try:
+            torch.distributed.group.WORLD.recv([torch.zeros(1)], 1, 999)
+            time.sleep(0.05)
+        except RuntimeError:
+            break
     try:
         monitored_barrier(comm, timeout_s=TIMEOUT_S)
         answers.put(None)
@@ -61,11 +70,15 @@ def _dead_rank(rank, store, answers, env):
         answers.put(((), f"{type(exc).__name__}: {exc}"))
 
 
-def test_dead_rank_is_named(tmp_path):
+@pytest.mark.parametrize("refused_first", [False, True], ids=["at-once", "post-refused"])
+def test_dead_rank_is_named(tmp_path, refused_first):
+    """Rank 0 enters the barrier right after rank 1 died, or once Gloo refuses to even post
+    a receive from it (which must count as a broken link, not escape as an error)."""
     ctx = rank_context()
     answers = ctx.Queue()
     procs = [ctx.Process(target=_dead_rank,
-                         args=(r, str(tmp_path / "store"), answers, environment()),
+                         args=(r, str(tmp_path / "store"), answers, environment(),
+                               refused_first),
                          daemon=True) for r in range(2)]
     for proc in procs:
         proc.start()

@@ -282,13 +282,13 @@ class Communicator:
         t = self._tensor("tensor", tensor)
         peer, tag = checks.p2p_args(kind, peer, tag, self.world_size, self.rank, MAX_USER_TAG)
         self._p2p_seq += 1
-        try:
-            work = P2PWork.start(self.transport, self.stats, kind, checks.flat(t), peer, tag,
-                                 seq=self._p2p_seq, timeout_s=self.config.timeout_s,
-                                 on_error=self._fail)
-        except CommError as exc:  # could not even be posted: as a failed wait, it poisons
-            self._fail(exc)
-            raise
+        # A message that cannot even be posted raises PeerFailedError here at once. Unlike a
+        # failed wait it leaves the communicator usable: nothing was posted that could land
+        # later, and a caller may still need to tell other ranks (a parameter server's
+        # replies, a pipeline stage's failure notice).
+        work = P2PWork.start(self.transport, self.stats, kind, checks.flat(t), peer, tag,
+                             seq=self._p2p_seq, timeout_s=self.config.timeout_s,
+                             on_error=self._fail)
         self.stats.count_call(kind)
         return work
 

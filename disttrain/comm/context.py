@@ -110,6 +110,7 @@ class CollectiveContext:
         tag_base: int = COLLECTIVE_TAG_BASE,
         on_progress: Callable[[], None] | None = None,
         scratch: ScratchArena | None = None,
+        probe_posts: bool = True,
     ) -> None:
         self.transport = transport
         self.stats = stats
@@ -124,6 +125,9 @@ class CollectiveContext:
         self.world_size = transport.world_size
         self._arena = scratch  # None: every scratch buffer is allocated per call
         self._scratch_end = 0
+        # False (single point-to-point messages): a refused post raises at once, naming the
+        # peer, instead of first waiting up to the grace period for the others to check in
+        self._probe_posts = probe_posts
 
     def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """``numel`` uninitialised elements of ``like``'s dtype and device, for this
@@ -157,28 +161,30 @@ class CollectiveContext:
     def isend(self, tensor: torch.Tensor, peer: int, step: int = 0) -> Pending:
         if tensor.numel() == 0:
             return Pending(DoneWork(), peer, "send")
+        raw = self._post(self.transport.isend, tensor, peer, step, "send")
         self.stats.count_send(self.op, tensor.numel() * tensor.element_size())
-        return Pending(self._post(self.transport.isend, tensor, peer, step, "send"), peer,
-                       "send")
+        return Pending(raw, peer, "send")
 
     def irecv(self, tensor: torch.Tensor, peer: int, step: int = 0) -> Pending:
         if tensor.numel() == 0:
             return Pending(DoneWork(), peer, "recv")
+        raw = self._post(self.transport.irecv, tensor, peer, step, "recv")
         self.stats.count_recv(self.op, tensor.numel() * tensor.element_size())
-        return Pending(self._post(self.transport.irecv, tensor, peer, step, "recv"), peer,
-                       "recv")
+        return Pending(raw, peer, "recv")
 
     def _post(self, post: Callable[[torch.Tensor, int, int], RawWork], tensor: torch.Tensor,
               peer: int, step: int, kind: str) -> RawWork:
         """Start one message. Posting can fail too: Gloo refuses a send or receive on a
-        connection that already broke (a peer that died a moment ago), so the error must
-        name the operation and the peer as a failed wait does."""
+        connection that already broke (a peer that died or gave up a moment ago), so the
+        error must name the operation and the peer as a failed wait does. A refusal is
+        immediate whatever Gloo's reason (a closed connection, or a pair closed by an
+        earlier timeout), so it never reads as "timed out after …"."""
         try:
             return post(tensor, peer, self._tag(step))
         except (TimeoutError, ConnectionError) as exc:
             to_from = "to" if kind == "send" else "from"
             raise self.failure(f"starting to {kind} {to_from} rank {peer}", exc, peer,
-                               timed_out=isinstance(exc, TimeoutError)) from exc
+                               timed_out=False, probe=self._probe_posts) from exc
 
     def wait(self, pending: Pending) -> None:
         """Wait for one message; on failure, name the op, its sequence number and the peer."""
@@ -216,20 +222,22 @@ class CollectiveContext:
         return result
 
     def failure(self, doing: str, exc: BaseException, waited: int | None, *,
-                timed_out: bool) -> CommTimeoutError | PeerFailedError:
+                timed_out: bool, probe: bool = True) -> CommTimeoutError | PeerFailedError:
         """The error for a wait that timed out or whose connection broke.
 
         Gloo treats an expired wait as fatal and closes all of that rank's connections, so
         a broken connection often means a live peer gave up, not that it died: if the peer
-        waited for checks in afterwards, the failure is reported as the timeout it is."""
-        missing = self.unresponsive()
+        waited for checks in afterwards, the failure is reported as the timeout it is.
+        ``probe=False`` skips that check-in (and its wait)."""
+        missing = self.unresponsive() if probe else None
         where = f"{self.op} #{self.seq} ({self.algorithm}) on rank {self.rank}"
         suspects = tuple(missing or ())
         if missing:
             blame = (f"rank(s) {missing} did not check in afterwards: they are stuck outside "
                      f"this collective, called a different one, or died")
         elif missing is None:
-            blame = "which rank is to blame is not known"
+            blame = ("which rank is to blame is not known" if probe else
+                     f"rank {waited} died, or gave up after a timeout of its own")
         else:
             blame = "every rank checked in afterwards: none died"
         if timed_out or (missing is not None and waited is not None and waited not in missing):
@@ -238,12 +246,14 @@ class CollectiveContext:
                     f"this rank was {doing}")
             return CommTimeoutError(f"{where}: {what}; {blame} ({exc})", op=self.op,
                                     seq=self.seq, peer=waited, suspects=suspects)
-        text = (f"{where}: a connection broke while {doing}; {blame}. If a dead rank's log "
-                f"shows Gloo's 'Received data size doesn't match expected size', ranks called "
-                f"{self.op} with different sizes or dtypes, and CommConfig(debug_checks=True) "
-                f"names them ({exc})")
-        return PeerFailedError(text, op=self.op, seq=self.seq,
-                               peer=missing[0] if missing else waited, suspects=suspects)
+        hint = "" if self.algorithm == "p2p" else (
+            f". If a dead rank's log shows Gloo's 'Received data size doesn't match expected "
+            f"size', ranks called {self.op} with different sizes or dtypes, and "
+            f"CommConfig(debug_checks=True) names them")
+        text = f"{where}: a connection broke while {doing}; {blame}{hint} ({exc})"
+        # the rank this one was talking to when it is among the missing, else the first
+        peer = missing[0] if missing and waited not in missing else waited
+        return PeerFailedError(text, op=self.op, seq=self.seq, peer=peer, suspects=suspects)
 
     def wait_all(self, pendings: Iterable[Pending]) -> None:
         for pending in pendings:

@@ -129,14 +129,18 @@ def _collect(comm: Communicator, tag: int, timeout: float) -> list[int]:
         done.release()
 
     closed = False
-    peers = range(1, comm.world_size)
-    tokens = {peer: torch.zeros(1, dtype=torch.int64) for peer in peers}
-    works = {peer: comm.irecv(tokens[peer], peer, tag) for peer in peers}  # posted here:
-    for peer in peers:  # the communicator's bookkeeping is not thread-safe
-        threading.Thread(target=wait_for, args=(peer, works[peer]), daemon=True,
+    tokens = {peer: torch.zeros(1, dtype=torch.int64) for peer in range(1, comm.world_size)}
+    works = {}
+    for peer, token in tokens.items():  # posted here: the communicator's bookkeeping is
+        try:  # not thread-safe
+            works[peer] = comm.irecv(token, peer, tag)
+        except CommError:  # refused at once: the connection to it is closed already
+            state[peer] = _BROKEN
+    for peer, work in works.items():
+        threading.Thread(target=wait_for, args=(peer, work), daemon=True,
                          name=f"monitored-barrier-r{peer}").start()
     deadline = time.monotonic() + timeout
-    for _ in peers:
+    for _ in works:
         if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
             break
     with lock:

@@ -29,7 +29,8 @@ class P2PWork(Work):
               on_error: Callable[[BaseException], None]) -> P2PWork:
         """Post a ``kind`` ("send" or "recv") of ``flat`` with user tag ``tag``."""
         ctx = CollectiveContext(transport, stats, op=kind, seq=seq, algorithm="p2p",
-                                timeout_s=timeout_s, chunk_bytes=1, tag_base=tag)
+                                timeout_s=timeout_s, chunk_bytes=1, tag_base=tag,
+                                probe_posts=False)
         pending = ctx.isend(flat, peer) if kind == "send" else ctx.irecv(flat, peer)
         return cls(ctx, pending, on_error)
 
