@@ -75,6 +75,46 @@ def test_a_failure_notice_naming_no_stage_is_an_error(failed):
         link._check(replace(notice, microbatch=0), 0, "x", (1, 0, 0))
 
 
+class _RefusingComm:
+    """Three stages' communicator, seen from stage 1, on which Gloo refuses every post
+    (the connections to both neighbours are closed)."""
+
+    world_size, global_ranks = 3, [4, 5, 6]
+
+    def __init__(self) -> None:
+        self.posts: list[int] = []
+
+    def isend(self, tensor, peer, tag):  # type: ignore[no-untyped-def]
+        from disttrain.comm.errors import PeerFailedError
+
+        self.posts.append(peer)
+        raise PeerFailedError(f"send #1 (p2p) on rank 1: a connection broke while starting "
+                              f"to send to rank {peer}", op="send", seq=1, peer=peer)
+
+    irecv = isend
+
+
+def test_a_refused_post_names_both_stages_and_every_neighbour_is_still_told():
+    from disttrain.parallel.pipeline.link import Direction
+
+    comm = _RefusingComm()
+    link = StageLink(comm, 1)  # type: ignore[arg-type]
+    with pytest.raises(PipelineError) as info:  # posting the receive of an activation
+        link.begin(0, {Direction.ACTIVATION: 1, Direction.GRADIENT: 1},
+                   {Direction.ACTIVATION: 1})
+    assert ("stage 1 (rank 5) could not wait for the next activation from stage 0 (rank 4)"
+            in str(info.value)), info.value
+    assert "starting to send to rank 0" in str(info.value)
+    link = StageLink(comm, 1)  # type: ignore[arg-type]
+    link.begin(0, {Direction.ACTIVATION: 1, Direction.GRADIENT: 1}, {})
+    with pytest.raises(PipelineError, match=r"stage 1 \(rank 5\) could not send .* to stage 2 "
+                                            r"\(rank 6\)"):
+        link.send(Direction.ACTIVATION, torch.ones(2), call=1, mode=0, microbatch=0, rows=2)
+    comm.posts.clear()
+    link.report_failure(RuntimeError("this stage failed"))
+    assert sorted(comm.posts) == [0, 2]  # one refusal does not keep the other one untold
+
+
 # ---------------------------------------------------------------- on real ranks
 def _messages(comm) -> tuple[int, int]:
     sent = comm.stats.snapshot().get("send", {})

@@ -167,10 +167,23 @@ class StageLink:
         buffer = torch.empty(HEADER_BYTES + channel.expected(position), dtype=torch.uint8)
         peer = self._peer(direction, sending=False)
         tag = direction.tags(channel.mode)[0]
-        channel.posted.append((buffer, self.comm.irecv(buffer, peer, tag)))
+        channel.posted.append((buffer, self._irecv(buffer, peer, tag,
+                                                   f"the next {direction.noun}")))
+
+    def _irecv(self, buffer: torch.Tensor, peer: int, tag: int, what: str) -> Work:
+        try:
+            return self.comm.irecv(buffer, peer, tag)
+        except CommError as exc:  # refused at once: the connection to the peer is closed
+            raise PipelineError(f"{self.describe(self.stage)} could not wait for {what} from "
+                                f"{self.describe(peer)}: {exc}") from exc
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
-        self.pending.append((self.comm.isend(tensor, peer, tag), peer, what, tensor))
+        try:
+            work = self.comm.isend(tensor, peer, tag)
+        except CommError as exc:  # refused at once: the connection to the peer is closed
+            raise PipelineError(f"{self.describe(self.stage)} could not send {what} to "
+                                f"{self.describe(peer)}: {exc}") from exc
+        self.pending.append((work, peer, what, tensor))
 
     def send(self, direction: Direction, tensor: torch.Tensor, *, call: int, mode: int,
              microbatch: int, rows: int, value: float = 0.0) -> None:
@@ -215,7 +228,7 @@ class StageLink:
         if header.status == RESHAPE:
             buffer, offset = torch.empty(header.nbytes, dtype=torch.uint8), 0
             tag = direction.tags(channel.mode)[1]
-            self._wait(self.comm.irecv(buffer, peer, tag), peer, what)
+            self._wait(self._irecv(buffer, peer, tag, what), peer, what)
             channel.sizes[(channel.mode, channel.position)] = header.nbytes
         elif header.nbytes == buffer.numel() - HEADER_BYTES:
             offset = HEADER_BYTES
@@ -305,5 +318,5 @@ class StageLink:
             try:
                 tag = direction.tags(channel.mode)[0]
                 self.orphans.append(self.comm.isend(notice, peer, tag))
-            except CommError:  # the communicator itself failed: nothing more to tell
-                return
+            except CommError:  # this neighbour cannot be told (its connection is closed,
+                continue  # or the communicator failed): the other one still may
