@@ -7,7 +7,8 @@ Two ways:
   of them, returning the per-rank results. Starting ranks costs seconds on 2 cores, so
   pools are shared across test cases (see ``conftest.py``). A failure on any rank is
   re-raised with its rank number and traceback, and the pool is restarted, so the next
-  test starts clean.
+  test starts clean; so is a pool whose rank died between two tests (with a warning),
+  instead of every later test failing on a broken pipe.
 * :func:`run_fresh` starts new processes for one call of ``fn(rank, world_size, store, *args)``,
   for tests that need their own initialization or that kill ranks.
 
@@ -26,6 +27,7 @@ import os
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -167,10 +169,21 @@ class DistPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
             **kwargs: Any) -> list[Any]:
+        dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+        if dead:  # killed between two tests (a failure inside a test restarts the pool):
+            warnings.warn(f"DistPool({self.world_size}): rank(s) {[r for r, _ in dead]} died "
+                          f"between tests (exit codes {[c for _, c in dead]}); starting a "
+                          f"fresh pool", stacklevel=2)  # not every later test's failure
+            self.close()
         if not self._procs:
             self._start()
-        for conn in self._conns:
-            conn.send((fn, args, kwargs))
+        try:
+            for conn in self._conns:
+                conn.send((fn, args, kwargs))
+        except OSError as exc:  # a rank died just now (BrokenPipeError is an OSError)
+            self.close()
+            raise RankFailure(f"{getattr(fn, '__name__', fn)} could not be sent to every rank "
+                              f"of the pool: a rank process went away ({exc})") from exc
         return self._collect(f"{getattr(fn, '__name__', fn)}", timeout_s)
 
     def close(self) -> None:
