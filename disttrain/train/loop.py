@@ -252,13 +252,14 @@ class _Run:
                         self._position())
 
     # ------------------------------------------------------------------ the result
-    def _gathered(self) -> tuple[float, list[float | None]]:
-        """Mean of the last step's loss over ranks; the maxima over ranks of peak memory,
-        mean bytes sent per step, and the theoretical bytes per step (None: not known)."""
+    def _gathered(self, peak: int) -> tuple[float, list[float | None]]:
+        """Mean of the last step's loss over ranks; the maxima over ranks of peak memory
+        (this rank's: ``peak``), mean bytes sent per step, and the theoretical bytes per step
+        (None: not known)."""
         last = self.losses[-1] if self.losses else float("nan")
         sent = self.bytes_sent if self._bytes_sent() is not None else []
         theory = self.strategy.theory_bytes_per_step
-        mine = [float(peak_memory_bytes()), sum(sent) / len(sent) if sent else -1.0,
+        mine = [float(peak), sum(sent) / len(sent) if sent else -1.0,
                 -1.0 if theory is None else float(theory)]
         if self.comm is not None and self.world_size > 1:
             loss = torch.tensor([last], dtype=torch.float64)
@@ -270,7 +271,10 @@ class _Run:
         return last, [None if v < 0 else v for v in mine]
 
     def _result(self) -> TrainResult:
-        final_loss, (peak_max, sent_max, theory_max) = self._gathered()
+        # read once: the peak can still grow while the maxima are gathered, and a rank's own
+        # peak must never exceed the maximum reported over all ranks
+        peak = peak_memory_bytes()
+        final_loss, (peak_max, sent_max, theory_max) = self._gathered(peak)
         warm = self.config.warmup_steps
         timed = self.step_times[warm:] if len(self.step_times) > warm else self.step_times
         samples_per_s = self.config.global_batch * len(timed) / sum(timed) if timed else 0.0
@@ -285,7 +289,7 @@ class _Run:
             step_times=self.step_times, losses=self.losses,
             bytes_sent_per_step=self.bytes_sent if self._bytes_sent() is not None else None,
             bytes_unobserved=self.bytes_unobserved,
-            peak_mem_bytes=peak_memory_bytes(), peak_mem_bytes_max=int(peak_max or 0),
+            peak_mem_bytes=peak, peak_mem_bytes_max=int(peak_max or 0),
             theory_bytes_per_step=self.strategy.theory_bytes_per_step,
             bytes_sent_per_step_max=sent_max, theory_bytes_per_step_max=theory_max,
             extras=extras, evaluations=self.evaluations, model=self.strategy.trained_module())
