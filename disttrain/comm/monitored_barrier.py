@@ -26,7 +26,7 @@ import torch
 
 from disttrain.comm.communicator import Communicator
 from disttrain.comm.context import MAX_USER_TAG
-from disttrain.comm.errors import CommError, CommTimeoutError
+from disttrain.comm.errors import CommError, CommTimeoutError, PeerFailedError
 
 _TAGS = 4096  # the top of the user tag space is reserved for monitored barriers
 _TAG_BASE = MAX_USER_TAG - _TAGS + 1
@@ -134,8 +134,8 @@ def _collect(comm: Communicator, tag: int, timeout: float) -> list[int]:
     for peer, token in tokens.items():  # posted here: the communicator's bookkeeping is
         try:  # not thread-safe
             works[peer] = comm.irecv(token, peer, tag)
-        except CommError:  # refused at once: the connection to it is closed already
-            state[peer] = _BROKEN
+        except PeerFailedError:  # refused at once: the connection to it is closed already
+            state[peer] = _BROKEN  # (a communicator that failed earlier still raises)
     for peer, work in works.items():
         threading.Thread(target=wait_for, args=(peer, work), daemon=True,
                          name=f"monitored-barrier-r{peer}").start()
