@@ -236,6 +236,23 @@ def run_fresh(fn: Callable[..., Any], world_size: int, *args: Any,
         pool.close()
 
 
+def wait_until_posts_refused(peer: int, limit_s: float = 30.0) -> bool:
+    """After ``peer`` died: poll until Gloo refuses to even post a receive from it (on the
+    default group, on a tag nothing else uses), so a test can exercise that refusal rather
+    than a failed wait. False if Gloo still accepted posts after ``limit_s``."""
+    import torch
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            dist.group.WORLD.recv([torch.zeros(1)], peer, 999)
+        except RuntimeError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def init_gloo(rank: int, world_size: int, store: str,
               comm_timeout_s: float = COMM_TIMEOUT_S, **config: Any) -> Any:
     """Initialize Gloo for a :func:`run_fresh` worker and return a Communicator."""

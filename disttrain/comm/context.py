@@ -182,18 +182,16 @@ class CollectiveContext:
         try:
             return post(tensor, peer, self._tag(step))
         except (TimeoutError, ConnectionError) as exc:
-            to_from = "to" if kind == "send" else "from"
-            raise self.failure(f"starting to {kind} {to_from} rank {peer}", exc, peer,
-                               timed_out=False, probe=self._probe_posts) from exc
+            raise self.failure(_doing("starting", kind, peer), exc, peer, timed_out=False,
+                               probe=self._probe_posts) from exc
 
     def wait(self, pending: Pending) -> None:
         """Wait for one message; on failure, name the op, its sequence number and the peer."""
         try:
             pending.raw.wait(self.timeout_s)
-        except TimeoutError as exc:
-            raise self.failure(self._doing(pending), exc, pending.peer, timed_out=True) from exc
-        except ConnectionError as exc:
-            raise self.failure(self._doing(pending), exc, pending.peer, timed_out=False) from exc
+        except (TimeoutError, ConnectionError) as exc:
+            raise self.failure(_doing("waiting", pending.kind, pending.peer), exc,
+                               pending.peer, timed_out=isinstance(exc, TimeoutError)) from exc
         if self._on_progress is not None:
             self._on_progress()
 
@@ -203,10 +201,6 @@ class CollectiveContext:
         if self._on_progress is not None:
             self._on_progress()
 
-    @staticmethod
-    def _doing(pending: Pending) -> str:
-        to_from = "to" if pending.kind == "send" else "from"
-        return f"waiting to {pending.kind} {to_from} rank {pending.peer}"
 
     def unresponsive(self) -> list[int] | None:
         """Ranks that did not check in after this failure, or None when unknown.
@@ -271,3 +265,8 @@ class CollectiveContext:
         """Exchange with two peers at once (both directions of a link busy)."""
         pendings = [self.irecv(recv, src, step), self.isend(send, dst, step)]
         self.wait_all(pendings)
+
+
+def _doing(what: str, kind: str, peer: int) -> str:
+    """``waiting to send to rank 2``, ``starting to recv from rank 0``."""
+    return f"{what} to {kind} {'to' if kind == 'send' else 'from'} rank {peer}"

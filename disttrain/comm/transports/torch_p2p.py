@@ -55,6 +55,17 @@ def _reraise(exc: RuntimeError) -> NoReturn:
     raise translated from exc
 
 
+def _post(start: Any, tensor: torch.Tensor, peer: int, tag: int) -> _TorchWork:
+    """``start([tensor], peer, tag)``: a process group's send or recv, as dist.isend/irecv
+    call it (complex tensors as real views)."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    try:
+        return _TorchWork(start([tensor], peer, tag))
+    except RuntimeError as exc:
+        _reraise(exc)
+
+
 class _TorchWork:
     def __init__(self, work: Any) -> None:
         self._work = work
@@ -117,20 +128,10 @@ class TorchTransport(Transport):
     # algorithm. Gloo refuses to post on a connection that already broke: that error is
     # translated as a failed wait's is.
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RawWork:
-        if tensor.is_complex():
-            tensor = torch.view_as_real(tensor)
-        try:
-            return _TorchWork(self._group.send([tensor], dst, tag))
-        except RuntimeError as exc:
-            _reraise(exc)
+        return _post(self._group.send, tensor, dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> RawWork:
-        if tensor.is_complex():
-            tensor = torch.view_as_real(tensor)
-        try:
-            return _TorchWork(self._group.recv([tensor], src, tag))
-        except RuntimeError as exc:
-            _reraise(exc)
+        return _post(self._group.recv, tensor, src, tag)
 
     def subgroup(self, ranks: Sequence[int]) -> TorchTransport | None:
         """Members only: group rank i is ``ranks[i]`` (torch would sort them otherwise)."""
