@@ -12,10 +12,12 @@ import pytest
 from disttrain.launch import records, slurm, summary
 from disttrain.launch.config import LaunchConfig, LaunchError, check_port_free, free_port
 from disttrain.launch.env import (
+    DEFAULT_EXIT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     PlacementError,
     choose_backend,
     resolve_debug,
+    resolve_exit_timeout,
     resolve_init_timeout,
     resolve_placement,
     resolve_timeout,
@@ -189,6 +191,18 @@ def test_timeout_debug_and_backend_resolution():
         choose_backend("tcp", {}, cuda_available=False)
 
 
+def test_exit_timeout_resolution():
+    assert resolve_exit_timeout(None, {}) == DEFAULT_EXIT_TIMEOUT_S
+    assert resolve_exit_timeout(None, {"DISTTRAIN_EXIT_TIMEOUT": "4.5"}) == 4.5
+    assert resolve_exit_timeout(None, {"DISTTRAIN_EXIT_TIMEOUT": "0"}) == 0.0  # no bound
+    assert resolve_exit_timeout(2, {"DISTTRAIN_EXIT_TIMEOUT": "4.5"}) == 2.0
+    for bad in ("later", "-1", "inf", "nan"):
+        with pytest.raises(PlacementError, match="DISTTRAIN_EXIT_TIMEOUT"):
+            resolve_exit_timeout(None, {"DISTTRAIN_EXIT_TIMEOUT": bad})
+    with pytest.raises(PlacementError, match="exit_timeout_s="):
+        resolve_exit_timeout(-3, {})
+
+
 # ---------------------------------------------------------------- launch flags
 def test_launch_config_rules(tmp_path):
     script = tmp_path / "train.py"
@@ -266,3 +280,4 @@ def test_exit_codes_follow_the_shell_convention():
     assert summary.describe_exit(-9) == "was killed by SIGKILL"
     assert summary.describe_exit(143) == "exited with code 143 (SIGTERM)"
     assert summary.describe_exit(1) == "exited with code 1"
+    assert "DISTTRAIN_EXIT_TIMEOUT" in summary.describe_exit(-signal.SIGALRM)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,6 +62,8 @@ class Communicator:
         self._seq = 0
         self._p2p_seq = 0
         self._failure: BaseException | None = None
+        self._closed = False
+        self._children: list[weakref.ref[Communicator]] = []  # from new_group, closed with it
         self._progress = ProgressThread(f"disttrain-comm-r{transport.rank}")
         self._tag_base = instance_tag_base(transport)  # own tags: communicators may share a group
         self._scratch = ScratchArena()  # the algorithms' landing buffers, reused call to call
@@ -99,6 +102,9 @@ class Communicator:
         )
 
     def _check_usable(self) -> None:
+        if self._closed:
+            raise CommError("this communicator was closed (Communicator.close or "
+                            "disttrain.shutdown); create a new one to communicate again")
         if self._failure is not None:
             raise CommError(f"this communicator failed earlier and cannot be used again: "
                             f"{self._failure}") from self._failure
@@ -346,17 +352,35 @@ class Communicator:
         ``ranks[i]`` here."""
         self._check_usable()
         sub = self.transport.subgroup(checks.group_ranks(ranks, self.world_size))
-        return None if sub is None else Communicator(sub, self.config, self.costs)
+        if sub is None:
+            return None
+        child = Communicator(sub, self.config, self.costs)
+        self._children = [ref for ref in self._children if ref() is not None]
+        self._children.append(weakref.ref(child))
+        return child
 
     def close(self) -> None:
         """Finish queued work, stop the progress thread, and close the transport unless it
         was passed in with ``owns_transport=False`` (shared with another communicator).
-        Sub-communicators that the ``hierarchical`` algorithm built are closed too."""
+        Sub-communicators made from this one (:meth:`new_group`, and those the
+        ``hierarchical`` algorithm built) are closed first. A closed communicator raises
+        :class:`CommError` when used, and holds no process group any more: the transport
+        drops its reference, so ``torch.distributed.destroy_process_group()`` frees the
+        group while the interpreter still runs (a group freed during interpreter shutdown
+        can abort the process: ``terminate called without an active exception``).
+        Closing twice does nothing."""
         from disttrain.comm.topology import close_hierarchy  # (import cycle)
 
+        if self._closed:
+            return
+        for child in (ref() for ref in self._children):
+            if child is not None:
+                child.close()
+        self._children.clear()
         close_hierarchy(self)
         self._progress.close(self.config.timeout_s)
         self._scratch.clear()
+        self._closed = True
         if self._owns_transport:
             self.transport.close()
 

@@ -20,6 +20,7 @@ from disttrain.launch import slurm
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 300.0  # init_process_group and every blocking wait of the communicator
+DEFAULT_EXIT_TIMEOUT_S = 30.0  # how long a failing rank may take to exit (hooks.bound_exit)
 BACKENDS = ("gloo", "nccl", "mpi")
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -200,6 +201,27 @@ def resolve_init_timeout(init_timeout_s: float | None, timeout_s: float,
         raise PlacementError(f"the start-up timeout must be a positive number of seconds, got "
                              f"{init_timeout_s!r} (DISTTRAIN_INIT_TIMEOUT or init_timeout_s=)")
     return float(init_timeout_s)
+
+
+def resolve_exit_timeout(exit_timeout_s: float | None, env: Mapping[str, str]) -> float:
+    """How long a rank that is exiting on an error may take before it is stopped with a
+    dump of its threads' stacks (:func:`disttrain.launch.hooks.bound_exit`): explicit
+    argument, else $DISTTRAIN_EXIT_TIMEOUT, else :data:`DEFAULT_EXIT_TIMEOUT_S`; 0 turns the
+    bound off."""
+    if exit_timeout_s is None:
+        text = env.get("DISTTRAIN_EXIT_TIMEOUT")
+        if not text:
+            return DEFAULT_EXIT_TIMEOUT_S
+        try:
+            exit_timeout_s = float(text)
+        except ValueError:
+            raise PlacementError(f"DISTTRAIN_EXIT_TIMEOUT={text!r} is not a number of "
+                                 "seconds") from None
+    if isinstance(exit_timeout_s, bool) or not 0 <= exit_timeout_s < float("inf"):
+        raise PlacementError(f"the exit timeout must be a number of seconds ≥ 0 (0: no bound), "
+                             f"got {exit_timeout_s!r} (DISTTRAIN_EXIT_TIMEOUT or "
+                             f"exit_timeout_s=)")
+    return float(exit_timeout_s)
 
 
 def resolve_debug(debug: bool | None, env: Mapping[str, str]) -> bool:

@@ -11,6 +11,15 @@
   (with the main thread's stack) and the dumps the moment SIGTERM or SIGINT arrives, so even
   a rank that is then SIGKILLed leaves a diagnosis behind.
 * At exit, communicators with unfinished or failed collectives are dumped too.
+* **A failing rank's exit is bounded** (:func:`bound_exit`). Once an uncaught exception or
+  SIGTERM ends the rank, it has ``exit_timeout_s`` (``DISTTRAIN_EXIT_TIMEOUT``, default 30 s)
+  to finish exiting. Interpreter shutdown can block: a finalizer can join a thread that is
+  still inside a timed-out Gloo operation, whose own timeout is the process group's
+  (minutes), or a non-daemon thread may never end. Past the bound, faulthandler prints every
+  thread's stack (headed ``Timeout (0:00:30)!``) and ends the process with status 1; should
+  that watchdog already be gone (hangs after Python's own shutdown), SIGALRM kills the
+  process a few seconds later. Either way the launcher sees the failure instead of waiting
+  for a rank that has reported its error but never ends.
 
 Hooks are process-wide by nature (``sys.excepthook``, signal handlers), so this module keeps
 the one process-wide registry of communicators to dump; nothing else reads it.
@@ -19,6 +28,7 @@ the one process-wide registry of communicators to dump; nothing else reads it.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import logging
 import os
 import signal
@@ -34,10 +44,12 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from disttrain.launch import records
+from disttrain.launch.env import DEFAULT_EXIT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
 _NOTICE_WAIT_S = 1.0  # how long a rank that lost a peer waits for the launcher's notice
+_ALARM_AFTER_S = 5.0  # the SIGALRM backstop, after the faulthandler watchdog's bound
 
 
 class WorkerTerminated(SystemExit):
@@ -61,14 +73,18 @@ class _State:
     comms: list[weakref.ref[Any]] = field(default_factory=list)
     failing: bool = False
     dumped: bool = False
+    exit_timeout_s: float = DEFAULT_EXIT_TIMEOUT_S
+    exit_bounded: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _state: _State | None = None
 
 
-def install(comm: Any, rank: int, env: Mapping[str, str] | None = None) -> None:
-    """Report failures of this process (rank ``rank``) and dump ``comm``'s flight recorder."""
+def install(comm: Any, rank: int, env: Mapping[str, str] | None = None, *,
+            exit_timeout_s: float = DEFAULT_EXIT_TIMEOUT_S) -> None:
+    """Report failures of this process (rank ``rank``), dump ``comm``'s flight recorder, and
+    give a failing process ``exit_timeout_s`` to exit (0: no bound; see :func:`bound_exit`)."""
     global _state
     if _state is None:
         _state = _State(rank, os.environ if env is None else env)
@@ -76,7 +92,39 @@ def install(comm: Any, rank: int, env: Mapping[str, str] | None = None) -> None:
         atexit.register(_at_exit)
         _install_signal_handlers()
     _state.rank = rank
+    _state.exit_timeout_s = exit_timeout_s
     register(comm)
+
+
+def is_failing() -> bool:
+    """Whether this process is on its way out because of an uncaught error or SIGTERM."""
+    return _state is not None and _state.failing
+
+
+def bound_exit() -> bool:
+    """This process is ending on an error: stop it if it is still alive ``exit_timeout_s``
+    from now. Then faulthandler writes every thread's stack to stderr (where the exit is
+    stuck) and exits with status 1; ``_ALARM_AFTER_S`` later SIGALRM, at its default action,
+    kills the process in case that watchdog has already been shut down with the interpreter.
+    Does nothing in an interactive session (an uncaught error there does not end it), with
+    a bound of 0, or a second time. Returns whether the bound was set."""
+    state = _state
+    if state is None or state.exit_bounded or state.exit_timeout_s <= 0 \
+            or hasattr(sys, "ps1") or sys.flags.interactive:
+        return False
+    stream = sys.__stderr__ or sys.stderr
+    try:
+        if stream is None:
+            raise ValueError("no stderr to write the stacks to")
+        faulthandler.dump_traceback_later(state.exit_timeout_s, exit=True, file=stream)
+    except (AttributeError, OSError, RuntimeError, ValueError) as exc:  # no usable stderr
+        log.warning("rank %d: cannot bound its exit with faulthandler (%s); SIGALRM only",
+                    state.rank, exc)
+    if threading.current_thread() is threading.main_thread():  # signal() needs it
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_REAL, state.exit_timeout_s + _ALARM_AFTER_S)
+    state.exit_bounded = True
+    return True
 
 
 def register(comm: Any) -> None:
@@ -162,6 +210,7 @@ def _chain_excepthook() -> None:
              tb: TracebackType | None) -> None:
         if _state is not None:
             _state.failing = True
+            bound_exit()  # first: the reporting below must not hang either
             record_failure(exc)
         previous(exc_type, exc, tb)
 
@@ -201,6 +250,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     if _state is None or _state.failing:
         return  # already reporting an error: let it finish (the launcher's grace is bounded)
     _state.failing = True
+    bound_exit()
     error = WorkerTerminated(signum, termination_message(signum))
     stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
     record_failure(error, kind="terminated", stack=f"{stack}{type(error).__name__}: {error}\n")

@@ -32,6 +32,9 @@ def describe_exit(returncode: int) -> str:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
+        if -returncode == signal.SIGALRM:  # disttrain.launch.hooks.bound_exit's backstop
+            return (f"was killed by {name} (its exit after an error took longer than "
+                    f"DISTTRAIN_EXIT_TIMEOUT)")
         return f"was killed by {name}"
     if returncode > 128:
         try:

@@ -159,6 +159,8 @@ class SharedMemoryTransport(Transport):
         """The Gloo group of the rendezvous: ``native`` (torch's own collectives) stays
         available, so a benchmark can compare both in one run. None when this transport
         orders its ranks differently from the group (torch's results would be permuted)."""
+        if self._closed:
+            raise RuntimeError("the shared-memory transport is closed")
         return self._group if self._sorted else None
 
     @property
@@ -229,6 +231,7 @@ class SharedMemoryTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        self._group = None  # destroy_process_group frees it now, not at interpreter exit
         self._peers.mark_closed()
         self._collectives.close()
         self.buffers.close()

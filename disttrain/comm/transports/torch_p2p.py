@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from disttrain.comm.errors import CommError
 from disttrain.comm.transport import RawWork, Transport
 
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "closed by peer",
@@ -64,6 +65,19 @@ def _post(start: Any, tensor: torch.Tensor, peer: int, tag: int) -> _TorchWork:
         return _TorchWork(start([tensor], peer, tag))
     except RuntimeError as exc:
         _reraise(exc)
+
+
+def _closed() -> CommError:
+    return CommError("this transport was closed (Communicator.close or disttrain.shutdown); "
+                     "create a new communicator")
+
+
+class _ClosedGroup:
+    """Stands in for the process group of a closed :class:`TorchTransport`, so that the
+    group itself is released and any later use says why it fails."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise _closed()
 
 
 class _TorchWork:
@@ -116,7 +130,17 @@ class TorchTransport(Transport):
 
     @property
     def native_group(self) -> Any:
+        if isinstance(self._group, _ClosedGroup):
+            raise _closed()
         return self._group
+
+    def close(self) -> None:
+        """Release the process group: the transport keeps no reference to it, so
+        ``destroy_process_group`` frees it now rather than at interpreter shutdown, where
+        freeing a Gloo group can abort the process (seen with torch 2.13: "terminate called
+        without an active exception" in about one run in eight). Messages are not waited
+        for: the communicator has finished its queued work before it closes its transport."""
+        self._group = _ClosedGroup()
 
     @property
     def device_type(self) -> str:

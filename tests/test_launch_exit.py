@@ -1,0 +1,118 @@
+"""A rank must *end*, and end cleanly. A rank that fails has its exit bounded by
+DISTTRAIN_EXIT_TIMEOUT (disttrain.launch.hooks.bound_exit), however interpreter shutdown
+hangs: each of those tests fails on code without the bound by running into its subprocess or
+launch time limit. A rank that calls disttrain.shutdown leaves no process group behind for
+interpreter shutdown to free (which aborted about one exit in eight)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch_scripts.harness import (
+    SCRIPTS,
+    assert_all_gone,
+    error_record,
+    json_lines,
+    run_in_process,
+)
+
+pytestmark = pytest.mark.timeout(240)
+LIMIT_S = 90  # far above the 1 s bound plus a start-up: only a hang reaches it
+
+
+def _alone(**extra: str) -> dict[str, str]:
+    """This environment as a world of one, plus ``extra``."""
+    env = {**os.environ, **extra}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(name, None)
+    return env
+
+
+def _run(mode: str, tmp_path) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = _alone(DISTTRAIN_EXIT_TIMEOUT="1", DISTTRAIN_ERROR_FILE=str(tmp_path / "error.json"))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(SCRIPTS / "exit_hang.py"), mode, str(tmp_path)],
+                          capture_output=True, text=True, timeout=LIMIT_S, env=env)
+    return done, time.monotonic() - start
+
+
+def test_a_failing_rank_whose_shutdown_hangs_is_stopped_with_its_stacks(tmp_path):
+    done, _ = _run("thread", tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    err = done.stderr
+    # the error itself was reported first, in full, then the watchdog's dump of every thread
+    assert err.index("ValueError: rank 0 fails and its exit hangs") < err.index(
+        "Timeout (0:00:01)!")
+    assert "in never_ends" in err  # the thread that holds the exit, by its function
+    record = json.loads((tmp_path / "error.json").read_text())["disttrain"]
+    assert record["message"] == "ValueError: rank 0 fails and its exit hangs"
+
+
+def test_a_hang_after_the_watchdog_is_gone_meets_the_alarm(tmp_path):
+    done, took = _run("late", tmp_path)
+    assert done.returncode == -signal.SIGALRM, done.stderr[-3000:]
+    assert "Timeout (" not in done.stderr  # the faulthandler watchdog was cancelled
+    assert took < 60  # 1 s + 5 s, not the exit handler's 120 s sleep (LIMIT_S is 90)
+
+
+def test_zero_turns_the_bound_off(tmp_path):
+    """The same hang with DISTTRAIN_EXIT_TIMEOUT=0 outlives its reported error (which also
+    shows that the scenario above really hangs without the bound)."""
+    env = _alone(DISTTRAIN_EXIT_TIMEOUT="0")
+    with pytest.raises(subprocess.TimeoutExpired) as stopped:  # run() kills it then
+        subprocess.run([sys.executable, str(SCRIPTS / "exit_hang.py"), "thread",
+                        str(tmp_path)], capture_output=True, text=True, timeout=12, env=env)
+    raw = stopped.value.stderr or b""  # may be bytes even in text mode
+    err = raw.decode() if isinstance(raw, bytes) else raw
+    assert "ValueError: rank 0 fails and its exit hangs" in err  # it got as far as failing
+
+
+def test_an_error_at_the_interactive_prompt_does_not_end_the_session(tmp_path):
+    """In ``python -i`` an uncaught error returns to the prompt: no exit to bound."""
+    env = _alone(DISTTRAIN_EXIT_TIMEOUT="1")
+    commands = ("import time, disttrain\ncomm = disttrain.init()\n"
+                "raise ValueError('at the prompt')\ntime.sleep(8)\nprint('still here')\n")
+    done = subprocess.run([sys.executable, "-i", "-q"], input=commands, capture_output=True,
+                          text=True, timeout=LIMIT_S, env=env)
+    assert "ValueError: at the prompt" in done.stderr
+    assert "still here" in done.stdout and done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_launcher_reports_a_rank_that_failed_but_could_not_exit(capfd, tmp_path,
+                                                                    monkeypatch):
+    """Rank 1 raises and its exit hangs; rank 0 sleeps. Without the bound the launcher would
+    wait for rank 1 forever; with it rank 1 ends, is named, and rank 0 is stopped."""
+    monkeypatch.setenv("DISTTRAIN_EXIT_TIMEOUT", "1")
+    run_dir = tmp_path / "run"
+    code, _, err = run_in_process(capfd, "exit_hang.py", "thread", str(tmp_path),
+                                  nproc_per_node=2, run_dir=str(run_dir))
+    assert code == 1, err
+    assert "rank 1 failed first; it exited with code 1" in err
+    assert error_record(run_dir, 1)["message"] == ("ValueError: rank 1 fails and its exit "
+                                                    "hangs")
+    assert_all_gone(tmp_path, expected=2)
+
+
+@pytest.mark.parametrize("how", ["comm", "no-arg", "exit"])
+def test_shutdown_frees_every_process_group_before_interpreter_shutdown(capfd, how):
+    """A Gloo group still referenced when the interpreter shuts down is freed there, and that
+    aborted report_placement.py ("terminate called without an active exception", SIGABRT)
+    in 2 of 12 and 1 of 16 runs: disttrain's transports kept the group alive after
+    destroy_process_group. Closed communicators now drop it, and say so when used; a script
+    that never calls disttrain.shutdown (``exit``) is shut down by disttrain's exit handler."""
+    code, out, err = run_in_process(capfd, "release.py", how, nproc_per_node=2)
+    assert code == 0, err
+    seen = json_lines(out)
+    assert sorted(seen) == [0, 1], out
+    for report in seen.values():
+        assert report["sum"] == [4.0, 4.0, 4.0]  # the pair, then shm, each summed two ranks
+        assert report["world_pg_freed"] and report["sub_pg_freed"], report
+        for name, error in report["after_close"].items():
+            assert error.startswith("CommError: this communicator was closed"), (name, error)
