@@ -116,3 +116,28 @@ def test_shutdown_frees_every_process_group_before_interpreter_shutdown(capfd, h
         assert report["world_pg_freed"] and report["sub_pg_freed"], report
         for name, error in report["after_close"].items():
             assert error.startswith("CommError: this communicator was closed"), (name, error)
+
+
+class _FakeComm:
+    def __init__(self, unfinished: int) -> None:
+        self.rank, self.unfinished = 0, unfinished
+
+
+@pytest.mark.parametrize("unfinished, failing, shuts_down", [
+    (0, False, True),   # a script that ended without disttrain.shutdown(): done for it
+    (2, False, False),  # async collectives still running: closing would wait for them
+    (0, True, False),   # on the way out of an error: nothing that could hang
+])
+def test_the_exit_handler_shuts_down_only_when_nothing_can_hang(monkeypatch, caplog, unfinished,
+                                                                 failing, shuts_down):
+    from disttrain.launch import hooks, join
+
+    comm = _FakeComm(unfinished)
+    calls = []
+    monkeypatch.setattr(join, "_opened", [lambda: comm])
+    monkeypatch.setattr(join, "shutdown", lambda c=None: calls.append(c))
+    monkeypatch.setattr(join.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(hooks, "is_failing", lambda: failing)
+    join._shutdown_at_exit()
+    assert calls == ([None] if shuts_down else [])
+    assert ("unfinished asynchronous collectives" in caplog.text) == (unfinished > 0)

@@ -359,6 +359,13 @@ class Communicator:
         self._children.append(weakref.ref(child))
         return child
 
+    @property
+    def unfinished(self) -> int:
+        """Collectives queued or running on the progress threads of this communicator and
+        of the sub-communicators made from it (0 when every asynchronous one completed)."""
+        children = (ref() for ref in self._children)
+        return self._progress.pending + sum(c.unfinished for c in children if c is not None)
+
     def close(self) -> None:
         """Finish queued work, stop the progress thread, and close the transport unless it
         was passed in with ``owns_transport=False`` (shared with another communicator).

@@ -99,9 +99,17 @@ def shutdown(comm: Communicator | None = None) -> None:
 
 def _shutdown_at_exit() -> None:
     """A script that ends without :func:`shutdown` still frees its process groups before
-    interpreter shutdown (see :func:`shutdown`). Not on the way out of an error: closing
-    could wait for work that will never finish, and the error must reach the launcher."""
+    interpreter shutdown (see :func:`shutdown`). Not on the way out of an error, nor with
+    asynchronous collectives still unfinished: closing would wait for work that may never
+    finish, and an exit must not hang."""
     if hooks.is_failing() or not dist.is_initialized():
+        return
+    busy = [(c.rank, c.unfinished) for c in (ref() for ref in _opened)
+            if c is not None and c.unfinished]
+    if busy:  # closing would wait for them (up to the timeout each); exit as before instead
+        log.warning("disttrain: exiting with unfinished asynchronous collectives (rank, "
+                    "count: %s) and without disttrain.shutdown(); the process group is left "
+                    "to interpreter shutdown", busy)
         return
     try:
         shutdown()
