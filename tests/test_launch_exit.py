@@ -119,25 +119,36 @@ def test_shutdown_frees_every_process_group_before_interpreter_shutdown(capfd, h
 
 
 class _FakeComm:
-    def __init__(self, unfinished: int) -> None:
-        self.rank, self.unfinished = 0, unfinished
+    def __init__(self, unfinished: int, failed: bool) -> None:
+        self.rank, self.unfinished, self.failed = 0, unfinished, failed
 
 
-@pytest.mark.parametrize("unfinished, failing, shuts_down", [
-    (0, False, True),   # a script that ended without disttrain.shutdown(): done for it
-    (2, False, False),  # async collectives still running: closing would wait for them
-    (0, True, False),   # on the way out of an error: nothing that could hang
+@pytest.mark.parametrize("case, shuts_down, warning", [
+    ("clean", True, None),  # a script that ended without disttrain.shutdown(): done for it
+    ("group destroyed by the script", True, None),  # the comm still holds it: closed
+    ("async collectives running", False, "asynchronous collectives are unfinished"),
+    ("communicator failed", False, "the communicator of rank 0 has failed"),
+    ("failing", False, None),  # on the way out of an error: nothing that could hang
+    ("forked child", False, None),  # the parent's group is not the child's to destroy
 ])
-def test_the_exit_handler_shuts_down_only_when_nothing_can_hang(monkeypatch, caplog, unfinished,
-                                                                 failing, shuts_down):
+def test_the_exit_handler_shuts_down_only_when_nothing_can_hang(monkeypatch, caplog, case,
+                                                                 shuts_down, warning):
     from disttrain.launch import hooks, join
 
-    comm = _FakeComm(unfinished)
-    calls = []
+    comm = _FakeComm(unfinished=2 if case == "async collectives running" else 0,
+                     failed=case == "communicator failed")
+    calls, bounded = [], []
     monkeypatch.setattr(join, "_opened", [lambda: comm])
+    monkeypatch.setattr(join, "_init_pid", os.getpid() + (case == "forked child"))
     monkeypatch.setattr(join, "shutdown", lambda c=None: calls.append(c))
-    monkeypatch.setattr(join.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(hooks, "is_failing", lambda: failing)
+    monkeypatch.setattr(join.dist, "is_initialized",
+                        lambda: case != "group destroyed by the script")
+    monkeypatch.setattr(hooks, "is_failing", lambda: case == "failing")
+    monkeypatch.setattr(hooks, "bound_exit", lambda: bounded.append(True))
     join._shutdown_at_exit()
     assert calls == ([None] if shuts_down else [])
-    assert ("unfinished asynchronous collectives" in caplog.text) == (unfinished > 0)
+    assert bounded == ([True] if shuts_down else [])  # the shutdown itself cannot hang the exit
+    if warning:
+        assert warning in caplog.text
+    else:
+        assert "exiting without disttrain.shutdown()" not in caplog.text

@@ -360,6 +360,11 @@ class Communicator:
         return child
 
     @property
+    def failed(self) -> bool:
+        """Whether a collective or message failed on this communicator (it is unusable)."""
+        return self._failure is not None
+
+    @property
     def unfinished(self) -> int:
         """Collectives queued or running on the progress threads of this communicator and
         of the sub-communicators made from it (0 when every asynchronous one completed)."""
@@ -370,22 +375,24 @@ class Communicator:
         """Finish queued work, stop the progress thread, and close the transport unless it
         was passed in with ``owns_transport=False`` (shared with another communicator).
         Sub-communicators made from this one (:meth:`new_group`, and those the
-        ``hierarchical`` algorithm built) are closed first. A closed communicator raises
+        ``hierarchical`` algorithm built) are closed after the queued work finished and
+        before the transport. A closed communicator raises
         :class:`CommError` when used, and holds no process group any more: the transport
         drops its reference, so ``torch.distributed.destroy_process_group()`` frees the
         group while the interpreter still runs (a group freed during interpreter shutdown
         can abort the process: ``terminate called without an active exception``).
-        Closing twice does nothing."""
+        A communicator sharing a transport it does not own keeps it open, so the owner is
+        closed last. Closing twice does nothing."""
         from disttrain.comm.topology import close_hierarchy  # (import cycle)
 
         if self._closed:
             return
+        self._progress.close(self.config.timeout_s)  # queued work may use the children
         for child in (ref() for ref in self._children):
             if child is not None:
                 child.close()
         self._children.clear()
         close_hierarchy(self)
-        self._progress.close(self.config.timeout_s)
         self._scratch.clear()
         self._closed = True
         if self._owns_transport:

@@ -102,10 +102,13 @@ def is_failing() -> bool:
 
 
 def bound_exit() -> bool:
-    """This process is ending on an error: stop it if it is still alive ``exit_timeout_s``
-    from now. Then faulthandler writes every thread's stack to stderr (where the exit is
-    stuck) and exits with status 1; ``_ALARM_AFTER_S`` later SIGALRM, at its default action,
-    kills the process in case that watchdog has already been shut down with the interpreter.
+    """This process is ending (on an error, or in disttrain's exit handler): stop it if it
+    is still alive ``exit_timeout_s`` from now. Then faulthandler writes every thread's
+    stack to stderr (where the exit is stuck) and exits with status 1; ``_ALARM_AFTER_S``
+    later SIGALRM, at its default action, kills the process in case that watchdog has
+    already been shut down with the interpreter. There is one faulthandler watchdog and one
+    real-time timer per process: this replaces the user's, and cancelling theirs cancels
+    this one's stack dump (the SIGALRM backstop remains unless they reset the timer).
     Does nothing in an interactive session (an uncaught error there does not end it), with
     a bound of 0, or a second time. Returns whether the bound was set."""
     state = _state
@@ -210,7 +213,8 @@ def _chain_excepthook() -> None:
              tb: TracebackType | None) -> None:
         if _state is not None:
             _state.failing = True
-            bound_exit()  # first: the reporting below must not hang either
+            if threading.current_thread() is threading.main_thread():  # the process ends
+                bound_exit()  # first: the reporting below must not hang either
             record_failure(exc)
         previous(exc_type, exc, tb)
 

@@ -33,6 +33,7 @@ from disttrain.launch import hooks, netif
 log = logging.getLogger(__name__)
 _opened: list[weakref.ref[Communicator]] = []  # what init() returned, for shutdown()
 _exit_handler_registered = False
+_init_pid: int | None = None  # the process that called init(): a forked child must not shut down
 
 
 class InitError(RuntimeError):
@@ -51,7 +52,7 @@ def init(backend: str | None = None, *, rank: int | None = None,
     long ranks wait for each other to start; ``exit_timeout_s`` how long this process may
     take to exit once it fails (then it is stopped with its stacks on stderr; 0: no bound).
     A process that ends without :func:`shutdown` is shut down at exit (unless it fails)."""
-    global _exit_handler_registered
+    global _exit_handler_registered, _init_pid
     environ = os.environ
     place = envmod.resolve_placement(environ, rank=rank, world_size=world_size,
                                      local_rank=local_rank, master_addr=master_addr,
@@ -70,6 +71,7 @@ def init(backend: str | None = None, *, rank: int | None = None,
     comm = Communicator.from_torch(config=CommConfig(timeout_s=timeout,
                                                      debug_checks=debug_checks))
     hooks.install(comm, place.rank, exit_timeout_s=exit_timeout)
+    _init_pid = os.getpid()
     if not _exit_handler_registered:
         atexit.register(_shutdown_at_exit)
         _exit_handler_registered = True
@@ -88,29 +90,46 @@ def shutdown(comm: Communicator | None = None) -> None:
     Call it at the end of a run: the closed communicators hold no process group any more, so
     the groups are freed here, while the interpreter runs. A Gloo group still alive at
     interpreter shutdown is freed during it, which aborted about one exit in eight here
-    (torch 2.13: "terminate called without an active exception", SIGABRT)."""
-    for opened in [comm] if comm is not None else [ref() for ref in _opened]:
-        if opened is not None:
-            opened.close()
+    (torch 2.13: "terminate called without an active exception", SIGABRT). Every
+    communicator is closed and the group destroyed even if one close fails; the first
+    error is raised afterwards."""
+    targets = [comm] if comm is not None else [ref() for ref in _opened]
     _opened[:] = [] if comm is None else [ref for ref in _opened if ref() not in (None, comm)]
+    first: Exception | None = None
+    for opened in targets:
+        if opened is None:
+            continue
+        try:
+            opened.close()
+        except Exception as exc:
+            first = first or exc
     if dist.is_initialized():
         dist.destroy_process_group()
+    if first is not None:
+        raise first
 
 
 def _shutdown_at_exit() -> None:
     """A script that ends without :func:`shutdown` still frees its process groups before
-    interpreter shutdown (see :func:`shutdown`). Not on the way out of an error, nor with
-    asynchronous collectives still unfinished: closing would wait for work that may never
-    finish, and an exit must not hang."""
-    if hooks.is_failing() or not dist.is_initialized():
+    interpreter shutdown (see :func:`shutdown`); also when it destroyed the group itself,
+    since the communicators still hold it. Nothing is done on the way out of an error, in
+    a forked child, after a communicator failed (peers may be gone) or with asynchronous
+    collectives unfinished (closing would wait for them). The exit is bounded as a failing
+    rank's is (``DISTTRAIN_EXIT_TIMEOUT``), so a shutdown that hangs cannot hold it."""
+    if hooks.is_failing() or os.getpid() != _init_pid:
         return
-    busy = [(c.rank, c.unfinished) for c in (ref() for ref in _opened)
-            if c is not None and c.unfinished]
-    if busy:  # closing would wait for them (up to the timeout each); exit as before instead
-        log.warning("disttrain: exiting with unfinished asynchronous collectives (rank, "
-                    "count: %s) and without disttrain.shutdown(); the process group is left "
-                    "to interpreter shutdown", busy)
+    comms = [c for c in (ref() for ref in _opened) if c is not None]
+    failed = [c.rank for c in comms if c.failed]
+    busy = [(c.rank, c.unfinished) for c in comms if c.unfinished]
+    if failed or busy:
+        log.warning("disttrain: exiting without disttrain.shutdown() while %s; the process "
+                    "group is left to interpreter shutdown",
+                    f"the communicator of rank {failed[0]} has failed" if failed else
+                    f"asynchronous collectives are unfinished (rank, count: {busy})")
         return
+    if not comms and not dist.is_initialized():
+        return
+    hooks.bound_exit()
     try:
         shutdown()
     except Exception as exc:  # the process is ending anyway: say why it was not clean

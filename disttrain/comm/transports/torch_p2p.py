@@ -77,6 +77,8 @@ class _ClosedGroup:
     group itself is released and any later use says why it fails."""
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and hasattr probes: no such attribute
+            raise AttributeError(name)
         raise _closed()
 
 
