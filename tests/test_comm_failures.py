@@ -309,3 +309,32 @@ def test_size_mismatch_without_debug_checks_does_not_hang():
     assert err["peer"] == 0 and err["suspects"] == [0]
     assert "all_reduce #1" in err["message"] and "debug_checks=True" in err["message"]
     assert err["elapsed"] < NO_HANG_S
+
+
+def group_without_a_member(rank: int, world_size: int, store: str) -> dict[str, Any] | None:
+    """Rank 1 never calls new_group([0, 1]); rank 0 does."""
+    comm = _init(rank, world_size, store)
+    if rank == 1:
+        _wait_done(store, [0])
+        return None
+    start = time.monotonic()
+    try:
+        comm.new_group([0, 1])
+        result: dict[str, Any] = {"type": None}
+    except CommError as exc:
+        result = _describe(exc)
+    result["elapsed"] = time.monotonic() - start
+    result["after"] = _after_failure(comm)
+    _signal_done(store, rank)
+    return result
+
+
+def test_new_group_without_a_member_times_out_naming_it():
+    res = run_fresh(group_without_a_member, 2, timeout_s=120)[0]
+    assert res["type"] == "CommTimeoutError", res
+    assert (res["op"], res["peer"], res["suspects"]) == ("new_group", 1, [1]), res
+    assert res["message"].startswith("new_group([0, 1]) on rank 0: timed out after 2s "
+                                     "waiting for rank 1"), res["message"]
+    assert res["elapsed"] < NO_HANG_S
+    assert res["after"]["type"] == "CommError"  # a late set-up message could still arrive
+    assert "failed earlier" in res["after"]["message"]

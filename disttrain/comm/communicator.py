@@ -29,7 +29,7 @@ from disttrain.comm.context import (
     instance_tag_base,
 )
 from disttrain.comm.cost_model import LinkCosts, load_costs
-from disttrain.comm.errors import CommError
+from disttrain.comm.errors import CommError, CommTimeoutError, PeerFailedError
 from disttrain.comm.flight_recorder import FlightRecorder
 from disttrain.comm.ops import ReduceOp, check_dtype, finish_
 from disttrain.comm.p2p_work import P2PWork
@@ -351,13 +351,38 @@ class Communicator:
         with the same list; non-members get ``None``. Rank i of the new communicator is
         ``ranks[i]`` here."""
         self._check_usable()
-        sub = self.transport.subgroup(checks.group_ranks(ranks, self.world_size))
+        members = checks.group_ranks(ranks, self.world_size)
+        try:
+            sub = self.transport.subgroup(members)
+        except (TimeoutError, ConnectionError) as exc:
+            raise self._group_failure(list(members), exc) from exc
         if sub is None:
             return None
         child = Communicator(sub, self.config, self.costs)
         self._children = [ref for ref in self._children if ref() is not None]
         self._children.append(weakref.ref(child))
         return child
+
+    def _group_failure(self, members: list[int], exc: BaseException) -> CommError:
+        """``new_group`` could not agree with the other members: a named error, and this
+        communicator is failed (a late member's set-up message could still arrive)."""
+        peer = getattr(exc, "peer", None)
+        where = f"new_group({members}) on rank {self.rank}"
+        if isinstance(exc, TimeoutError):
+            who = f"rank {peer}" if peer is not None else "another member"
+            error: CommError = CommTimeoutError(
+                f"{where}: timed out after {self.config.timeout_s:g}s waiting for {who}. "
+                f"Every member must call new_group with the same ranks, and members must "
+                f"create their common groups in the same order ({exc})",
+                op="new_group", peer=peer, suspects=(peer,) if peer is not None else ())
+        else:
+            who = f"rank {peer}" if peer is not None else "a member"
+            error = PeerFailedError(f"{where}: the connection to {who} broke; it has died or "
+                                    f"left ({exc})", op="new_group", peer=peer,
+                                    suspects=(peer,) if peer is not None else ())
+        if self._failure is None:
+            self._failure = error
+        return error
 
     @property
     def failed(self) -> bool:

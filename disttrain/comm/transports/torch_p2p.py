@@ -72,6 +72,16 @@ def _closed() -> CommError:
                      "create a new communicator")
 
 
+def _naming(peer: int, call: Any, *args: Any) -> Any:
+    """``call(*args)``; a TimeoutError/ConnectionError leaves with ``peer`` attached (the
+    rank it concerns, read by ``Communicator.new_group`` to name it)."""
+    try:
+        return call(*args)
+    except (TimeoutError, ConnectionError) as exc:
+        setattr(exc, "peer", peer)  # noqa: B010
+        raise
+
+
 class _ClosedGroup:
     """Stands in for the process group of a closed :class:`TorchTransport`, so that the
     group itself is released and any later use says why it fails."""
@@ -173,8 +183,11 @@ class TorchTransport(Transport):
         self._agree_on_group_count(ranks)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         # Only members synchronise, so groups can be created by the ranks that need them.
-        group = dist.new_group(members, timeout=timeout, use_local_synchronization=True,
-                               **order)
+        try:
+            group = dist.new_group(members, timeout=timeout, use_local_synchronization=True,
+                                   **order)
+        except RuntimeError as exc:  # the members' store barrier: a timeout, or a lost peer
+            _reraise(exc)
         return TorchTransport(group, self.timeout_s)
 
     def _agree_on_group_count(self, ranks: Sequence[int]) -> None:
@@ -184,10 +197,10 @@ class TorchTransport(Transport):
             return
         mine = torch.tensor([len(names)], dtype=torch.int64)
         theirs = {r: torch.zeros(1, dtype=torch.int64) for r in ranks if r != self._rank}
-        pending = [self.irecv(t, r, _SETUP_TAG) for r, t in theirs.items()]
-        pending += [self.isend(mine, r, _SETUP_TAG) for r in theirs]
-        for work in pending:
-            work.wait(self.timeout_s)
+        pending = [(r, _naming(r, self.irecv, t, r, _SETUP_TAG)) for r, t in theirs.items()]
+        pending += [(r, _naming(r, self.isend, mine, r, _SETUP_TAG)) for r in theirs]
+        for peer, work in pending:
+            _naming(peer, work.wait, self.timeout_s)
         target = max(int(t) for t in [mine, *theirs.values()])
         me = self._global_ranks[self._rank]
         timeout = datetime.timedelta(seconds=self.timeout_s)
