@@ -18,9 +18,16 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
-from tests.dist import adopt_environment, environment, init_gloo, rank_context
+from tests.dist import (
+    adopt_environment,
+    environment,
+    init_gloo,
+    rank_context,
+    wait_until_posts_refused,
+)
 
 SHM_PREFIX = "/dev/shm/"
 
@@ -137,6 +144,61 @@ def test_rank_killed_mid_shm_collective_is_named_by_survivors():
 def test_rank_killed_mid_ring_over_shm_messages_is_named_by_survivors():
     timeout_s = 30.0
     _check_survivors(run_all(die_mid_collective, 2, timeout_s, "ring"), timeout_s)
+
+
+# ------------------------------------------------------- a rank missing at set-up
+def setup_without_a_peer(rank: int, world_size: int, store: str, mode: str) -> Any:
+    """Rank 0 creates a shared-memory transport (set-up timeout 2 s) while rank 1 does not:
+    it never starts ("absent"), exchanges host keys and then stops ("after-host-keys", so
+    rank 0 has created the segment when the name cannot be sent), or dies ("dead")."""
+    from disttrain.comm.transports import SharedMemoryTransport
+    from disttrain.comm.transports.shm_rendezvous import check_same_host
+
+    comm = init_gloo(rank, world_size, store, comm_timeout_s=30.0)
+    comm.all_reduce(torch.ones(1))  # connected
+    if rank == 1:
+        if mode == "dead":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "after-host-keys":
+            check_same_host(None, 30.0)
+        deadline = time.monotonic() + 60  # alive, elsewhere, until rank 0 has its answer
+        while not os.path.exists(store + ".done") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return None
+    refused = wait_until_posts_refused(1) if mode == "dead" else None
+    before = set(os.listdir(SHM_PREFIX))
+    start = time.monotonic()
+    try:
+        SharedMemoryTransport(timeout_s=2.0)
+        result: dict[str, Any] = {"type": None}
+    except Exception as exc:
+        result = {"type": type(exc).__name__, "message": str(exc),
+                  "suspects": list(getattr(exc, "suspects", ()))}
+    result.update(elapsed=time.monotonic() - start, refused=refused,
+                  new_files=sorted(set(os.listdir(SHM_PREFIX)) - before))
+    open(store + ".done", "w").close()
+    return result
+
+
+@pytest.mark.parametrize("mode, error, step", [
+    ("absent", "CommTimeoutError", "exchanging host keys timed out after 2s"),
+    ("after-host-keys", "CommTimeoutError", "sending the segment's name timed out after 2s"),
+    ("dead", "PeerFailedError", "exchanging host keys: a connection broke"),
+])
+def test_a_rank_missing_at_set_up_is_named_and_leaves_no_segment(mode, error, step):
+    outcomes = run_all(setup_without_a_peer, 2, mode)
+    status, res = outcomes[0]
+    assert status == "ok", res
+    assert res["type"] == error, res
+    assert res["message"].startswith(f"shared-memory transport set-up on global rank 0: "
+                                     f"{step}"), res["message"]
+    assert res["suspects"] == [1] and "global ranks [1] did not check in" in res["message"]
+    assert res["elapsed"] < 30, res  # the set-up timeout plus the check-in, not Gloo's own
+    assert res["new_files"] == [], "a segment was left in /dev/shm"
+    if mode == "dead":
+        assert res["refused"] and outcomes[1] == ("died", -signal.SIGKILL), outcomes
+    else:
+        assert outcomes[1] == ("ok", None), outcomes
 
 
 # ------------------------------------------------------- live ranks (in the shared pool)

@@ -29,7 +29,8 @@ def make_transport(name: str, group: Any | None = None, *, timeout_s: float = 18
     Collective: every rank of the group must call it with the same arguments. ``auto`` is
     ``shm`` when all ranks share a host (and shared memory works there), else ``torch``;
     every rank reaches the same decision, because the checks behind it are collective.
-    ``timeout_s`` bounds the creation of sub-groups (``Communicator.new_group``).
+    ``timeout_s`` bounds the creation of sub-groups (``Communicator.new_group``) and the
+    shared-memory transport's set-up exchanges.
     """
     if name == "torch":
         return TorchTransport(group, timeout_s)

@@ -102,7 +102,8 @@ class SharedMemoryTransport(Transport):
     def __init__(self, group: Any | None = None, config: ShmConfig | None = None, *,
                  order: Sequence[int] | None = None, timeout_s: float = 1800.0) -> None:
         """``order``: the group's global ranks in the order that defines this transport's
-        ranks (default: the group's order). ``timeout_s`` bounds sub-group creation."""
+        ranks (default: the group's order). ``timeout_s`` bounds sub-group creation and each
+        set-up exchange (a rank missing there is named: ``shm_rendezvous.setup_failure``)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialized: the shared-memory transport uses it "
@@ -119,7 +120,7 @@ class SharedMemoryTransport(Transport):
         self.timeout_s = timeout_s
         self.config = config or ShmConfig()
         self._layout = self.config.layout(len(self._global_ranks))
-        check_same_host(self._group)
+        check_same_host(self._group, timeout_s)
         layout = self._layout
 
         def register(shm: Any) -> None:  # publish this rank's pid before the name goes
@@ -127,7 +128,8 @@ class SharedMemoryTransport(Transport):
                       self._rank).register()
 
         self._shm, self.segment_name = share_segment(
-            self._group, self._global_ranks, self._rank, layout.size, layout.header(), register)
+            self._group, self._global_ranks, self._rank, layout.size, layout.header(), register,
+            timeout_s)
         buf = segment_buffer(self._shm)
         self._u8 = torch.frombuffer(buf, dtype=torch.uint8)
         self._i64 = np.frombuffer(buf, dtype=np.int64)
@@ -175,7 +177,8 @@ class SharedMemoryTransport(Transport):
         return self._collectives
 
     def _share(self, size: int, header: Sequence[int]) -> Any:
-        return share_segment(self._group, self._global_ranks, self._rank, size, header)
+        return share_segment(self._group, self._global_ranks, self._rank, size, header,
+                             timeout_s=self.timeout_s)
 
     def shared_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled tensor in shared memory that a large ``shm`` all-reduce reduces where
