@@ -166,16 +166,23 @@ def _default_master_addr(world: int, local_world: int | None) -> str:
         "machine (or pass master_addr=)")
 
 
+def _seconds(env: Mapping[str, str], name: str) -> float | None:
+    """$``name`` as a number of seconds; None when it is unset or empty."""
+    text = env.get(name)
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise PlacementError(f"{name}={text!r} is not a number of seconds") from None
+
+
 def resolve_timeout(timeout_s: float | None, env: Mapping[str, str]) -> float:
     """Explicit argument, else $DISTTRAIN_TIMEOUT, else :data:`DEFAULT_TIMEOUT_S`."""
     if timeout_s is None:
-        text = env.get("DISTTRAIN_TIMEOUT")
-        if not text:
+        timeout_s = _seconds(env, "DISTTRAIN_TIMEOUT")
+        if timeout_s is None:
             return DEFAULT_TIMEOUT_S
-        try:
-            timeout_s = float(text)
-        except ValueError:
-            raise PlacementError(f"DISTTRAIN_TIMEOUT={text!r} is not a number of seconds") from None
     if not 0 < timeout_s < float("inf"):
         raise PlacementError(f"the timeout must be a positive number of seconds, got "
                              f"{timeout_s!r} (DISTTRAIN_TIMEOUT or timeout_s=)")
@@ -188,13 +195,8 @@ def resolve_init_timeout(init_timeout_s: float | None, timeout_s: float,
     else $DISTTRAIN_INIT_TIMEOUT, else the larger of ``timeout_s`` and
     :data:`DEFAULT_TIMEOUT_S`. Starting N Python processes on a busy machine can take far
     longer than one collective should, so a short operation timeout does not shorten it."""
-    if init_timeout_s is None and env.get("DISTTRAIN_INIT_TIMEOUT"):
-        text = env["DISTTRAIN_INIT_TIMEOUT"]
-        try:
-            init_timeout_s = float(text)
-        except ValueError:
-            raise PlacementError(f"DISTTRAIN_INIT_TIMEOUT={text!r} is not a number of "
-                                 "seconds") from None
+    if init_timeout_s is None:
+        init_timeout_s = _seconds(env, "DISTTRAIN_INIT_TIMEOUT")
     if init_timeout_s is None:
         return max(timeout_s, DEFAULT_TIMEOUT_S)
     if not 0 < init_timeout_s < float("inf"):
@@ -209,14 +211,9 @@ def resolve_exit_timeout(exit_timeout_s: float | None, env: Mapping[str, str]) -
     argument, else $DISTTRAIN_EXIT_TIMEOUT, else :data:`DEFAULT_EXIT_TIMEOUT_S`; 0 turns the
     bound off."""
     if exit_timeout_s is None:
-        text = env.get("DISTTRAIN_EXIT_TIMEOUT")
-        if not text:
+        exit_timeout_s = _seconds(env, "DISTTRAIN_EXIT_TIMEOUT")
+        if exit_timeout_s is None:
             return DEFAULT_EXIT_TIMEOUT_S
-        try:
-            exit_timeout_s = float(text)
-        except ValueError:
-            raise PlacementError(f"DISTTRAIN_EXIT_TIMEOUT={text!r} is not a number of "
-                                 "seconds") from None
     if isinstance(exit_timeout_s, bool) or not 0 <= exit_timeout_s < float("inf"):
         raise PlacementError(f"the exit timeout must be a number of seconds ≥ 0 (0: no bound), "
                              f"got {exit_timeout_s!r} (DISTTRAIN_EXIT_TIMEOUT or "
