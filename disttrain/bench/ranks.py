@@ -16,6 +16,7 @@ on an error or on Ctrl-C) terminates every rank and removes the temp dir.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing.connection as mpc
 import os
@@ -45,6 +46,32 @@ def _exit_when_parent_leaves(control: Any) -> None:
     except (EOFError, OSError):
         pass
     os._exit(3)
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Ctrl-C is held back until the block ends, then delivered to the handler it would
+    have reached (KeyboardInterrupt, as usual).
+
+    Ctrl-C inside ``Process.start`` could leave a rank created by the fork server but its
+    pid never read, so :meth:`RankGroup.close` could not stop it. Such a rank then waited
+    in its ``file://`` store's constructor for a directory that close() had removed,
+    holding the GIL, so it could not even notice that the parent had gone; it kept the
+    command's output pipes open for minutes (``test_ctrl_c_stops_every_rank``, 2 runs in
+    8). A signal mask would not do: this process has other threads, and the kernel hands
+    SIGINT to any thread that does not block it. Python runs its handlers in the main
+    thread, so a handler that only takes note defers Ctrl-C whichever thread received it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if noted:
+            signal.raise_signal(signal.SIGINT)  # now to the previous handler
 
 
 def bind_plan(world_size: int) -> list[int] | None:
@@ -127,15 +154,16 @@ class RankGroup:
         proc = ctx.Process(target=_rank_main, daemon=True,
                            name=f"disttrain-bench-r{rank_args[0]}",
                            args=(out_send, ctl_recv, environment(), *rank_args))
-        try:
-            proc.start()
-        except BaseException:  # never started: close() must not join it (that raises an
-            for conn in (out_recv, out_send, ctl_recv, ctl_send):  # AssertionError hiding
-                conn.close()  # this error, e.g. a script without a __main__ guard)
-            raise
-        self._procs.append(proc)
-        self._outs.append(out_recv)
-        self._controls.append(ctl_send)
+        with _ctrl_c_deferred():  # a rank whose start Ctrl-C cut short would run on unseen
+            try:
+                proc.start()
+            except BaseException:  # never started: close() must not join it (that raises an
+                for conn in (out_recv, out_send, ctl_recv, ctl_send):  # AssertionError
+                    conn.close()  # hiding this error, e.g. a script without a __main__ guard)
+                raise
+            self._procs.append(proc)
+            self._outs.append(out_recv)
+            self._controls.append(ctl_send)
         out_send.close()
         ctl_recv.close()
 
