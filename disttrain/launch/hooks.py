@@ -130,6 +130,16 @@ def bound_exit() -> bool:
     return True
 
 
+def release_exit_bound() -> None:
+    """Undo :func:`bound_exit` (after disttrain's exit handler shut down in time: the rest of
+    a normal exit, e.g. a user's own exit handlers, is not this module's to bound)."""
+    if _state is None or not _state.exit_bounded:
+        return
+    faulthandler.cancel_dump_traceback_later()
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    _state.exit_bounded = False
+
+
 def register(comm: Any) -> None:
     """Also dump ``comm`` (e.g. a sub-communicator from ``new_group``) when this rank fails."""
     if _state is not None and all(ref() is not comm for ref in _state.comms):

@@ -114,8 +114,9 @@ def _shutdown_at_exit() -> None:
     interpreter shutdown (see :func:`shutdown`); also when it destroyed the group itself,
     since the communicators still hold it. Nothing is done on the way out of an error, in
     a forked child, after a communicator failed (peers may be gone) or with asynchronous
-    collectives unfinished (closing would wait for them). The exit is bounded as a failing
-    rank's is (``DISTTRAIN_EXIT_TIMEOUT``), so a shutdown that hangs cannot hold it."""
+    collectives unfinished (closing would wait for them). The shutdown is bounded as a
+    failing rank's exit is (``DISTTRAIN_EXIT_TIMEOUT``), so one that hangs cannot hold the
+    exit; the bound is lifted once it is done."""
     if hooks.is_failing() or os.getpid() != _init_pid:
         return
     comms = [c for c in (ref() for ref in _opened) if c is not None]
@@ -129,11 +130,13 @@ def _shutdown_at_exit() -> None:
         return
     if not comms and not dist.is_initialized():
         return
-    hooks.bound_exit()
+    bounded = hooks.bound_exit()
     try:
         shutdown()
     except Exception as exc:  # the process is ending anyway: say why it was not clean
         log.warning("disttrain: could not shut down cleanly at exit: %s", exc)
+    if bounded:  # done in time: what other exit handlers do is not ours to bound
+        hooks.release_exit_bound()
 
 
 def _check_existing(place: envmod.Placement) -> None:
