@@ -154,3 +154,34 @@ def test_the_exit_handler_shuts_down_only_when_nothing_can_hang(monkeypatch, cap
         assert warning in caplog.text
     else:
         assert "exiting without disttrain.shutdown()" not in caplog.text
+
+
+def test_the_exit_handler_gives_the_exit_back_after_its_shutdown():
+    """A script without disttrain.shutdown(): the exit handler's shutdown is bounded, then
+    the bound is lifted. The script's own exit handler (registered before init, so it runs
+    after disttrain's) finds its SIGALRM handler and timer again and may take longer than
+    the bound without being killed."""
+    script = """if True:
+        import atexit, signal, time
+        def mine(signum, frame):
+            print("my alarm", flush=True)
+        signal.signal(signal.SIGALRM, mine)
+        signal.setitimer(signal.ITIMER_REAL, 300)
+        def slow_upload():
+            print("handler", signal.getsignal(signal.SIGALRM) is mine,
+                  round(signal.getitimer(signal.ITIMER_REAL)[0]), flush=True)
+            time.sleep(4)  # longer than the 1 s bound and its 5 s backstop minus the wait
+            print("uploaded", flush=True)
+        atexit.register(slow_upload)
+        import disttrain
+        comm = disttrain.init()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_REAL, 3)  # fires only if the bound had not given it back
+        time.sleep(0.1)
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=LIMIT_S, env=_alone(DISTTRAIN_EXIT_TIMEOUT="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "handler True 3", done.stdout  # the user's handler and timer, back
+    assert "uploaded" in lines and "Timeout (" not in done.stderr, (done.stdout, done.stderr)

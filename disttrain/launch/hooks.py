@@ -75,6 +75,7 @@ class _State:
     dumped: bool = False
     exit_timeout_s: float = DEFAULT_EXIT_TIMEOUT_S
     exit_bounded: bool = False
+    alarm_before: Any = None  # SIGALRM's handler and timer before bound_exit, for release
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -123,20 +124,27 @@ def bound_exit() -> bool:
     except (AttributeError, OSError, RuntimeError, ValueError) as exc:  # no usable stderr
         log.warning("rank %d: cannot bound its exit with faulthandler (%s); SIGALRM only",
                     state.rank, exc)
+    handler = None
     if threading.current_thread() is threading.main_thread():  # signal() needs it
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.setitimer(signal.ITIMER_REAL, state.exit_timeout_s + _ALARM_AFTER_S)
+        handler = signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    timer = signal.setitimer(signal.ITIMER_REAL, state.exit_timeout_s + _ALARM_AFTER_S)
+    state.alarm_before = (handler, timer)
     state.exit_bounded = True
     return True
 
 
 def release_exit_bound() -> None:
-    """Undo :func:`bound_exit` (after disttrain's exit handler shut down in time: the rest of
-    a normal exit, e.g. a user's own exit handlers, is not this module's to bound)."""
+    """Undo :func:`bound_exit`, giving SIGALRM its handler and timer back (after disttrain's
+    exit handler shut down in time: the rest of a normal exit, e.g. a user's own exit
+    handlers, is not this module's to bound; faulthandler's watchdog is one per process and
+    stays cancelled)."""
     if _state is None or not _state.exit_bounded:
         return
     faulthandler.cancel_dump_traceback_later()
-    signal.setitimer(signal.ITIMER_REAL, 0)
+    handler, (delay, interval) = _state.alarm_before
+    signal.setitimer(signal.ITIMER_REAL, delay, interval)  # the user's timer, if any, again
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGALRM, handler)
     _state.exit_bounded = False
 
 
