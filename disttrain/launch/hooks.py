@@ -142,9 +142,9 @@ def release_exit_bound() -> None:
         return
     faulthandler.cancel_dump_traceback_later()
     handler, (delay, interval) = _state.alarm_before
-    signal.setitimer(signal.ITIMER_REAL, delay, interval)  # the user's timer, if any, again
     if handler is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGALRM, handler)
+        signal.signal(signal.SIGALRM, handler)  # first: a timer about to fire finds it
+    signal.setitimer(signal.ITIMER_REAL, delay, interval)  # the user's timer, if any, again
     _state.exit_bounded = False
 
 
