@@ -333,8 +333,9 @@ def test_new_group_without_a_member_times_out_naming_it():
     res = run_fresh(group_without_a_member, 2, timeout_s=120)[0]
     assert res["type"] == "CommTimeoutError", res
     assert (res["op"], res["peer"], res["suspects"]) == ("new_group", 1, [1]), res
-    assert res["message"].startswith("new_group([0, 1]) on rank 0: timed out after 2s "
-                                     "waiting for rank 1"), res["message"]
+    assert res["message"].startswith("new_group #0 (setup) on rank 0: timed out after 2s "
+                                     "agreeing on group [0, 1] with rank 1"), res["message"]
+    assert "rank(s) [1] did not check in afterwards" in res["message"]
     assert res["elapsed"] < NO_HANG_S
     assert res["after"]["type"] == "CommError"  # a late set-up message could still arrive
     assert "failed earlier" in res["after"]["message"]

@@ -19,6 +19,7 @@ from tests.launch_scripts.harness import (
     LAUNCH_TIMEOUT_S,
     SCRIPTS,
     assert_all_gone,
+    clean_env,
     error_record,
     json_lines,
     run_in_process,
@@ -77,7 +78,7 @@ def test_slurm_variables_place_the_ranks(tmp_path):
     """Two processes started the way srun does: only SLURM_* variables, a compressed node
     list whose first host is this machine."""
     port = str(free_port())
-    base = _clean_env()
+    base = clean_env()
     procs = []
     try:
         for rank in range(2):
@@ -97,13 +98,6 @@ def test_slurm_variables_place_the_ranks(tmp_path):
         report = json_lines(f"[rank {rank}] {out.strip().splitlines()[-1]}")[rank]
         assert report == {**report, "rank": rank, "world_size": 2, "sum": 3.0,
                           "local_rank": rank, "master_addr": "127.0.0.1", "source": "slurm"}
-
-
-def _clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "LOCAL_",
-                                "SLURM_", "DISTTRAIN_"))}
-    return {**env, **extra}
 
 
 def test_rendezvous_store_listens_on_loopback_only(capfd, tmp_path):
@@ -139,7 +133,7 @@ def test_killed_launcher_takes_its_workers_with_it(tmp_path):
 
 def test_plain_python_is_a_world_of_one():
     done = subprocess.run([sys.executable, str(SCRIPTS / "report_placement.py")],
-                          env=_clean_env(), capture_output=True, text=True,
+                          env=clean_env(), capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -150,7 +144,7 @@ def test_plain_python_is_a_world_of_one():
 def test_unreachable_master_fails_at_start_up_with_a_clear_error():
     """Rank 1 of 2, nobody listening at MASTER_ADDR:MASTER_PORT: InitError after the
     start-up timeout, naming the address, instead of waiting forever."""
-    env = _clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+    env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                      DISTTRAIN_INIT_TIMEOUT="2")
     done = subprocess.run([sys.executable, str(SCRIPTS / "report_placement.py")], env=env,

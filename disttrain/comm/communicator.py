@@ -29,7 +29,7 @@ from disttrain.comm.context import (
     instance_tag_base,
 )
 from disttrain.comm.cost_model import LinkCosts, load_costs
-from disttrain.comm.errors import CommError, CommTimeoutError, PeerFailedError
+from disttrain.comm.errors import CommError
 from disttrain.comm.flight_recorder import FlightRecorder
 from disttrain.comm.ops import ReduceOp, check_dtype, finish_
 from disttrain.comm.p2p_work import P2PWork
@@ -364,22 +364,15 @@ class Communicator:
         return child
 
     def _group_failure(self, members: list[int], exc: BaseException) -> CommError:
-        """``new_group`` could not agree with the other members: a named error, and this
-        communicator is failed (a late member's set-up message could still arrive)."""
-        peer = getattr(exc, "peer", None)
-        where = f"new_group({members}) on rank {self.rank}"
-        if isinstance(exc, TimeoutError):
-            who = f"rank {peer}" if peer is not None else "another member"
-            error: CommError = CommTimeoutError(
-                f"{where}: timed out after {self.config.timeout_s:g}s waiting for {who}. "
-                f"Every member must call new_group with the same ranks, and members must "
-                f"create their common groups in the same order ({exc})",
-                op="new_group", peer=peer, suspects=(peer,) if peer is not None else ())
-        else:
-            who = f"rank {peer}" if peer is not None else "a member"
-            error = PeerFailedError(f"{where}: the connection to {who} broke; it has died or "
-                                    f"left ({exc})", op="new_group", peer=peer,
-                                    suspects=(peer,) if peer is not None else ())
+        """``new_group`` could not agree with the other members: named as a failed collective
+        is (:meth:`CollectiveContext.failure`, check-in included), and this communicator is
+        failed, since a late member's set-up message could still arrive."""
+        peer = getattr(exc, "peer", None)  # the member whose exchange failed (torch_p2p)
+        doing = (f"agreeing on group {members} with rank {peer}" if peer is not None else
+                 f"creating group {members}")
+        error = self._context("new_group", self._seq, "setup").failure(
+            f"{doing} (every member must call new_group with these ranks)", exc, peer,
+            timed_out=isinstance(exc, TimeoutError))
         if self._failure is None:
             self._failure = error
         return error

@@ -201,7 +201,6 @@ class CollectiveContext:
         if self._on_progress is not None:
             self._on_progress()
 
-
     def unresponsive(self) -> list[int] | None:
         """Ranks that did not check in after this failure, or None when unknown.
 

@@ -62,3 +62,12 @@ def assert_all_gone(piddir: Path, expected: int, wait_s: float = 5.0) -> None:
 
 def error_record(run_dir: Path, rank: int) -> dict[str, Any]:
     return json.loads((run_dir / f"error-rank{rank}.json").read_text())["disttrain"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any placement or disttrain variables (a plain
+    ``python`` start: a world of one), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "LOCAL_",
+                                "SLURM_", "DISTTRAIN_"))}
+    return {**env, **extra}
