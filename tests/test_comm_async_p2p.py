@@ -4,12 +4,13 @@ whatever the posting order, for every dtype, even beside a collective in flight.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
 import torch
 
-from disttrain.comm import CommConfig, Communicator
+from disttrain.comm import CommConfig, CommError, CommTimeoutError, Communicator
 
 
 def _sibling(comm: Communicator, **config: Any) -> Communicator:
@@ -219,3 +220,68 @@ def p2p_beside_async_collective(comm: Communicator) -> list[str]:
 def test_p2p_concurrent_with_async_collective_does_not_mix(pools, p):
     errors = [e for rank_errors in pools(p).run(p2p_beside_async_collective) for e in rank_errors]
     assert not errors, errors
+
+
+def polled_p2p(comm: Communicator) -> dict[str, Any]:
+    """Each rank posts a message and only polls ``is_completed()`` (bounded) until it turns
+    True, as a loop that computes between polls would; then ``wait()`` returns at once."""
+    c = _sibling(comm)
+    peer = 1 - comm.rank
+    payload = torch.arange(1000, dtype=torch.float32) + 7 * comm.rank
+    got = torch.zeros(1000)
+    works = [c.isend(payload, peer, tag=3), c.irecv(got, peer, tag=3)]
+    deadline = time.monotonic() + 20
+    while not all(w.is_completed() for w in works) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    polled = [w.is_completed() for w in works]
+    for w in works:
+        w.wait()
+    c.close()
+    return {"polled": polled,
+            "got": torch.equal(got, torch.arange(1000, dtype=torch.float32) + 7 * peer)}
+
+
+def test_polling_is_completed_sees_messages_finish(pools):
+    """Gloo's point-to-point work never reports completion before a wait(): polling alone
+    would spin for ever."""
+    for rank, res in enumerate(pools(2).run(polled_p2p)):
+        assert res == {"polled": [True, True], "got": True}, f"rank {rank}: {res}"
+
+
+def polled_then_timed_out(comm: Communicator) -> dict[str, Any]:
+    """Rank 1 polls a receive, then waits 0.3 s for it: the sender holds it back until
+    after that wait failed. A later wait() still sees it arrive; the communicator is
+    failed meanwhile (the message moved after its wait gave up)."""
+    c = _sibling(comm)
+    got = torch.zeros(4)
+    out: dict[str, Any] = {}
+    if comm.rank == 1:
+        work = c.irecv(got, 0, tag=9)
+        out["first_poll"] = work.is_completed()
+        try:
+            work.wait(timeout=0.3)
+        except CommTimeoutError as exc:
+            out["error"] = (str(exc), exc.op, exc.peer)
+        comm.barrier()
+        work.wait()
+        out["got"] = got.tolist()
+        try:
+            c.barrier()
+        except CommError as exc:
+            out["after"] = str(exc)
+    else:
+        comm.barrier()
+        c.send(torch.full((4,), 5.0), 1, tag=9)
+    c.close()
+    return out
+
+
+def test_a_polled_receive_times_out_naming_its_peer_and_still_lands(pools):
+    _, res = pools(2).run(polled_then_timed_out)
+    assert res["first_poll"] is False
+    text, op, peer = res["error"]
+    assert (op, peer) == ("recv", 0)
+    assert "timed out after 0.3s waiting to recv from rank 0" in text, text
+    assert res["got"] == [5.0] * 4
+    assert "failed earlier" in res["after"] and "timed out after 0.3s" in res["after"], \
+        res["after"]

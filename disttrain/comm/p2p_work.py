@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
 
-from disttrain.comm.context import CollectiveContext, Pending
-from disttrain.comm.errors import CommError
+from disttrain.comm.context import _MAX_GRACE_S, CollectiveContext, Pending, _doing
+from disttrain.comm.errors import CommError, CommTimeoutError
 from disttrain.comm.stats import TrafficStats
 from disttrain.comm.transport import Transport
 from disttrain.comm.work import Work
+
+_BACKSTOP_S = 5.0  # beyond the helper's own timeout and check-in: a wait() that outlives it
 
 
 class P2PWork(Work):
     """``wait()`` blocks until the message moved, naming the peer on failure. A failed
     message may still arrive later, so the failure poisons the communicator (``on_error``):
-    its tags must never be reused."""
+    its tags must never be reused.
+
+    ``is_completed()`` polls. Gloo's point-to-point work does not turn complete before
+    someone waits on it, so for such a transfer the first poll starts a daemon thread that
+    waits for it (under the communicator's timeout) and records how it ended; ``wait()``
+    then waits for that thread and raises what it met."""
 
     def __init__(self, ctx: CollectiveContext, pending: Pending,
                  on_error: Callable[[BaseException], None]) -> None:
         self._ctx, self._pending, self._done = ctx, pending, False
         self._on_error = on_error
+        self._lock = threading.Lock()
+        self._ended: threading.Event | None = None  # set by the helper thread, if any
+        self._error: BaseException | None = None
 
     @classmethod
     def start(cls, transport: Transport, stats: TrafficStats, kind: str, flat: torch.Tensor,
@@ -35,15 +46,58 @@ class P2PWork(Work):
         return cls(ctx, pending, on_error)
 
     def wait(self, timeout: float | None = None) -> None:
-        if not self._done:
-            if timeout is not None:
+        if self._done:
+            return
+        with self._lock:
+            ended = self._ended
+            if ended is None and timeout is not None:
                 self._ctx.timeout_s = timeout
-            try:
-                self._ctx.wait(self._pending)
-            except CommError as exc:
-                self._on_error(exc)
-                raise
-            self._done = True
+        if ended is not None:
+            self._wait_helper(ended, timeout)
+            return
+        try:
+            self._ctx.wait(self._pending)
+        except CommError as exc:
+            self._on_error(exc)
+            raise
+        self._done = True
 
     def is_completed(self) -> bool:
-        return self._done or self._pending.raw.is_completed()
+        if self._done:
+            return True
+        if getattr(self._pending.raw, "polls", True):
+            return bool(self._pending.raw.is_completed())
+        with self._lock:
+            if self._ended is None:
+                self._ended = threading.Event()
+                threading.Thread(target=self._help, args=(self._ended,), daemon=True,
+                                 name=f"disttrain-{self._ctx.op}-wait").start()
+            return self._ended.is_set()
+
+    def _help(self, ended: threading.Event) -> None:
+        try:
+            self._ctx.wait(self._pending)
+        except BaseException as exc:  # CommError, or anything else: wait() raises it
+            self._error = exc
+            if isinstance(exc, CommError):
+                self._on_error(exc)  # at once: a poller may never call wait()
+        finally:
+            ended.set()
+
+    def _wait_helper(self, ended: threading.Event, timeout: float | None) -> None:
+        """Wait for the helper thread: at most ``timeout``, or its own limit (the
+        communicator's timeout and the survivors' check-in) and a little more."""
+        limit = timeout if timeout is not None else \
+            self._ctx.timeout_s + min(self._ctx.timeout_s, _MAX_GRACE_S) + _BACKSTOP_S
+        if not ended.wait(limit):
+            ctx, pending = self._ctx, self._pending
+            exc = CommTimeoutError(
+                f"{ctx.op} #{ctx.seq} ({ctx.algorithm}) on rank {ctx.rank}: timed out after "
+                f"{limit:g}s {_doing('waiting', pending.kind, pending.peer)}; the message "
+                f"may still move later, so this communicator can no longer be used",
+                op=ctx.op, seq=ctx.seq, peer=pending.peer)
+            self._on_error(exc)
+            raise exc
+        if self._error is not None:
+            raise self._error
+        self._done = True

@@ -23,7 +23,9 @@ import torch
 
 
 class RawWork(Protocol):
-    """A pending transfer."""
+    """A pending transfer. A work whose ``is_completed()`` cannot turn True before
+    ``wait()`` was called (Gloo's point-to-point work) has an attribute ``polls = False``;
+    :class:`~disttrain.comm.p2p_work.P2PWork` then waits for it on a helper thread."""
 
     def wait(self, timeout_s: float) -> None: ...
 

@@ -56,13 +56,13 @@ def _reraise(exc: RuntimeError) -> NoReturn:
     raise translated from exc
 
 
-def _post(start: Any, tensor: torch.Tensor, peer: int, tag: int) -> _TorchWork:
+def _post(start: Any, tensor: torch.Tensor, peer: int, tag: int, polls: bool) -> _TorchWork:
     """``start([tensor], peer, tag)``: a process group's send or recv, as dist.isend/irecv
     call it (complex tensors as real views)."""
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
     try:
-        return _TorchWork(start([tensor], peer, tag))
+        return _TorchWork(start([tensor], peer, tag), polls)
     except RuntimeError as exc:
         _reraise(exc)
 
@@ -93,8 +93,11 @@ class _ClosedGroup:
 
 
 class _TorchWork:
-    def __init__(self, work: Any) -> None:
-        self._work = work
+    """A process group's send or recv. Gloo's never reports ``is_completed()`` before
+    someone called ``wait()`` on it (``polls`` False); NCCL's do."""
+
+    def __init__(self, work: Any, polls: bool) -> None:
+        self._work, self.polls = work, polls
 
     def wait(self, timeout_s: float) -> None:
         try:
@@ -164,10 +167,10 @@ class TorchTransport(Transport):
     # algorithm. Gloo refuses to post on a connection that already broke: that error is
     # translated as a failed wait's is.
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RawWork:
-        return _post(self._group.send, tensor, dst, tag)
+        return _post(self._group.send, tensor, dst, tag, self._device_type == "cuda")
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> RawWork:
-        return _post(self._group.recv, tensor, src, tag)
+        return _post(self._group.recv, tensor, src, tag, self._device_type == "cuda")
 
     def subgroup(self, ranks: Sequence[int]) -> TorchTransport | None:
         """Members only: group rank i is ``ranks[i]`` (torch would sort them otherwise)."""
