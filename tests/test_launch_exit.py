@@ -107,6 +107,17 @@ def test_shutdown_frees_every_process_group_before_interpreter_shutdown(capfd, h
             assert error.startswith("CommError: this communicator was closed"), (name, error)
 
 
+def test_an_unfinished_polled_send_does_not_abort_the_exit(capfd):
+    """Rank 0 polled a send that rank 1 never receives: the thread waiting for it is joined
+    at exit (a daemon thread woke during interpreter finalization and aborted the rank)."""
+    code, out, err = run_in_process(capfd, "pending_p2p.py", nproc_per_node=2)
+    assert code == 0, err
+    assert "terminate called" not in err
+    assert "polled: False" in out and "rank 0 done" in out and "rank 1 done" in out, out
+    assert "exits with 1 polled point-to-point message(s) unfinished (send #1 to rank 1)" \
+        in err, err
+
+
 class _FakeComm:
     def __init__(self, unfinished: int, failed: bool) -> None:
         self.rank, self.unfinished, self.failed = 0, unfinished, failed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -14,6 +15,23 @@ from disttrain.comm.transport import Transport
 from disttrain.comm.work import Work
 
 _BACKSTOP_S = 5.0  # beyond the helper's own timeout and check-in: a wait() that outlives it
+log = logging.getLogger(__name__)
+_HELPERS: dict[threading.Thread, P2PWork] = {}  # helper threads still waiting
+
+
+def _warn_pending_at_exit() -> None:
+    """Before the interpreter joins the helper threads: say which messages it waits for."""
+    pending = [(t, w) for t, w in list(_HELPERS.items()) if t.is_alive()]
+    if pending:
+        limit = max(w._ctx.timeout_s for _, w in pending)
+        log.warning("rank %d exits with %d polled point-to-point message(s) unfinished (%s): "
+                    "waiting until the peer takes them or exits, at most %gs",
+                    pending[0][1]._ctx.rank, len(pending),
+                    ", ".join(w.describe() for _, w in pending), limit)
+
+
+# threading's own exit hook runs before non-daemon threads are joined (Python ≥ 3.9)
+getattr(threading, "_register_atexit", lambda _f: None)(_warn_pending_at_exit)
 
 
 class P2PWork(Work):
@@ -70,8 +88,14 @@ class P2PWork(Work):
         with self._lock:
             if self._ended is None:
                 self._ended = threading.Event()
-                threading.Thread(target=self._help, args=(self._ended,), daemon=True,
-                                 name=f"disttrain-{self._ctx.op}-wait").start()
+                # not a daemon: a daemon thread whose wait returns while the interpreter
+                # finalizes (the peer exits too) aborts the process ("terminate called
+                # without an active exception"); a pending one is joined at exit instead,
+                # which the peer's exit or the communicator's timeout ends
+                helper = threading.Thread(target=self._help, args=(self._ended,),
+                                          name=f"disttrain-{self._ctx.op}-wait")
+                _HELPERS[helper] = self
+                helper.start()
             return self._ended.is_set()
 
     def _help(self, ended: threading.Event) -> None:
@@ -83,6 +107,13 @@ class P2PWork(Work):
                 self._on_error(exc)  # at once: a poller may never call wait()
         finally:
             ended.set()
+            _HELPERS.pop(threading.current_thread(), None)
+
+    def describe(self) -> str:
+        """``recv #3 from rank 0`` (for the exit warning)."""
+        ctx, pending = self._ctx, self._pending
+        way = "to" if pending.kind == "send" else "from"
+        return f"{ctx.op} #{ctx.seq} {way} rank {pending.peer}"
 
     def _wait_helper(self, ended: threading.Event, timeout: float | None) -> None:
         """Wait for the helper thread: at most ``timeout``, or its own limit (the
