@@ -212,6 +212,21 @@ def test_presets_are_valid_and_grow_when_asked() -> None:
     assert big.nodes == 512
 
 
+def test_local_reads_the_calibration_of_the_chosen_transport(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from disttrain.comm.cost_model import LinkCosts, save_costs
+
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("DISTTRAIN_CALIBRATION", str(path))
+    save_costs("torch", LinkCosts(alpha=7e-4, beta=1e-9, source="torch run"), path)
+    save_costs("shm", LinkCosts(alpha=3e-6, beta=1e-10, source="shm run"), path)
+    gloo, shm = get_cluster("local"), get_cluster("local", "shm")
+    assert (gloo.intra.latency_s, shm.intra.latency_s) == (7e-4, 3e-6)
+    assert "shm transport" in shm.description and "shm run" in shm.description
+    with pytest.raises(ValueError, match="--cluster local only"):
+        get_cluster("roce-25g", "shm")
+
+
 # ---------------------------------------------------------------------------- workload
 @pytest.mark.parametrize("workers", [1, 8, 31, 32, 33, 4096])
 @pytest.mark.parametrize("spec", ["none", "lognormal:0.2", "straggler:0.01:3"])

@@ -218,6 +218,13 @@ def test_validate_rejects_what_the_bench_cannot_measure(
     assert message in capsys.readouterr().err
 
 
+def test_simulate_rejects_an_unknown_transport(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:  # before anything is profiled or measured
+        main(["simulate", "--validate", "-n", "2", "--transport", "carrier-pigeon"])
+    assert exc.value.code == 2
+    assert "unknown transport 'carrier-pigeon'; known: " in capsys.readouterr().err
+
+
 def test_validate_compares_the_fastest_fresh_run() -> None:
     from disttrain.simulate.validate import measured_step, runs_text
 

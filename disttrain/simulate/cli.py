@@ -56,6 +56,10 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
                    "(default: synthetic-lm for transformer, digits otherwise)")
     p.add_argument("--cluster", default="local",
                    help=f"a preset ({', '.join(PRESETS)}) or a .toml file")
+    p.add_argument("--transport", default="torch", type=_transport,
+                   help="this machine's transport (--cluster local and --validate): whose "
+                        "calibration the model reads and, with --validate, what the measured "
+                        "runs use (default torch: Gloo point-to-point; shm: shared memory)")
     p.add_argument("--workers", type=_ints, default=DEFAULT_WORKERS,
                    help="comma-separated worker counts (default 8,64,512,4096)")
     p.add_argument("--strategies", type=_names, default=tuple(STRATEGIES),
@@ -100,7 +104,17 @@ def _workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="none, lognormal:SIGMA or straggler:FRACTION:FACTOR")
 
 
-def load_profile(model: str, dataset: str | None, cluster: Cluster) -> ModelProfile:
+def _transport(name: str) -> str:
+    from disttrain.bench.transports import check_transport
+
+    try:
+        return check_transport(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def load_profile(model: str, dataset: str | None, cluster: Cluster,
+                 transport: str = "torch") -> ModelProfile:
     """The analytic profile for a model we have one for, else measured here."""
     from disttrain.simulate.analytic import ANALYTIC
     from disttrain.simulate.profile import measure_registered
@@ -108,7 +122,7 @@ def load_profile(model: str, dataset: str | None, cluster: Cluster) -> ModelProf
     if model in ANALYTIC:
         return ANALYTIC[model](cluster.device_flops or 4e12)
     return measure_registered(model, dataset or ("synthetic-lm" if model == "transformer"
-                                                 else "digits"))
+                                                 else "digits"), transport=transport)
 
 
 def workload(args: argparse.Namespace) -> Workload:
@@ -129,7 +143,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}")
         check_names(args.strategies)
         wl = workload(args)
-        cluster = get_cluster(args.cluster) if not args.validate else None
+        cluster = get_cluster(args.cluster, args.transport) if not args.validate else None
         if args.validate:
             from disttrain.simulate.validate import check_arguments
 
@@ -150,7 +164,7 @@ def _simulate(args: argparse.Namespace, cluster: Cluster, wl: Workload) -> int:
     from disttrain.simulate.strategies import sweep
 
     try:
-        profile = load_profile(args.model, args.dataset, cluster)
+        profile = load_profile(args.model, args.dataset, cluster, args.transport)
     except ValueError as exc:
         print(f"disttrain simulate: {exc}", file=sys.stderr)
         return 2

@@ -205,17 +205,18 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def local() -> Cluster:
+def local(transport: str = "torch") -> Cluster:
     """This machine: one node whose devices are processes sharing its cores, with the
-    costs ``disttrain bench comm --calibrate`` stored (defaults when never calibrated)."""
+    costs ``disttrain bench comm --calibrate --transport TRANSPORT`` stored for
+    ``transport`` (defaults when never calibrated)."""
     cores = usable_cores()
-    costs = load_costs("torch")
+    costs = load_costs(transport)
     return Cluster(name="local", nodes=1, devices_per_node=max(4, cores), device_memory=8 * GB,
                    intra=Link(costs.alpha, 1 / costs.beta), inter=Link(costs.alpha,
                                                                       1 / costs.beta),
                    device_flops=None, gamma=costs.gamma, shared_cores=cores,
                    intra_costs=costs, description=f"this machine ({cores} cores), "
-                   f"costs from {costs.source}")
+                   f"{transport} transport, costs from {costs.source}")
 
 
 def _gpu(name: str, nodes: int, inter_gbps: float, inter_us: float, description: str,
@@ -241,8 +242,14 @@ PRESETS = {
 }
 
 
-def get_cluster(spec: str) -> Cluster:
-    """A preset name or a path to a ``.toml`` file."""
+def get_cluster(spec: str, transport: str = "torch") -> Cluster:
+    """A preset name or a path to a ``.toml`` file; ``transport`` picks the calibration of
+    ``local`` (this machine), and only that preset has one."""
+    if spec == "local":
+        return local(transport)
+    if transport != "torch":
+        raise ValueError(f"--transport {transport} describes this machine's calibration, so "
+                         f"it goes with --cluster local only (got --cluster {spec})")
     if spec in PRESETS:
         return PRESETS[spec]()
     path = Path(spec)

@@ -12,7 +12,8 @@ only: on a cluster every rank has its own device.
 :func:`collective_wakeup` measures the other thing sharing does: a collective issued right
 after both ranks computed can cost more than the same collective issued right after a
 barrier, which is how ``disttrain bench comm --calibrate`` times it (threads and processes
-that must be woken and scheduled again). Two forked ranks over gloo time both. On this
+that must be woken and scheduled again). Two forked ranks time both, on the transport the
+profile is for (``torch``: Gloo point-to-point; ``shm``: shared memory). On this
 project's 2-vCPU test host the two cost the same within noise (docs/benchmarks.md, "Why
 ``collective_wakeup_s`` reads 0").
 """
@@ -83,16 +84,16 @@ def _gather(children: list[Any], results: Any) -> list[Any]:
 
 
 def _collective_child(rank: int, store_path: str, work: Callable[[], object], nbytes: int,
-                      repeats: int, results: Any) -> None:
+                      repeats: int, results: Any, transport: str) -> None:
     import torch.distributed as dist
 
-    from disttrain.comm import Communicator
+    from disttrain.bench.transports import make_communicator
 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
                                 world_size=2)
-        comm = Communicator.from_torch()
+        comm = make_communicator(transport, TIMEOUT_S)
         x = torch.zeros(max(1, nbytes // 4))
         hot, cold = [], []
         for _ in range(repeats + 2):
@@ -112,11 +113,13 @@ def _collective_child(rank: int, store_path: str, work: Callable[[], object], nb
         results.put(f"{type(exc).__name__}: {exc}")
 
 
-def collective_wakeup(work: Callable[[], object], nbytes: int, repeats: int = 15) -> float:
-    """Extra seconds of a 2-rank ring all-reduce of ``nbytes`` issued right after both ranks
-    ran ``work`` (as in a training step) over the same all-reduce issued right after a
-    barrier (as ``disttrain bench comm --calibrate`` times it): the median over ranks of the
-    difference of medians, at least 0. Falls back to 0 (logged) if the ranks fail."""
+def collective_wakeup(work: Callable[[], object], nbytes: int, repeats: int = 15,
+                      transport: str = "torch") -> float:
+    """Extra seconds of a 2-rank ring all-reduce of ``nbytes`` on ``transport`` issued right
+    after both ranks ran ``work`` (as in a training step) over the same all-reduce issued
+    right after a barrier (as ``disttrain bench comm --calibrate`` times it): the median over
+    ranks of the difference of medians, at least 0. Falls back to 0 (logged) if the ranks
+    fail."""
     if "fork" not in multiprocessing.get_all_start_methods():
         return 0.0
     ctx = multiprocessing.get_context("fork")
@@ -124,7 +127,7 @@ def collective_wakeup(work: Callable[[], object], nbytes: int, repeats: int = 15
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         children = [ctx.Process(target=_collective_child, daemon=True,
-                                args=(r, store, work, nbytes, repeats, results))
+                                args=(r, store, work, nbytes, repeats, results, transport))
                     for r in range(2)]
         try:
             pairs = _gather(children, results)

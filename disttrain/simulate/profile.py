@@ -243,9 +243,11 @@ def _optimizer_rate(params: list[nn.Parameter]) -> float:
 
 def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tensor],
             batches: tuple[int, int] = PROFILE_BATCHES, threads: int = 1,
-            loop: Callable[[], object] | None = None) -> ModelProfile:
+            loop: Callable[[], object] | None = None, transport: str = "torch"
+            ) -> ModelProfile:
     """Profile ``model`` (its ``layers_of`` split) on inputs ``make_input(batch)``;
-    ``loop`` runs the training loop's own work of one step (for ``Overheads.step_s``)."""
+    ``loop`` runs the training loop's own work of one step (for ``Overheads.step_s``);
+    ``transport`` carries the collectives whose wake-up is measured."""
     from disttrain.simulate.cluster import usable_cores
     from disttrain.simulate.wrappers import measure_overheads
 
@@ -262,7 +264,7 @@ def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tenso
             small, large = (_run_layers(layers, x) for x in inputs)
             opt = _optimizer_rate([p for p in model.parameters() if p.requires_grad])
             flops = host_flops()
-            overheads = measure_overheads(model, inputs[0], loop, usable_cores())
+            overheads = measure_overheads(model, inputs[0], loop, usable_cores(), transport)
             # a second round seconds later: this machine runs in a slow regime (×1.8) for
             # tens of seconds at a time; the faster round is the undisturbed speed
             small, large = (_least(rows, _run_layers(layers, x))
@@ -283,8 +285,10 @@ def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tenso
                         overheads)
 
 
-def measure_registered(model: str, dataset: str = "digits", seed: int = 0) -> ModelProfile:
-    """Profile a model of the registry (or ``"pkg.mod:factory"``) on ``dataset``'s inputs."""
+def measure_registered(model: str, dataset: str = "digits", seed: int = 0,
+                       transport: str = "torch") -> ModelProfile:
+    """Profile a model of the registry (or ``"pkg.mod:factory"``) on ``dataset``'s inputs,
+    with this machine's collectives on ``transport``."""
     from disttrain.train.data import build_dataset
     from disttrain.train.models import build_model
 
@@ -298,7 +302,7 @@ def measure_registered(model: str, dataset: str = "digits", seed: int = 0) -> Mo
             return torch.randint(0, info.num_classes, (batch, *info.input_shape))
         return torch.randn(batch, *info.input_shape)
 
-    return measure(model, net, make_input, loop=_loop_work(net, dataset))
+    return measure(model, net, make_input, loop=_loop_work(net, dataset), transport=transport)
 
 
 def _loop_work(net: nn.Module, dataset: str, batch: int = PROFILE_BATCHES[0]

@@ -22,7 +22,8 @@ not have is skipped, saying so) and each world size, it
 and prints both with their ratio. The single-process reference the benchmark runs anyway
 is printed as a check of the profile alone (no communication, no sharing). ``--json FILE``
 writes one object per row with ``strategy, world_size, predicted_step_s, measured_step_s``
-(and ``ratio``).
+(and ``ratio``). ``--transport`` (default ``torch``) is the transport of both sides: the
+calibration the model reads, the profile's wake-up probe and the benchmark's runs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 from disttrain.bench.experiments import BenchConfig
 from disttrain.bench.strategy_bench import run_table
+from disttrain.comm.cost_model import LinkCosts, load_costs
 from disttrain.simulate.cluster import local
 from disttrain.simulate.profile import ModelProfile, measure_registered
 from disttrain.simulate.strategies import simulate
@@ -70,11 +72,12 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def predicted(profile: ModelProfile, strategy: str, world_size: int, global_batch: int,
-              microbatches: int) -> float:
-    """The simulated step on the local cluster (NaN when the strategy cannot run it)."""
+              microbatches: int, transport: str = "torch") -> float:
+    """The simulated step on the local cluster with ``transport``'s calibration (NaN when
+    the strategy cannot run it)."""
     wl = Workload(global_batch=global_batch, algorithm="ring", pp_size=world_size,
                   microbatches=microbatches)
-    row = simulate(profile, local(), wl, strategy, world_size)
+    row = simulate(profile, local(transport), wl, strategy, world_size)
     return float("nan") if row.error is not None else row.step_s
 
 
@@ -112,8 +115,15 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"skipping {name}: not runnable by disttrain bench here (not in the training "
               f"strategy registry)", file=sys.stderr)
     dataset = args.dataset or ("synthetic-lm" if args.model == "transformer" else "digits")
-    profile = measure_registered(args.model, dataset)
+    costs = load_costs(args.transport)
+    if costs.source == LinkCosts().source:
+        print(f"warning: no calibration stored for transport {args.transport}: the model uses "
+              f"default costs; run disttrain bench comm --calibrate --transport "
+              f"{args.transport} -n {','.join(map(str, args.world_sizes))} first",
+              file=sys.stderr)
+    profile = measure_registered(args.model, dataset, transport=args.transport)
     config = BenchConfig(strategies=tuple(names), world_sizes=tuple(args.world_sizes),
+                         transport=args.transport,
                          model=args.model, dataset=dataset, steps=args.steps,
                          global_batch=args.global_batch or GLOBAL_BATCH, algorithm="ring",
                          eval_every=10**6, repeat=args.repeat)
@@ -134,7 +144,7 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
         if row["strategy"] == "single":
             continue
         pred = predicted(profile, row["strategy"], row["world_size"], config.global_batch,
-                         args.microbatches)
+                         args.microbatches, args.transport)
         measured = measured_step(row) if row.get("error") is None else None
         rows.append({"strategy": row["strategy"], "world_size": row["world_size"],
                      "predicted_step_s": pred, "measured_step_s": measured,

@@ -133,10 +133,12 @@ def _calls(comm: Communicator) -> int:
 
 
 def measure_overheads(module: nn.Module, x: torch.Tensor,
-                      loop: Callable[[], object] | None = None, cores: int = 1) -> Overheads:
+                      loop: Callable[[], object] | None = None, cores: int = 1,
+                      transport: str = "torch") -> Overheads:
     """Every :class:`Overheads` quantity for ``module`` on input ``x`` (one thread is the
     caller's business). ``loop`` runs the loop's own per-step work once; ``cores`` > 1
-    measures ``concurrent_slowdown`` with that many processes."""
+    measures ``concurrent_slowdown`` with that many processes, and the wake-up of a
+    collective on ``transport``."""
     from disttrain.simulate.contention import collective_wakeup, concurrent_slowdown
 
     sgd = optimizer_costs(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
@@ -149,7 +151,8 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     # the median of three: one measurement moved between 0 and 3.2 ms within minutes (where
     # the kernel places the two ranks). Not the least, as for compute: the wake-up is the
     # ranks' interference itself, and the benchmark's runs draw their placement too
-    wakeup = statistics.median(collective_wakeup(_fwd_bwd(module, x), nbytes)
+    wakeup = statistics.median(collective_wakeup(_fwd_bwd(module, x), nbytes,
+                                                 transport=transport)
                                for _ in range(3)) if cores > 1 else 0.0
     comm = solo_comm()
     try:
