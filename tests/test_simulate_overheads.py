@@ -5,6 +5,7 @@ plus one run of the real measurement on a tiny model (values only checked for sa
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -179,6 +180,25 @@ def test_ps_round_trips_are_charged_per_protocol_message() -> None:
     assert row.step_s == pytest.approx((PULL_MESSAGES * alpha + clocks * per_clock) / clocks)
 
 
+def test_measured_ps_exchanges_replace_the_message_formula_on_one_host() -> None:
+    """A pull and a push probed through disttrain's server (1 worker, 1 server) are charged
+    once per worker: the server answers one request at a time."""
+    alpha, pull, push, clocks = 0.01, 0.2, 0.3, 3
+    costs = LinkCosts(alpha=alpha, beta=0.0, gamma=0.0, native_alpha=0.0)
+    probed = Overheads(step_s=0.5, ps_pull_s=pull, ps_push_s=push)
+    row = simulate_ps(_case(2, probed, costs=costs, servers=1, clocks=clocks), "sync")
+    compute = 4 * 3.0 + 0.5
+    per_clock = compute + 2 * push + 2 * pull  # two workers, one representative of weight 2
+    assert row.step_s == pytest.approx((2 * pull + clocks * per_clock) / clocks)
+    # on a cluster (not one host) the probe says nothing: the α-β formula stays
+    case = _case(2, probed, costs=costs, servers=1, clocks=clocks)
+    cluster = replace(case.cluster, nodes=2)
+    formula = simulate_ps(replace(case, cluster=cluster), "sync")
+    plain = simulate_ps(replace(case, cluster=cluster,
+                                profile=_profile(overheads=Overheads(step_s=0.5))), "sync")
+    assert formula.step_s == pytest.approx(plain.step_s) != pytest.approx(row.step_s)
+
+
 def test_ranks_beyond_the_cores_share_them_only_when_they_compute_at_once() -> None:
     plain = simulate_ddp(_case(4, Overheads()))
     shared = simulate_ddp(_case(4, Overheads(), cores=2))  # 4 ranks on 2 cores
@@ -215,6 +235,7 @@ def test_measured_overheads_come_from_the_real_wrappers(
     values = dict(overheads.named())
     assert all(v >= 0 for v in values.values())
     assert values["collective_call_s"] > 0 and values["sgd_s_per_byte"] > 0
+    assert values["ps_pull_s"] > 0 and values["ps_push_s"] > 0  # a worker and a server ran
     assert "could not measure the in-step" not in caplog.text  # two gloo ranks ran
     assert overheads.concurrent_slowdown >= 1  # two forked processes ran the model
     assert all(p.grad is None for p in net.parameters())  # the model is left as it was

@@ -32,6 +32,10 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             both ranks ran forward+backward, minus the same issued right
                             after a barrier (as the calibration times it)
                             (:mod:`~disttrain.simulate.contention`)
+``ps_pull_s``, ``ps_push_s`` one parameter-server pull and push of the model's parameters,
+                            one worker and one server in two processes, the worker
+                            computing between them (:mod:`~disttrain.simulate.ps_probe`):
+                            messages, both sides' Python and the server's work
 ``concurrent_slowdown``     how much slower the model's forward+backward runs in each of
                             this machine's cores at once than alone (a ratio ≥ 1;
                             :mod:`~disttrain.simulate.contention`)
@@ -74,6 +78,8 @@ class Overheads:
     backward_call_s: float = 0.0
     zero_s: dict[int, float] = field(default_factory=dict)
     collective_wakeup_s: float = 0.0  # this machine only (see Case.wakeup)
+    ps_pull_s: float = 0.0  # this machine only (simulate.parameter_server)
+    ps_push_s: float = 0.0
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
 
     def __post_init__(self) -> None:
@@ -89,7 +95,7 @@ class Overheads:
         plain = [(k, float(getattr(self, k))) for k in (
             "step_s", "sgd_fixed_s", "sgd_s_per_byte", "adam_fixed_s", "adam_s_per_byte",
             "optimizer_tensor_s", "collective_call_s", "hook_s_per_tensor",
-            "backward_call_s", "collective_wakeup_s")]
+            "backward_call_s", "collective_wakeup_s", "ps_pull_s", "ps_push_s")]
         return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())]
 
     @property

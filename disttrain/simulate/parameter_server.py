@@ -18,7 +18,11 @@ request, a reply header and the values (3 messages, 1 round trip); a push is a h
 GRANT, the payload and a REPLY (4 messages, 2 round trips). α is the transport's
 per-message cost, software included (calibrated on this machine); on this machine each
 exchange also pays the measured wake-up of communication issued after compute
-(:attr:`~disttrain.simulate.base.Case.wakeup`). Each clock a worker also
+(:attr:`~disttrain.simulate.base.Case.wakeup`). When the profile measured a pull and a push
+through disttrain's own server here (:mod:`~disttrain.simulate.ps_probe`: 1.6-2.2 and
+2.5-3.8 ms for LeNet, several times their messages' α-β cost, because both sides run
+Python per message), those replace the formula on this machine, once per worker a
+representative stands for. Each clock a worker also
 runs the loop's own work (``Overheads.step_s``); the server applies the optimizer on Ψ/S.
 On this machine workers and servers are processes sharing its cores (their compute and
 the server's apply share them in the simulation). Modes:
@@ -47,10 +51,17 @@ PUSH_MESSAGES = 4  # request header; GRANT; payload; reply
 def _transfer(case: Case, servers: int, weight: float, element_bytes: int,
               messages: int) -> float:
     """Seconds of one representative's push (or pull) of the whole model, ``messages``
-    messages per server."""
+    messages per server. On this machine, when the profile measured them, a pull and a
+    push cost what disttrain's own server took for one worker (``Overheads.ps_pull_s``,
+    ``ps_push_s``: its messages and both sides' Python), once per worker the representative
+    stands for: the server answers one request at a time."""
     psi = case.profile.params * element_bytes
     cluster = case.cluster
     if cluster.intra_costs is not None and cluster.nodes == 1:  # this machine: one host
+        measured = case.overheads.ps_pull_s if messages == PULL_MESSAGES else \
+            case.overheads.ps_push_s
+        if measured > 0:
+            return weight * measured  # the S servers answer their shares side by side
         server = worker = cluster.intra_costs.at(case.workers + servers)
     else:
         server = cluster.inter_link()

@@ -137,9 +137,10 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                       transport: str = "torch") -> Overheads:
     """Every :class:`Overheads` quantity for ``module`` on input ``x`` (one thread is the
     caller's business). ``loop`` runs the loop's own per-step work once; ``cores`` > 1
-    measures ``concurrent_slowdown`` with that many processes, and the wake-up of a
-    collective on ``transport``."""
+    measures ``concurrent_slowdown`` with that many processes, the wake-up of a
+    collective and a parameter-server pull and push on ``transport``."""
     from disttrain.simulate.contention import collective_wakeup, concurrent_slowdown
+    from disttrain.simulate.ps_probe import ps_exchange
 
     sgd = optimizer_costs(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
     adam = optimizer_costs(lambda ps: torch.optim.Adam(ps, lr=1e-3))
@@ -154,6 +155,10 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     wakeup = statistics.median(collective_wakeup(_fwd_bwd(module, x), nbytes,
                                                  transport=transport)
                                for _ in range(3)) if cores > 1 else 0.0
+    # the median of three, each pull and push on its own, for the wake-up's reason
+    exchanges = [ps_exchange(module, _fwd_bwd(module, x), transport) for _ in range(3)] \
+        if cores > 1 else [(0.0, 0.0)]
+    pull, push = (statistics.median(e[i] for e in exchanges) for i in (0, 1))
     comm = solo_comm()
     try:
         call = collective_call(comm)
@@ -167,4 +172,5 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      optimizer_tensor_s=tensor_cost(params, sgd[0], sgd[1]),
                      collective_call_s=call, hook_s_per_tensor=hook,
                      backward_call_s=backward_call(), zero_s=zero,
-                     collective_wakeup_s=wakeup, concurrent_slowdown=slowdown)
+                     collective_wakeup_s=wakeup, ps_pull_s=pull, ps_push_s=push,
+                     concurrent_slowdown=slowdown)
