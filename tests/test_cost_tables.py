@@ -37,7 +37,13 @@ def test_extrapolation_extends_the_nearest_segment_and_never_falls_with_size():
     assert 0 <= interpolate(TABLE, 0) < 1e-3
     falling = ((4 * KiB, 3e-3), (64 * KiB, 1e-3))  # noise: the larger size measured faster
     assert interpolate(falling, 1 * MiB) == pytest.approx(1e-3)  # flat, not negative
-    assert interpolate(falling, 0) == pytest.approx(3e-3)
+    # fewer bytes never cost more: the 4 KiB point caught a slow spell, 64 KiB bounds it
+    assert interpolate(falling, 0) == pytest.approx(1e-3)
+    assert interpolate(falling, 4 * KiB) == pytest.approx(1e-3)
+    dip = ((4 * KiB, 1e-3), (64 * KiB, 4e-3), (1 * MiB, 2e-3), (16 * MiB, 20e-3))
+    assert interpolate(dip, 64 * KiB) == pytest.approx(2e-3)  # bounded by 1 MiB's
+    assert interpolate(dip, 16 * KiB) == pytest.approx(1e-3 + 12 / 60 * 1e-3)
+    assert interpolate(dip, 8.5 * MiB) == pytest.approx(11e-3)  # rising tables: unchanged
 
 
 @pytest.mark.parametrize("measured, match", [
