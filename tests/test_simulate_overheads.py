@@ -199,6 +199,36 @@ def test_measured_ps_exchanges_replace_the_message_formula_on_one_host() -> None
     assert formula.step_s == pytest.approx(plain.step_s) != pytest.approx(row.step_s)
 
 
+def test_a_task_pays_its_cold_extra_by_how_long_its_resource_sat_idle() -> None:
+    sim = Simulation()
+    work = sim.add("compute", "cpu", 2.0)
+    first = sim.add("call0", "link", 0.1, (work,), cold_s=1.0, cold_after_s=4.0)  # idle 2 s
+    queued = sim.add("call1", "link", 0.1, (work,), cold_s=1.0, cold_after_s=4.0)  # none
+    later = sim.add("compute2", "cpu", 9.0, (queued,))
+    last = sim.add("call2", "link", 0.1, (later,), cold_s=1.0, cold_after_s=4.0)  # 9 s idle
+    always = sim.add("call3", "link", 0.1, (last,), cold_s=1.0)  # cold_after 0: in full
+    sim.run()
+    assert sim.end(first) - sim.start(first) == pytest.approx(0.1 + 0.5)
+    assert sim.end(queued) - sim.start(queued) == pytest.approx(0.1)
+    assert sim.end(last) - sim.start(last) == pytest.approx(0.1 + 1.0)
+    assert sim.end(always) - sim.start(always) == pytest.approx(0.1 + 1.0)
+    with pytest.raises(ValueError, match="cold_s"):
+        sim.add("bad", "link", 0.1, cold_s=-1.0)
+
+
+def test_zero3_gathers_queued_behind_each_other_wake_nothing() -> None:
+    """The wake-up of a collective issued after compute is charged by the link's idle time:
+    ZeRO-3's prefetched gathers follow each other on the link and pay (almost) none of it."""
+    profile = _profile(layers=2, overheads=Overheads(collective_wakeup_s=1.0,
+                                                     collective_wakeup_after_s=1.0))
+    woken = simulate_zero3(Case(profile, _cluster(cores=2), Workload(global_batch=2), 2))
+    every = simulate_zero3(Case(_profile(layers=2, overheads=Overheads(
+        collective_wakeup_s=1.0)), _cluster(cores=2), Workload(global_batch=2), 2))
+    bare = simulate_zero3(Case(_profile(layers=2, overheads=Overheads()), _cluster(cores=2),
+                               Workload(global_batch=2), 2))
+    assert bare.step_s < woken.step_s < every.step_s
+
+
 def test_ranks_beyond_the_cores_share_them_only_when_they_compute_at_once() -> None:
     plain = simulate_ddp(_case(4, Overheads()))
     shared = simulate_ddp(_case(4, Overheads(), cores=2))  # 4 ranks on 2 cores

@@ -71,11 +71,14 @@ def _buckets(case: Case) -> list[list[int]]:
 def _issue(sim: Simulation, case: Case, name: str, seconds: float, deps: tuple[int, ...]
            ) -> int:
     """A collective on "link": the call's software overhead (measured on one rank; on this
-    machine plus the wake-up of a collective issued after compute), then its α-β-γ time
-    for every rank."""
-    call = case.overheads.collective_call_s + case.wakeup
-    if call:
-        deps = (sim.add(f"call:{name}", "link", call, deps, "overhead"),)
+    machine plus the wake-up of a collective issued after compute, in proportion to how
+    long the link sat idle before it, in full after the probe's own compute: one queued
+    right behind another, like ZeRO-3's prefetched gathers, wakes nothing), then its
+    α-β-γ time for every rank."""
+    call, wake = case.overheads.collective_call_s, case.wakeup
+    if call or wake:
+        deps = (sim.add(f"call:{name}", "link", call, deps, "overhead", cold_s=wake,
+                        cold_after_s=case.overheads.collective_wakeup_after_s),)
     return sim.add(name, "link", seconds, deps, "comm")
 
 

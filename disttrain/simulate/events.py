@@ -62,6 +62,8 @@ class _Task:
     duration: float
     deps: tuple[int, ...]
     kind: str
+    cold_s: float = 0.0  # extra when its resource was idle (see Simulation.add)
+    cold_after_s: float = 0.0
     waiting: int = 0  # dependencies not finished yet
     ready_at: float = 0.0
     start: float | None = None
@@ -76,6 +78,7 @@ class _Resource:
     busy: bool = False
     busy_time: float = 0.0
     load: float = 0.0  # cores one running task occupies (0: not on the shared cores)
+    last_end: float = 0.0  # when its latest task ended (0: the start of the simulation)
 
 
 class Simulation:
@@ -111,18 +114,27 @@ class Simulation:
         return name
 
     def add(self, name: str, resource: str, duration: float, deps: tuple[int, ...] = (),
-            kind: str = "") -> int:
-        """A task of ``duration`` seconds on ``resource`` after ``deps``; returns its id."""
+            kind: str = "", *, cold_s: float = 0.0, cold_after_s: float = 0.0) -> int:
+        """A task of ``duration`` seconds on ``resource`` after ``deps``; returns its id.
+
+        ``cold_s``: extra seconds the task pays when its resource sat idle before it
+        starts, in proportion to the idle time up to ``cold_after_s`` (0: always in full).
+        A collective issued after compute pays a wake-up that one queued right behind
+        another does not."""
         if resource not in self._resources:
             self.resource(resource)
         if not duration >= 0:
             raise ValueError(f"task {name!r}: duration must be ≥ 0 seconds, got {duration!r}")
+        if not (cold_s >= 0 and cold_after_s >= 0):
+            raise ValueError(f"task {name!r}: cold_s and cold_after_s must be ≥ 0 seconds, got "
+                             f"{cold_s!r} and {cold_after_s!r}")
         index = len(self._tasks)
         for d in deps:
             if not 0 <= d < index:
                 raise ValueError(f"task {name!r} depends on unknown task id {d}; add "
                                  f"dependencies first")
-        task = _Task(index, name, resource, float(duration), tuple(deps), kind or name)
+        task = _Task(index, name, resource, float(duration), tuple(deps), kind or name,
+                     float(cold_s), float(cold_after_s))
         self._tasks.append(task)
         self._children.append([])
         for d in set(deps):
@@ -150,6 +162,7 @@ class Simulation:
             task = self._tasks[index]
             res = self._resources[task.resource]
             res.busy = False
+            res.last_end = now
             if index in self._shared:
                 del self._shared[index]
                 self._load -= res.load
@@ -209,6 +222,10 @@ class Simulation:
             return
         task = self._tasks[index]
         task.start = max(now, task.ready_at)
+        if task.cold_s:
+            idle = task.start - res.last_end
+            share = 1.0 if task.cold_after_s <= 0 else min(1.0, idle / task.cold_after_s)
+            task.duration += task.cold_s * share
         res.busy = True
         if res.load > 0 and self.cores > 0:  # on the shared cores: its end depends on load
             self._shared[index] = task.duration

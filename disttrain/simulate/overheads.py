@@ -32,6 +32,10 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             both ranks ran forward+backward, minus the same issued right
                             after a barrier (as the calibration times it)
                             (:mod:`~disttrain.simulate.contention`)
+``collective_wakeup_after_s`` the compute both ranks ran before that all-reduce (the
+                            model's forward+backward at the profile's small batch): a
+                            collective pays the wake-up in proportion to how long its link
+                            sat idle before it, in full after this long
 ``ps_pull_s``, ``ps_push_s`` one parameter-server pull and push of the model's parameters,
                             one worker and one server in two processes, the worker
                             computing between them (:mod:`~disttrain.simulate.ps_probe`):
@@ -78,6 +82,7 @@ class Overheads:
     backward_call_s: float = 0.0
     zero_s: dict[int, float] = field(default_factory=dict)
     collective_wakeup_s: float = 0.0  # this machine only (see Case.wakeup)
+    collective_wakeup_after_s: float = 0.0
     ps_pull_s: float = 0.0  # this machine only (simulate.parameter_server)
     ps_push_s: float = 0.0
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
@@ -95,7 +100,8 @@ class Overheads:
         plain = [(k, float(getattr(self, k))) for k in (
             "step_s", "sgd_fixed_s", "sgd_s_per_byte", "adam_fixed_s", "adam_s_per_byte",
             "optimizer_tensor_s", "collective_call_s", "hook_s_per_tensor",
-            "backward_call_s", "collective_wakeup_s", "ps_pull_s", "ps_push_s")]
+            "backward_call_s", "collective_wakeup_s", "collective_wakeup_after_s",
+            "ps_pull_s", "ps_push_s")]
         return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())]
 
     @property

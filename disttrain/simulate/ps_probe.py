@@ -47,6 +47,8 @@ def _child(rank: int, store: str, module: nn.Module, work: Callable[[], object],
     )
 
     torch.set_num_threads(1)
+    # the server's INFO lines (its key range, its staleness) are about a real job
+    logging.getLogger("disttrain.parallel.parameter_server").setLevel(logging.WARNING)
     try:
         dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank,
                                 world_size=2)

@@ -159,6 +159,8 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     exchanges = [ps_exchange(module, _fwd_bwd(module, x), transport) for _ in range(3)] \
         if cores > 1 else [(0.0, 0.0)]
     pull, push = (statistics.median(e[i] for e in exchanges) for i in (0, 1))
+    after = median_time(_fwd_bwd(module, x)) if cores > 1 else 0.0  # the probe's compute
+    module.zero_grad(set_to_none=True)
     comm = solo_comm()
     try:
         call = collective_call(comm)
@@ -172,5 +174,6 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      optimizer_tensor_s=tensor_cost(params, sgd[0], sgd[1]),
                      collective_call_s=call, hook_s_per_tensor=hook,
                      backward_call_s=backward_call(), zero_s=zero,
-                     collective_wakeup_s=wakeup, ps_pull_s=pull, ps_push_s=push,
+                     collective_wakeup_s=wakeup, collective_wakeup_after_s=after,
+                     ps_pull_s=pull, ps_push_s=push,
                      concurrent_slowdown=slowdown)
