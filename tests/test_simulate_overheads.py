@@ -216,6 +216,17 @@ def test_a_task_pays_its_cold_extra_by_how_long_its_resource_sat_idle() -> None:
         sim.add("bad", "link", 0.1, cold_s=-1.0)
 
 
+def test_a_step_pays_the_wake_up_measured_with_the_most_ranks_not_above_its_own() -> None:
+    crowded = Overheads(collective_wakeup_s=1.0, wakeup_by_ranks={4: 3.0})
+    assert [crowded.wakeup(p) for p in (2, 3, 4, 8)] == [1.0, 1.0, 3.0, 3.0]
+    assert dict(crowded.named())["collective_wakeup_4ranks_s"] == 3.0
+    assert _case(4, crowded, cores=2).wakeup == 3.0
+    assert _case(2, crowded, cores=2).wakeup == 1.0
+    assert _case(4, crowded).wakeup == 0.0  # a cluster with a device per rank: none
+    with pytest.raises(ValueError, match="rank counts"):
+        Overheads(wakeup_by_ranks={1: 1.0})
+
+
 def test_zero3_gathers_queued_behind_each_other_wake_nothing() -> None:
     """The wake-up of a collective issued after compute is charged by the link's idle time:
     ZeRO-3's prefetched gathers follow each other on the link and pay (almost) none of it."""
@@ -266,6 +277,7 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert all(v >= 0 for v in values.values())
     assert values["collective_call_s"] > 0 and values["sgd_s_per_byte"] > 0
     assert values["ps_pull_s"] > 0 and values["ps_push_s"] > 0  # a worker and a server ran
+    assert sorted(overheads.wakeup_by_ranks) == [4]  # 4 ranks on the 2 cores, as validated
     assert "could not measure the in-step" not in caplog.text  # two gloo ranks ran
     assert overheads.concurrent_slowdown >= 1  # two forked processes ran the model
     assert all(p.grad is None for p in net.parameters())  # the model is left as it was

@@ -45,7 +45,7 @@ class Case:
         """Extra seconds of a collective or parameter-server exchange issued right after
         compute, over its calibrated (back-to-back) cost: measured on this machine, where
         ranks share cores, and only charged there."""
-        return self.overheads.collective_wakeup_s if self.cluster.shared_cores else 0.0
+        return self.overheads.wakeup(self.workers) if self.cluster.shared_cores else 0.0
 
     def simulation(self) -> Simulation:
         """An engine for this case: on a cluster whose devices are processes sharing cores

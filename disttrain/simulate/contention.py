@@ -83,16 +83,16 @@ def _gather(children: list[Any], results: Any) -> list[Any]:
                 child.kill()
 
 
-def _collective_child(rank: int, store_path: str, work: Callable[[], object], nbytes: int,
-                      repeats: int, results: Any, transport: str) -> None:
+def _collective_child(rank: int, ranks: int, store_path: str, work: Callable[[], object],
+                      nbytes: int, repeats: int, results: Any, transport: str) -> None:
     import torch.distributed as dist
 
     from disttrain.bench.transports import make_communicator
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
-                                world_size=2)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, ranks), rank=rank,
+                                world_size=ranks)
         comm = make_communicator(transport, TIMEOUT_S)
         x = torch.zeros(max(1, nbytes // 4))
         hot, cold = [], []
@@ -114,12 +114,12 @@ def _collective_child(rank: int, store_path: str, work: Callable[[], object], nb
 
 
 def collective_wakeup(work: Callable[[], object], nbytes: int, repeats: int = 15,
-                      transport: str = "torch") -> float:
-    """Extra seconds of a 2-rank ring all-reduce of ``nbytes`` on ``transport`` issued right
-    after both ranks ran ``work`` (as in a training step) over the same all-reduce issued
-    right after a barrier (as ``disttrain bench comm --calibrate`` times it): the median over
-    ranks of the difference of medians, at least 0. Falls back to 0 (logged) if the ranks
-    fail."""
+                      transport: str = "torch", ranks: int = 2) -> float:
+    """Extra seconds of a ``ranks``-rank ring all-reduce of ``nbytes`` on ``transport``
+    issued right after every rank ran ``work`` (as in a training step) over the same
+    all-reduce issued right after a barrier (as ``disttrain bench comm --calibrate`` times
+    it): the median over ranks of the difference of medians, at least 0. Falls back to 0
+    (logged) if the ranks fail."""
     if "fork" not in multiprocessing.get_all_start_methods():
         return 0.0
     ctx = multiprocessing.get_context("fork")
@@ -127,8 +127,9 @@ def collective_wakeup(work: Callable[[], object], nbytes: int, repeats: int = 15
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         children = [ctx.Process(target=_collective_child, daemon=True,
-                                args=(r, store, work, nbytes, repeats, results, transport))
-                    for r in range(2)]
+                                args=(r, ranks, store, work, nbytes, repeats, results,
+                                      transport))
+                    for r in range(ranks)]
         try:
             pairs = _gather(children, results)
         except Exception as exc:

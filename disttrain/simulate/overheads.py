@@ -32,6 +32,9 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             both ranks ran forward+backward, minus the same issued right
                             after a barrier (as the calibration times it)
                             (:mod:`~disttrain.simulate.contention`)
+``collective_wakeup_{p}ranks_s`` the same with p ranks (``wakeup_by_ranks``), on this
+                            machine with twice as many ranks as cores: a step of more ranks
+                            than cores pays it instead of the 2-rank one
 ``collective_wakeup_after_s`` the compute both ranks ran before that all-reduce (the
                             model's forward+backward at the profile's small batch): a
                             collective pays the wake-up in proportion to how long its link
@@ -83,6 +86,9 @@ class Overheads:
     zero_s: dict[int, float] = field(default_factory=dict)
     collective_wakeup_s: float = 0.0  # this machine only (see Case.wakeup)
     collective_wakeup_after_s: float = 0.0
+    # ranks → the wake-up measured with that many ranks (more than the cores: they also
+    # wait for each other to be scheduled); collective_wakeup_s is the 2-rank one
+    wakeup_by_ranks: dict[int, float] = field(default_factory=dict)
     ps_pull_s: float = 0.0  # this machine only (simulate.parameter_server)
     ps_push_s: float = 0.0
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
@@ -91,6 +97,10 @@ class Overheads:
         for name, value in self.named():
             if not value >= 0:
                 raise ValueError(f"Overheads.{name} must be ≥ 0 seconds, got {value!r}")
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 2
+               for k in self.wakeup_by_ranks):
+            raise ValueError(f"Overheads.wakeup_by_ranks keys must be rank counts ≥ 2, got "
+                             f"{sorted(self.wakeup_by_ranks)!r}")
         if not self.concurrent_slowdown >= 1:
             raise ValueError(f"Overheads.concurrent_slowdown must be ≥ 1 (1: none), got "
                              f"{self.concurrent_slowdown!r}")
@@ -102,7 +112,13 @@ class Overheads:
             "optimizer_tensor_s", "collective_call_s", "hook_s_per_tensor",
             "backward_call_s", "collective_wakeup_s", "collective_wakeup_after_s",
             "ps_pull_s", "ps_push_s")]
-        return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())]
+        return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())] + [
+            (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())]
+
+    def wakeup(self, ranks: int) -> float:
+        """The wake-up measured with the most ranks not above ``ranks`` (2: the plain one)."""
+        fitting = [k for k in self.wakeup_by_ranks if k <= ranks]
+        return self.wakeup_by_ranks[max(fitting)] if fitting else self.collective_wakeup_s
 
     @property
     def measured(self) -> bool:
