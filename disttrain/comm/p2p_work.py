@@ -40,9 +40,10 @@ class P2PWork(Work):
     its tags must never be reused.
 
     ``is_completed()`` polls. Gloo's point-to-point work does not turn complete before
-    someone waits on it, so for such a transfer the first poll starts a daemon thread that
-    waits for it (under the communicator's timeout) and records how it ended; ``wait()``
-    then waits for that thread and raises what it met."""
+    someone waits on it, so for such a transfer the first poll starts a thread that waits
+    for it (under the communicator's timeout) and records how it ended; ``wait()`` then
+    waits for that thread and raises what it met. The thread is joined at exit, after a
+    warning that names the message (:func:`_warn_pending_at_exit`)."""
 
     def __init__(self, ctx: CollectiveContext, pending: Pending,
                  on_error: Callable[[BaseException], None]) -> None:
