@@ -223,8 +223,9 @@ def test_a_step_pays_the_wake_up_measured_with_the_most_ranks_not_above_its_own(
     assert _case(4, crowded, cores=2).wakeup == 3.0
     assert _case(2, crowded, cores=2).wakeup == 1.0
     assert _case(4, crowded).wakeup == 0.0  # a cluster with a device per rank: none
-    with pytest.raises(ValueError, match="rank counts"):
-        Overheads(wakeup_by_ranks={1: 1.0})
+    for keys in ({1: 1.0}, {"4": 1.0, 2: 1.0}):
+        with pytest.raises(ValueError, match="rank counts"):
+            Overheads(wakeup_by_ranks=keys)  # type: ignore[dict-item]
 
 
 def test_zero3_gathers_queued_behind_each_other_wake_nothing() -> None:

@@ -94,13 +94,13 @@ class Overheads:
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
 
     def __post_init__(self) -> None:
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 2
+               for k in self.wakeup_by_ranks):  # first: named() sorts them
+            raise ValueError(f"Overheads.wakeup_by_ranks keys must be rank counts ≥ 2, got "
+                             f"{list(self.wakeup_by_ranks)!r}")
         for name, value in self.named():
             if not value >= 0:
                 raise ValueError(f"Overheads.{name} must be ≥ 0 seconds, got {value!r}")
-        if any(isinstance(k, bool) or not isinstance(k, int) or k < 2
-               for k in self.wakeup_by_ranks):
-            raise ValueError(f"Overheads.wakeup_by_ranks keys must be rank counts ≥ 2, got "
-                             f"{sorted(self.wakeup_by_ranks)!r}")
         if not self.concurrent_slowdown >= 1:
             raise ValueError(f"Overheads.concurrent_slowdown must be ≥ 1 (1: none), got "
                              f"{self.concurrent_slowdown!r}")
