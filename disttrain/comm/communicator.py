@@ -373,8 +373,7 @@ class Communicator:
         error = self._context("new_group", self._seq, "setup").failure(
             f"{doing} (every member must call new_group with these ranks)", exc, peer,
             timed_out=isinstance(exc, TimeoutError))
-        if self._failure is None:
-            self._failure = error
+        self._fail(error)
         return error
 
     @property
