@@ -20,17 +20,19 @@ project's 2-vCPU test host the two cost the same within noise (docs/benchmarks.m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from disttrain.comm import Communicator
 from disttrain.simulate.overheads import median_time
 
 log = logging.getLogger(__name__)
@@ -83,31 +85,58 @@ def _gather(children: list[Any], results: Any) -> list[Any]:
                 child.kill()
 
 
-def _collective_child(rank: int, ranks: int, store_path: str, work: Callable[[], object],
-                      nbytes: int, repeats: int, results: Any, transport: str) -> None:
+def forked_ranks(child: Callable[..., None], ranks: int, *args: Any) -> list[Any]:
+    """Run ``child(rank, ranks, store_path, results, *args)`` in ``ranks`` forked
+    processes (the probes' work and modules are closures: not picklable) and return the
+    one value each put on ``results``, in arrival order. Raises if fork is unavailable or a
+    rank reports an error (a str) or is silent for TIMEOUT_S; always reaps the ranks."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise RuntimeError("this platform cannot fork processes")
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        return _gather([ctx.Process(target=child, daemon=True,
+                                    args=(r, ranks, store, results, *args))
+                        for r in range(ranks)], results)
+
+
+@contextlib.contextmanager
+def probe_comm(rank: int, ranks: int, store: str, transport: str) -> Iterator[Communicator]:
+    """A forked probe rank's communicator on ``transport`` (one thread, as ``disttrain
+    bench`` ranks run), closed with its process group on the way out."""
     import torch.distributed as dist
 
     from disttrain.bench.transports import make_communicator
 
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, ranks), rank=rank,
+                            world_size=ranks)
+    comm = make_communicator(transport, TIMEOUT_S)
     try:
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, ranks), rank=rank,
-                                world_size=ranks)
-        comm = make_communicator(transport, TIMEOUT_S)
-        x = torch.zeros(max(1, nbytes // 4))
-        hot, cold = [], []
-        for _ in range(repeats + 2):
-            comm.barrier()
-            start = time.perf_counter()
-            comm.all_reduce(x, algorithm="ring")
-            hot.append(time.perf_counter() - start)
-            comm.barrier()
-            work()  # both ranks compute, as in a training step
-            start = time.perf_counter()
-            comm.all_reduce(x, algorithm="ring")
-            cold.append(time.perf_counter() - start)
+        yield comm
+    finally:
         comm.close()
         dist.destroy_process_group()
+
+
+def _collective_child(rank: int, ranks: int, store: str, results: Any,
+                      work: Callable[[], object], nbytes: int, repeats: int,
+                      transport: str) -> None:
+    try:
+        with probe_comm(rank, ranks, store, transport) as comm:
+            x = torch.zeros(max(1, nbytes // 4))
+            hot, cold = [], []
+            for _ in range(repeats + 2):
+                comm.barrier()
+                start = time.perf_counter()
+                comm.all_reduce(x, algorithm="ring")
+                hot.append(time.perf_counter() - start)
+                comm.barrier()
+                work()  # both ranks compute, as in a training step
+                start = time.perf_counter()
+                comm.all_reduce(x, algorithm="ring")
+                cold.append(time.perf_counter() - start)
         results.put((statistics.median(cold[2:]), statistics.median(hot[2:])))
     except Exception as exc:  # reported to the parent, which falls back to 0
         results.put(f"{type(exc).__name__}: {exc}")
@@ -120,20 +149,10 @@ def collective_wakeup(work: Callable[[], object], nbytes: int, repeats: int = 15
     all-reduce issued right after a barrier (as ``disttrain bench comm --calibrate`` times
     it): the median over ranks of the difference of medians, at least 0. Falls back to 0
     (logged) if the ranks fail."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    try:
+        pairs = forked_ranks(_collective_child, ranks, work, nbytes, repeats, transport)
+    except Exception as exc:
+        log.warning("could not measure the in-step collective wake-up (%s); assuming "
+                    "none", exc)
         return 0.0
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        children = [ctx.Process(target=_collective_child, daemon=True,
-                                args=(r, ranks, store, work, nbytes, repeats, results,
-                                      transport))
-                    for r in range(ranks)]
-        try:
-            pairs = _gather(children, results)
-        except Exception as exc:
-            log.warning("could not measure the in-step collective wake-up (%s); assuming "
-                        "none", exc)
-            return 0.0
     return max(0.0, statistics.median(cold - hot for cold, hot in pairs))

@@ -16,10 +16,7 @@ computes forward+backward between its pull and its push, as in a step, rank 1 th
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,18 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from disttrain.simulate.contention import TIMEOUT_S, _gather
+from disttrain.simulate.contention import TIMEOUT_S, forked_ranks, probe_comm
 
 log = logging.getLogger(__name__)
 ROUNDS = 30
 WARM_UP = 5
 
 
-def _child(rank: int, store: str, module: nn.Module, work: Callable[[], object],
-           transport: str, results: Any) -> None:
-    import torch.distributed as dist
-
-    from disttrain.bench.transports import make_communicator
+def _child(rank: int, ranks: int, store: str, results: Any, module: nn.Module,
+           work: Callable[[], object], transport: str) -> None:
     from disttrain.parallel.parameter_server import (
         PSConfig,
         PSWorker,
@@ -46,21 +40,19 @@ def _child(rank: int, store: str, module: nn.Module, work: Callable[[], object],
         run_parameter_server,
     )
 
-    torch.set_num_threads(1)
     # the server's INFO lines (its key range, its staleness) are about a real job
     logging.getLogger("disttrain.parallel.parameter_server").setLevel(logging.WARNING)
     try:
-        dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank,
-                                world_size=2)
-        comm = make_communicator(transport, TIMEOUT_S)
-        # below the communicator's timeout, as PSConfig requires: the server names a
-        # silent worker before Gloo's own timeout breaks the connections
-        roles, config = assign_roles(2, 1), PSConfig(mode="sync", timeout_s=TIMEOUT_S / 2)
-        if roles.role(rank).kind == "server":
-            run_parameter_server(comm, roles, module, lambda p: torch.optim.SGD(p, lr=0.0),
-                                 config)
-            results.put(None)
-        else:
+        with probe_comm(rank, ranks, store, transport) as comm:
+            # below the communicator's timeout, as PSConfig requires: the server names a
+            # silent worker before Gloo's own timeout breaks the connections
+            roles = assign_roles(ranks, 1)
+            config = PSConfig(mode="sync", timeout_s=TIMEOUT_S / 2)
+            if roles.role(rank).kind == "server":
+                run_parameter_server(comm, roles, module,
+                                     lambda p: torch.optim.SGD(p, lr=0.0), config)
+                results.put(None)
+                return
             ps = PSWorker(comm, module, roles, config)
             pulls, pushes = [], []
             for _ in range(ROUNDS + WARM_UP):
@@ -73,10 +65,7 @@ def _child(rank: int, store: str, module: nn.Module, work: Callable[[], object],
                 pushes.append(time.perf_counter() - computed)
                 pulls.append(pulled - start)
             ps.close()
-            results.put((statistics.median(pulls[WARM_UP:]),
-                         statistics.median(pushes[WARM_UP:])))
-        comm.close()
-        dist.destroy_process_group()
+        results.put((statistics.median(pulls[WARM_UP:]), statistics.median(pushes[WARM_UP:])))
     except Exception as exc:  # reported to the parent, which falls back to 0
         results.put(f"{type(exc).__name__}: {exc}")
 
@@ -86,20 +75,12 @@ def ps_exchange(module: nn.Module, work: Callable[[], object], transport: str = 
     """(seconds of a pull, seconds of a push) of ``module``'s parameters between one worker
     that runs ``work`` (forward+backward) between them and one server, on ``transport``.
     (0, 0), logged, if the processes fail or fork is unavailable."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    try:
+        values = [v for v in forked_ranks(_child, 2, module, work, transport)
+                  if v is not None]
+    except Exception as exc:
+        log.warning("could not measure a parameter-server exchange (%s); assuming only "
+                    "its messages' calibrated cost", exc)
         return 0.0, 0.0
-    ctx = multiprocessing.get_context("fork")  # module and work are not picklable
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        children = [ctx.Process(target=_child, daemon=True,
-                                args=(r, store, module, work, transport, results))
-                    for r in range(2)]
-        try:
-            values = [v for v in _gather(children, results) if v is not None]
-        except Exception as exc:
-            log.warning("could not measure a parameter-server exchange (%s); assuming only "
-                        "its messages' calibrated cost", exc)
-            return 0.0, 0.0
     pull, push = values[0]
     return float(pull), float(push)
