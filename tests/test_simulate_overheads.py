@@ -224,8 +224,10 @@ def test_a_step_pays_the_wake_up_measured_with_the_most_ranks_not_above_its_own(
     assert _case(2, crowded, cores=2).wakeup == 1.0
     assert _case(4, crowded).wakeup == 0.0  # a cluster with a device per rank: none
     for keys in ({1: 1.0}, {"4": 1.0, 2: 1.0}):
-        with pytest.raises(ValueError, match="rank counts"):
+        with pytest.raises(ValueError, match="wakeup_by_ranks keys must be rank counts"):
             Overheads(wakeup_by_ranks=keys)  # type: ignore[dict-item]
+        with pytest.raises(ValueError, match="stage_message_by_ranks keys must be rank"):
+            Overheads(stage_message_by_ranks=keys)  # type: ignore[dict-item]
 
 
 def test_zero3_gathers_queued_behind_each_other_wake_nothing() -> None:
@@ -279,9 +281,23 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert values["collective_call_s"] > 0 and values["sgd_s_per_byte"] > 0
     assert values["ps_pull_s"] > 0 and values["ps_push_s"] > 0  # a worker and a server ran
     assert sorted(overheads.wakeup_by_ranks) == [4]  # 4 ranks on the 2 cores, as validated
+    assert "could not measure a pipeline message" not in caplog.text  # the stages ran
+    assert sorted(overheads.stage_message_by_ranks) == [4]
     assert "could not measure the in-step" not in caplog.text  # two gloo ranks ran
     assert overheads.concurrent_slowdown >= 1  # two forked processes ran the model
     assert all(p.grad is None for p in net.parameters())  # the model is left as it was
+
+
+def test_a_failed_pipeline_message_probe_is_reported_and_charges_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from disttrain.simulate.stage_probe import stage_message
+
+    with pytest.raises(ValueError, match="≥ 2 stages"):
+        stage_message(lambda: None, ranks=1)
+    with caplog.at_level(logging.WARNING):
+        assert stage_message(lambda: None, transport="no-such-transport") == 0.0
+    assert "could not measure a pipeline message" in caplog.text
+    assert "no-such-transport" in caplog.text  # the rank's own error, passed on
 
 
 def test_each_pipeline_backward_pays_one_autograd_call() -> None:
@@ -335,3 +351,29 @@ def test_pipeline_messages_cost_two_busy_ranks_and_share_the_cores() -> None:
     gpu = simulate_pipeline(_case(4, Overheads(), costs=costs, pp_size=4), "model-parallel")
     assert gpu.step_s - simulate_pipeline(_case(4, Overheads(), pp_size=4),
                                           "model-parallel").step_s == pytest.approx(6 * 4.0)
+
+
+def test_pipeline_messages_cost_at_least_their_probe_on_one_host() -> None:
+    """On this machine a message between stages costs the probed round through the stage
+    links (the stages' Python, the receiver's wake-up) where that exceeds the transport's
+    α: with 2 ranks the 2-stage probe, with 4 ranks on 2 cores the 4-stage one."""
+    alpha = 0.25
+    costs = LinkCosts(alpha=alpha, beta=0.0, gamma=0.0, native_alpha=alpha, native_beta=0.0)
+    probed = Overheads(stage_message_s=1.0, stage_message_by_ranks={4: 1.5})
+    assert dict(probed.named())["stage_message_4ranks_s"] == 1.5
+    assert [probed.stage_message(p) for p in (2, 3, 4, 8)] == [1.0, 1.0, 1.5, 1.5]
+
+    def extra(workers: int, overheads: Overheads, cores: int = 2) -> float:
+        run = simulate_pipeline(_case(workers, overheads, cores=cores, costs=costs,
+                                      pp_size=workers), "model-parallel")
+        free = simulate_pipeline(_case(workers, Overheads(), cores=cores, pp_size=workers),
+                                 "model-parallel")
+        return run.step_s - free.step_s
+
+    # model parallelism: 2 (p − 1) messages one after another, each at the probe
+    assert extra(2, probed) == pytest.approx(2 * 1.0)
+    assert extra(4, probed) == pytest.approx(6 * 1.5)
+    # a probe below α changes nothing: the transport's own latency is the floor
+    assert extra(4, Overheads(stage_message_s=0.1)) == pytest.approx(6 * alpha)
+    # on a cluster (a device per rank) the probe of this host says nothing
+    assert extra(4, probed, cores=0) == pytest.approx(6 * alpha)

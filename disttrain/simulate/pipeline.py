@@ -11,7 +11,8 @@ the stage's compute stream (a backward also pays one autograd call,
 ``Overheads.backward_call_s``: a stage back-propagates each micro-batch with its own
 ``torch.autograd.backward``), every send a task on its link (α + activation bytes · β,
 intra- or inter-node depending on where the neighbour sits; on this machine, the constants
-calibrated with as many ranks as cores, the link sharing the cores with compute), and every
+calibrated with as many ranks as cores, the link sharing the cores with compute, and at
+least the probed cost of a message, ``Overheads.stage_message_s``), and every
 receive a dependency on the matching send. The bubble, the idle time at the start and end of the
 step, comes out of the simulation: with equal stage times and free messages it is
 (p − 1)/(m + p − 1).
@@ -70,7 +71,13 @@ class _Replica:
         # at a time.
         ranks = min(self.case.workers, cluster.shared_cores or self.case.workers)
         costs = costs.at(max(2, ranks))
-        return costs.alpha + nbytes * costs.beta
+        # What a message costs here besides its bytes, as probed through the stage links
+        # (Overheads.stage_message_s: the stages' Python, the receiver's wake-up), when
+        # that is more than the transport's α; with more ranks than cores, the probe of
+        # that many stages, which includes their waiting for a core
+        probed = self.case.overheads.stage_message(self.case.workers) \
+            if cluster.shared_cores and same_node else 0.0
+        return max(costs.alpha, probed) + nbytes * costs.beta
 
     def stage_time(self, stage: int, backward: bool) -> float:
         lo, hi = self.bounds[stage]

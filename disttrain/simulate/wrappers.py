@@ -138,9 +138,10 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     """Every :class:`Overheads` quantity for ``module`` on input ``x`` (one thread is the
     caller's business). ``loop`` runs the loop's own per-step work once; ``cores`` > 1
     measures ``concurrent_slowdown`` with that many processes, the wake-up of a
-    collective and a parameter-server pull and push on ``transport``."""
+    collective, a parameter-server pull and push and a pipeline message on ``transport``."""
     from disttrain.simulate.contention import collective_wakeup, concurrent_slowdown
     from disttrain.simulate.ps_probe import ps_exchange
+    from disttrain.simulate.stage_probe import stage_message
 
     sgd = optimizer_costs(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
     adam = optimizer_costs(lambda ps: torch.optim.Adam(ps, lr=1e-3))
@@ -163,6 +164,11 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     exchanges = [ps_exchange(module, _fwd_bwd(module, x), transport) for _ in range(3)] \
         if cores > 1 else [(0.0, 0.0)]
     pull, push = (statistics.median(e[i] for e in exchanges) for i in (0, 1))
+    # a pipeline message, the median of three for the wake-up's reason: 2 stages, and as
+    # many stages as ranks when they are twice the cores
+    message = {ranks: statistics.median(stage_message(_fwd_bwd(module, x), transport, ranks)
+                                        for _ in range(3))
+               for ranks in ((2, 2 * cores) if 1 < cores <= 4 else ())}
     after = median_time(_fwd_bwd(module, x)) if cores > 1 else 0.0  # the probe's compute
     module.zero_grad(set_to_none=True)
     comm = solo_comm()
@@ -181,4 +187,5 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      collective_wakeup_s=wakeup, collective_wakeup_after_s=after,
                      wakeup_by_ranks=crowded,
                      ps_pull_s=pull, ps_push_s=push,
+                     stage_message_s=message.pop(2, 0.0), stage_message_by_ranks=message,
                      concurrent_slowdown=slowdown)
