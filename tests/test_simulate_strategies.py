@@ -234,3 +234,24 @@ def test_validate_compares_the_fastest_fresh_run() -> None:
     assert measured_step({"step_time_s": None, "step_time_s_runs": []}) is None
     assert runs_text([3e-3, None, 2e-3]) == "; runs 3.00, 2.00 ms"  # every run is printed
     assert runs_text([3e-3]) == runs_text(None) == ""
+
+
+def test_a_runs_step_time_is_its_slowest_ranks_median_not_a_maximum_per_step() -> None:
+    """Ranks of one synchronous job take turns at the long steps (each waits at its own
+    offset round the collective): every rank runs at 2 s a step, whatever the maximum of
+    each step says."""
+    from types import SimpleNamespace
+
+    from disttrain.bench.experiments import BenchConfig
+    from disttrain.bench.strategy_bench import _median_step
+
+    config = BenchConfig(warmup_steps=2)
+    warm_up = [50.0, 50.0]
+    ranks = [SimpleNamespace(step_times=warm_up + [1.0, 3.0] * 4),
+             SimpleNamespace(step_times=warm_up + [3.0, 1.0] * 4),
+             SimpleNamespace(step_times=warm_up + [2.5] * 8)]
+    assert _median_step(config, ranks) == 2.5  # type: ignore[arg-type]
+    assert _median_step(config, ranks[:2]) == 2.0  # type: ignore[arg-type]
+    assert _median_step(config, [SimpleNamespace(step_times=[])]) is None  # type: ignore[arg-type]
+    # a run shorter than its warm-up still has a time: all of its steps
+    assert _median_step(config, [SimpleNamespace(step_times=[4.0])]) == 4.0  # type: ignore[arg-type]
