@@ -288,6 +288,25 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert all(p.grad is None for p in net.parameters())  # the model is left as it was
 
 
+def test_the_wake_up_is_the_in_step_all_reduce_beyond_what_the_simulation_charges(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's all-reduce after compute, minus the call overhead and the calibrated
+    ring the simulation already charges for it (2 (p − 1) α here), never below 0."""
+    import disttrain.simulate.cluster as cluster_module
+    from disttrain.simulate.wrappers import _wakeup
+
+    alpha = 1e-3
+    costs = LinkCosts(alpha=alpha, beta=0.0, gamma=0.0, native_alpha=alpha, native_beta=0.0)
+    transports = []
+    monkeypatch.setattr(cluster_module, "local",
+                        lambda transport: transports.append(transport) or _cluster(costs, 2))
+    assert _wakeup(10e-3, 0.5e-3, 4096, 2, "shm") == pytest.approx(10e-3 - 0.5e-3 - 2 * alpha)
+    assert _wakeup(10e-3, 0.5e-3, 4096, 4, "shm") == pytest.approx(10e-3 - 0.5e-3 - 6 * alpha)
+    assert transports == ["shm", "shm"]  # the calibration of the transport probed
+    assert _wakeup(1e-3, 0.5e-3, 4096, 2, "shm") == 0.0  # faster than charged: nothing
+    assert _wakeup(0.0, 0.5e-3, 4096, 2, "shm") == 0.0  # the probe failed
+
+
 def test_a_failed_pipeline_message_probe_is_reported_and_charges_nothing(
         caplog: pytest.LogCaptureFixture) -> None:
     from disttrain.simulate.stage_probe import stage_message

@@ -9,13 +9,15 @@ event engine applies it while more than one core computes
 (:class:`~disttrain.simulate.events.Simulation`'s ``slowdown``). It concerns this machine
 only: on a cluster every rank has its own device.
 
-:func:`collective_wakeup` measures the other thing sharing does: a collective issued right
-after both ranks computed can cost more than the same collective issued right after a
-barrier, which is how ``disttrain bench comm --calibrate`` times it (threads and processes
-that must be woken and scheduled again). Two forked ranks time both, on the transport the
-profile is for (``torch``: Gloo point-to-point; ``shm``: shared memory). On this
-project's 2-vCPU test host the two cost the same within noise (docs/benchmarks.md, "Why
-``collective_wakeup_s`` reads 0").
+:func:`collective_in_step` measures the other thing sharing does: what a collective costs
+when issued right after every rank computed, as in a training step (threads and processes
+that must be woken and scheduled again, the kernel's placement of the ranks). Forked ranks
+time it on the transport the profile is for (``torch``: Gloo point-to-point; ``shm``:
+shared memory); the profile charges what it takes beyond the calibrated price of the same
+collective as the wake-up (:func:`~disttrain.simulate.wrappers.measure_overheads`). On this
+project's 2-vCPU test host a 2-rank Gloo all-reduce of LeNet's gradients costs 1 ms or 3-7
+ms in a step, 85 % of the time the latter, after a barrier as well as after compute
+(docs/benchmarks.md, "In a step, a collective on this host costs one of two prices").
 """
 
 from __future__ import annotations
@@ -126,33 +128,27 @@ def _collective_child(rank: int, ranks: int, store: str, results: Any,
     try:
         with probe_comm(rank, ranks, store, transport) as comm:
             x = torch.zeros(max(1, nbytes // 4))
-            hot, cold = [], []
+            times = []
             for _ in range(repeats + 2):
                 comm.barrier()
+                work()  # every rank computes, as in a training step
                 start = time.perf_counter()
                 comm.all_reduce(x, algorithm="ring")
-                hot.append(time.perf_counter() - start)
-                comm.barrier()
-                work()  # both ranks compute, as in a training step
-                start = time.perf_counter()
-                comm.all_reduce(x, algorithm="ring")
-                cold.append(time.perf_counter() - start)
-        results.put((statistics.median(cold[2:]), statistics.median(hot[2:])))
+                times.append(time.perf_counter() - start)
+        results.put(statistics.median(times[2:]))
     except Exception as exc:  # reported to the parent, which falls back to 0
         results.put(f"{type(exc).__name__}: {exc}")
 
 
-def collective_wakeup(work: Callable[[], object], nbytes: int, repeats: int = 15,
-                      transport: str = "torch", ranks: int = 2) -> float:
-    """Extra seconds of a ``ranks``-rank ring all-reduce of ``nbytes`` on ``transport``
-    issued right after every rank ran ``work`` (as in a training step) over the same
-    all-reduce issued right after a barrier (as ``disttrain bench comm --calibrate`` times
-    it): the median over ranks of the difference of medians, at least 0. Falls back to 0
-    (logged) if the ranks fail."""
+def collective_in_step(work: Callable[[], object], nbytes: int, repeats: int = 15,
+                       transport: str = "torch", ranks: int = 2) -> float:
+    """Seconds of a ``ranks``-rank ring all-reduce of ``nbytes`` on ``transport`` issued
+    right after every rank ran ``work`` (as in a training step): the median over ranks of
+    each rank's median over ``repeats`` calls. 0 (logged) if the ranks fail."""
     try:
-        pairs = forked_ranks(_collective_child, ranks, work, nbytes, repeats, transport)
+        times = forked_ranks(_collective_child, ranks, work, nbytes, repeats, transport)
     except Exception as exc:
         log.warning("could not measure the in-step collective wake-up (%s); assuming "
                     "none", exc)
         return 0.0
-    return max(0.0, statistics.median(cold - hot for cold, hot in pairs))
+    return float(statistics.median(times))

@@ -29,8 +29,8 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             copy back; stage 3: gather and free per unit) on one rank,
                             minus its collective calls and its optimizer
 ``collective_wakeup_s``     a 2-rank ring all-reduce of the gradients issued right after
-                            both ranks ran forward+backward, minus the same issued right
-                            after a barrier (as the calibration times it)
+                            both ranks ran forward+backward, minus what the simulation
+                            charges for it (``collective_call_s`` and the calibrated ring)
                             (:mod:`~disttrain.simulate.contention`)
 ``collective_wakeup_{p}ranks_s`` the same with p ranks (``wakeup_by_ranks``), on this
                             machine with twice as many ranks as cores: a step of more ranks

@@ -132,6 +132,21 @@ def _calls(comm: Communicator) -> int:
     return sum(op["calls"] for op in comm.stats.snapshot().values())
 
 
+def _wakeup(in_step: float, call: float, nbytes: int, ranks: int, transport: str) -> float:
+    """What an all-reduce of ``nbytes`` on ``ranks`` ranks took in a step (``in_step``)
+    beyond what the simulation charges it: the call's software overhead and the calibrated
+    ring on this machine (``local(transport)``). At least 0; 0 when the probe failed."""
+    from disttrain.simulate.cluster import local
+    from disttrain.simulate.collectives import collective_time, group_of
+
+    if in_step <= 0:
+        return 0.0
+    cluster = local(transport)
+    calibrated, _ = collective_time(cluster, "all_reduce", "ring", group_of(cluster, ranks),
+                                    nbytes)
+    return max(0.0, in_step - call - calibrated)
+
+
 def measure_overheads(module: nn.Module, x: torch.Tensor,
                       loop: Callable[[], object] | None = None, cores: int = 1,
                       transport: str = "torch") -> Overheads:
@@ -139,7 +154,7 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     caller's business). ``loop`` runs the loop's own per-step work once; ``cores`` > 1
     measures ``concurrent_slowdown`` with that many processes, the wake-up of a
     collective, a parameter-server pull and push and a pipeline message on ``transport``."""
-    from disttrain.simulate.contention import collective_wakeup, concurrent_slowdown
+    from disttrain.simulate.contention import collective_in_step, concurrent_slowdown
     from disttrain.simulate.ps_probe import ps_exchange
     from disttrain.simulate.stage_probe import stage_message
 
@@ -150,16 +165,15 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     # needs a free core to hurt one process, two to hurt the pair, and inflates the ratio
     slowdown = min(concurrent_slowdown(_fwd_bwd(module, x), cores) for _ in range(3))
     nbytes = sum(p.numel() * 4 for p in module.parameters() if p.requires_grad)
-    # the median of three: one measurement moved between 0 and 3.2 ms within minutes (where
-    # the kernel places the two ranks). Not the least, as for compute: the wake-up is the
-    # ranks' interference itself, and the benchmark's runs draw their placement too
-    wakeup = statistics.median(collective_wakeup(_fwd_bwd(module, x), nbytes,
-                                                 transport=transport)
-                               for _ in range(3)) if cores > 1 else 0.0
-    # with twice as many ranks as cores (4 on this project's 2), as --validate runs them
-    crowded = {2 * cores: statistics.median(
-        collective_wakeup(_fwd_bwd(module, x), nbytes, transport=transport, ranks=2 * cores)
-        for _ in range(3))} if 1 < cores <= 4 else {}
+    # The gradients' all-reduce in a step, with 2 ranks and with twice as many ranks as
+    # cores (4 on this project's 2, as --validate runs them). The median of three: one
+    # measurement moves by milliseconds within minutes (where the kernel places the ranks).
+    # Not the least, as for compute: this is the ranks' interference itself, and the
+    # benchmark's runs draw their placement too
+    in_step = {ranks: statistics.median(
+        collective_in_step(_fwd_bwd(module, x), nbytes, transport=transport, ranks=ranks)
+        for _ in range(3)) for ranks in ((2, 2 * cores) if 1 < cores <= 4 else
+                                         (2,) if cores > 1 else ())}
     # the median of three, each pull and push on its own, for the wake-up's reason
     exchanges = [ps_exchange(module, _fwd_bwd(module, x), transport) for _ in range(3)] \
         if cores > 1 else [(0.0, 0.0)]
@@ -174,6 +188,8 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     comm = solo_comm()
     try:
         call = collective_call(comm)
+        wakeup = {ranks: _wakeup(took, call, nbytes, ranks, transport)
+                  for ranks, took in in_step.items()}
         hook = ddp_hook(module, x, comm, call)
         zero = {k: zero_work(k, module, x, comm, call, sgd) for k in (1, 2, 3)}
     finally:
@@ -184,8 +200,8 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      optimizer_tensor_s=tensor_cost(params, sgd[0], sgd[1]),
                      collective_call_s=call, hook_s_per_tensor=hook,
                      backward_call_s=backward_call(), zero_s=zero,
-                     collective_wakeup_s=wakeup, collective_wakeup_after_s=after,
-                     wakeup_by_ranks=crowded,
+                     collective_wakeup_s=wakeup.pop(2, 0.0), collective_wakeup_after_s=after,
+                     wakeup_by_ranks=wakeup,
                      ps_pull_s=pull, ps_push_s=push,
                      stage_message_s=message.pop(2, 0.0), stage_message_by_ranks=message,
                      concurrent_slowdown=slowdown)
