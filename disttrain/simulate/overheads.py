@@ -43,12 +43,12 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             one worker and one server in two processes, the worker
                             computing between them (:mod:`~disttrain.simulate.ps_probe`):
                             messages, both sides' Python and the server's work
-``stage_message_s``         one message between two pipeline stages as model parallelism
-                            sends it, each stage computing the model's forward+backward
-                            before it (:mod:`~disttrain.simulate.stage_probe`): both
-                            stages' Python, the receiver's wake-up, its cold caches
-``stage_message_{p}ranks_s`` the same in a chain of p stages, with twice as many ranks as
-                            cores (``stage_message_by_ranks``)
+``stage_message_s``         one message between two pipeline stages that compute nothing
+                            in between (:mod:`~disttrain.simulate.stage_probe`): both
+                            stages' Python, the header, the posted receive
+``stage_wakeup_s``          what such a message costs more when its receiver sat idle
+                            while the sender ran the model's forward+backward: waking the
+                            receiver, its next computation on cold caches
 ``concurrent_slowdown``     how much slower the model's forward+backward runs in each of
                             this machine's cores at once than alone (a ratio ≥ 1;
                             :mod:`~disttrain.simulate.contention`)
@@ -98,15 +98,14 @@ class Overheads:
     ps_pull_s: float = 0.0  # this machine only (simulate.parameter_server)
     ps_push_s: float = 0.0
     stage_message_s: float = 0.0  # this machine only (simulate.pipeline)
-    stage_message_by_ranks: dict[int, float] = field(default_factory=dict)
+    stage_wakeup_s: float = 0.0
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
 
     def __post_init__(self) -> None:
-        for table in ("wakeup_by_ranks", "stage_message_by_ranks"):  # first: named() sorts
-            keys = list(getattr(self, table))
-            if any(isinstance(k, bool) or not isinstance(k, int) or k < 2 for k in keys):
-                raise ValueError(f"Overheads.{table} keys must be rank counts ≥ 2, got "
-                                 f"{keys!r}")
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 2
+               for k in self.wakeup_by_ranks):  # first: named() sorts them
+            raise ValueError(f"Overheads.wakeup_by_ranks keys must be rank counts ≥ 2, got "
+                             f"{list(self.wakeup_by_ranks)!r}")
         for name, value in self.named():
             if not value >= 0:
                 raise ValueError(f"Overheads.{name} must be ≥ 0 seconds, got {value!r}")
@@ -120,20 +119,14 @@ class Overheads:
             "step_s", "sgd_fixed_s", "sgd_s_per_byte", "adam_fixed_s", "adam_s_per_byte",
             "optimizer_tensor_s", "collective_call_s", "hook_s_per_tensor",
             "backward_call_s", "collective_wakeup_s", "collective_wakeup_after_s",
-            "ps_pull_s", "ps_push_s", "stage_message_s")]
+            "ps_pull_s", "ps_push_s", "stage_message_s", "stage_wakeup_s")]
         return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())] + [
-            (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())
-        ] + [(f"stage_message_{k}ranks_s", v)
-             for k, v in sorted(self.stage_message_by_ranks.items())]
+            (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())]
 
     def wakeup(self, ranks: int) -> float:
         """The wake-up measured with the most ranks not above ``ranks`` (2: the plain one)."""
-        return _by_ranks(self.wakeup_by_ranks, ranks, self.collective_wakeup_s)
-
-    def stage_message(self, ranks: int) -> float:
-        """A pipeline message as probed with the most stages not above ``ranks`` (2: the
-        plain one)."""
-        return _by_ranks(self.stage_message_by_ranks, ranks, self.stage_message_s)
+        fitting = [k for k in self.wakeup_by_ranks if k <= ranks]
+        return self.wakeup_by_ranks[max(fitting)] if fitting else self.collective_wakeup_s
 
     @property
     def measured(self) -> bool:
@@ -154,11 +147,6 @@ class Overheads:
             lines.append(f"  {name:22s} {shown}")
         lines.append(f"  {'concurrent_slowdown':22s} ×{self.concurrent_slowdown:.2f}")
         return "\n".join(lines)
-
-
-def _by_ranks(table: dict[int, float], ranks: int, two: float) -> float:
-    fitting = [k for k in table if k <= ranks]
-    return table[max(fitting)] if fitting else two
 
 
 def median_time(run: Callable[[], object], repeats: int = REPEATS) -> float:

@@ -12,9 +12,11 @@ the stage's compute stream (a backward also pays one autograd call,
 ``torch.autograd.backward``), every send a task on its link (α + activation bytes · β,
 intra- or inter-node depending on where the neighbour sits; on this machine, the constants
 calibrated with as many ranks as cores, the link sharing the cores with compute, and at
-least the probed cost of a message, ``Overheads.stage_message_s``), and every
-receive a dependency on the matching send. The bubble, the idle time at the start and end of the
-step, comes out of the simulation: with equal stage times and free messages it is
+least the probed cost of a message between busy stages, ``Overheads.stage_message_s``),
+and every receive a dependency on the matching send; on this machine the computation that
+follows a receive also pays ``Overheads.stage_wakeup_s`` in proportion to how long its
+stage sat idle before it. The bubble, the idle time at the start and end of the step, comes
+out of the simulation: with equal stage times and free messages it is
 (p − 1)/(m + p − 1).
 
 Every pipeline replica of a pp × dp grid is the same, so one replica is simulated; after
@@ -72,12 +74,16 @@ class _Replica:
         ranks = min(self.case.workers, cluster.shared_cores or self.case.workers)
         costs = costs.at(max(2, ranks))
         # What a message costs here besides its bytes, as probed through the stage links
-        # (Overheads.stage_message_s: the stages' Python, the receiver's wake-up), when
-        # that is more than the transport's α; with more ranks than cores, the probe of
-        # that many stages, which includes their waiting for a core
-        probed = self.case.overheads.stage_message(self.case.workers) \
-            if cluster.shared_cores and same_node else 0.0
+        # between busy stages (Overheads.stage_message_s: both stages' Python), when that
+        # is more than the transport's α
+        probed = self.case.overheads.stage_message_s if self.on_host(stage, to) else 0.0
         return max(costs.alpha, probed) + nbytes * costs.beta
+
+    def on_host(self, stage: int, to: int) -> bool:
+        """Both stages are processes on this machine's shared cores, where the profile's
+        probes of a pipeline message apply."""
+        dpn = self.case.cluster.devices_per_node
+        return bool(self.case.cluster.shared_cores) and stage // dpn == to // dpn
 
     def stage_time(self, stage: int, backward: bool) -> float:
         lo, hi = self.bounds[stage]
@@ -98,9 +104,16 @@ class _Replica:
             fwd = isinstance(action, Forward)
             key = ("act", s, mb) if fwd else ("grad", s, mb)
             deps = (self.sent[key],) if key in self.sent else ()
+            # a stage that sat idle waiting for this message is woken and computes on cold
+            # caches (Overheads.stage_wakeup_s, in full after the probe's idle time); one
+            # busy with other micro-batches when it arrived pays nothing
+            ov = self.case.overheads
+            sender = s - 1 if fwd else s + 1
+            wake = ov.stage_wakeup_s if deps and self.on_host(sender, s) else 0.0
             self.last_compute[s] = sim.add(f"{action}@{s}", f"compute{s}",
                                            self.stage_time(s, not fwd), deps,
-                                           "forward" if fwd else "backward")
+                                           "forward" if fwd else "backward", cold_s=wake,
+                                           cold_after_s=ov.collective_wakeup_after_s)
             return True
         forward = isinstance(action, SendAct)
         to = s + 1 if forward else s - 1

@@ -178,11 +178,10 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     exchanges = [ps_exchange(module, _fwd_bwd(module, x), transport) for _ in range(3)] \
         if cores > 1 else [(0.0, 0.0)]
     pull, push = (statistics.median(e[i] for e in exchanges) for i in (0, 1))
-    # a pipeline message, the median of three for the wake-up's reason: 2 stages, and as
-    # many stages as ranks when they are twice the cores
-    message = {ranks: statistics.median(stage_message(_fwd_bwd(module, x), transport, ranks)
-                                        for _ in range(3))
-               for ranks in ((2, 2 * cores) if 1 < cores <= 4 else ())}
+    # a pipeline message, busy and after idling: the median of three, for the same reason
+    messages = [stage_message(_fwd_bwd(module, x), transport) for _ in range(3)] \
+        if cores > 1 else [(0.0, 0.0)]
+    message, stage_wakeup = (statistics.median(m[i] for m in messages) for i in (0, 1))
     after = median_time(_fwd_bwd(module, x)) if cores > 1 else 0.0  # the probe's compute
     module.zero_grad(set_to_none=True)
     comm = solo_comm()
@@ -203,5 +202,5 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      collective_wakeup_s=wakeup.pop(2, 0.0), collective_wakeup_after_s=after,
                      wakeup_by_ranks=wakeup,
                      ps_pull_s=pull, ps_push_s=push,
-                     stage_message_s=message.pop(2, 0.0), stage_message_by_ranks=message,
+                     stage_message_s=message, stage_wakeup_s=stage_wakeup,
                      concurrent_slowdown=slowdown)
