@@ -315,6 +315,34 @@ def test_a_failed_pipeline_message_probe_is_reported_and_charges_nothing(
     assert "no-such-transport" in caplog.text  # the rank's own error, passed on
 
 
+def test_collectives_on_shared_cores_slow_the_compute_they_overlap() -> None:
+    """On this machine a collective is the ranks' own CPU work: with 2 ranks on 2 cores a
+    gather that overlaps a computation halves the speed of both while they overlap; with 4
+    ranks the collective keeps the 2 cores busy (its calibrated time already includes the
+    sharing), not 4. On a cluster (a device per rank) the overlap is free."""
+    # a computation of 1 s (at full speed: alone, 2 ranks on 2 cores take 1 s, 4 take 2 s)
+    # beside a gather of 2 s: with 2 ranks both run at half speed until the computation
+    # ends at 2 s, the gather ends 1 s later; with 4 ranks (load 4 + 2 on 2 cores) both
+    # run at a third until 3 s
+    for workers, cores, compute_end, link_end in ((2, 2, 2.0, 3.0), (4, 2, 3.0, 4.0),
+                                                  (2, 0, 1.0, 2.0)):
+        case = _case(workers, Overheads(), cores=cores)
+        sim = case.simulation()
+        case.compute(sim, "compute", workers)
+        case.link(sim)
+        work = sim.add("F", "compute", 1.0)
+        gather = sim.add("ag", "link", 2.0)
+        sim.run()
+        assert (sim.end(work), sim.end(gather)) == pytest.approx((compute_end, link_end)), \
+            (workers, cores)
+    # ZeRO-3 prefetches each unit's gather behind the previous unit's compute: on shared
+    # cores that overlap is not free
+    costs = LinkCosts(alpha=0.25, beta=0.0, gamma=0.0, native_alpha=0.25, native_beta=0.0)
+    shared = simulate_zero3(_case(2, Overheads(), cores=2, costs=costs))
+    cluster = simulate_zero3(_case(2, Overheads(), costs=costs))
+    assert shared.step_s > cluster.step_s
+
+
 def test_each_pipeline_backward_pays_one_autograd_call() -> None:
     from dataclasses import replace
 

@@ -59,6 +59,15 @@ class Case:
         load on shared cores; ignored on clusters with a device per rank)."""
         return sim.resource(name, policy, load=float(ranks) if self.cluster.shared_cores else 0)
 
+    def link(self, sim: Simulation, name: str = "link") -> str:
+        """Declare the resource collectives run on. On shared cores (this machine) a
+        collective is the ranks' own CPU work (copies, the progress threads, waiting for
+        each other) and keeps as many cores busy as it has ranks, at most all of them: its
+        calibrated time already includes more ranks than cores sharing them. Compute that
+        overlaps it (ZeRO-3's prefetched gathers) slows down, and so does the collective."""
+        cores = self.cluster.shared_cores
+        return sim.resource(name, "fifo", load=float(min(self.workers, cores)) if cores else 0.0)
+
     @property
     def layers(self) -> int:
         return len(self.profile.layers)

@@ -49,6 +49,7 @@ def _forward_backward(sim: Simulation, case: Case, batch: float, factor: float,
     adds host seconds per layer (forward, backward). Returns (fwd, bwd) ids, bwd indexed
     by layer."""
     case.compute(sim, "compute", case.workers)
+    case.link(sim)
     add_f, add_b = extra or ([0.0] * case.layers, [0.0] * case.layers)
     if case.overheads.step_s:
         sim.add("loop", "compute", case.overheads.step_s, (), "overhead")
@@ -165,6 +166,7 @@ def simulate_zero3(case: Case) -> StepResult:
     batch, group, n = case.global_batch / case.workers, case.group(case.workers), case.layers
     sim = case.simulation()
     case.compute(sim, "compute", case.workers)
+    case.link(sim)
     sent, algorithms = 0.0, set()
     units = [i for i in range(n) if case.profile.layers[i].params > 0]
     own = case.overheads.zero_s.get(3, 0.0) / (2 * max(1, len(units)))  # gather, free
