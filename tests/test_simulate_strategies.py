@@ -238,8 +238,8 @@ def test_validate_compares_the_fastest_fresh_run() -> None:
 
 def test_a_runs_step_time_is_its_slowest_ranks_median_not_a_maximum_per_step() -> None:
     """Ranks of one synchronous job take turns at the long steps (each waits at its own
-    offset round the collective): every rank runs at 2 s a step, whatever the maximum of
-    each step says."""
+    offset round the collective): the first two ranks both run at 2 s a step, though
+    each step's maximum is 3 s; a third rank at 2.5 s a step is the slowest."""
     from types import SimpleNamespace
 
     from disttrain.bench.experiments import BenchConfig
