@@ -182,7 +182,7 @@ class CollectiveContext:
         try:
             return post(tensor, peer, self._tag(step))
         except (TimeoutError, ConnectionError) as exc:
-            raise self.failure(_doing("starting", kind, peer), exc, peer, timed_out=False,
+            raise self.failure(describe_wait("starting", kind, peer), exc, peer, timed_out=False,
                                probe=self._probe_posts) from exc
 
     def wait(self, pending: Pending) -> None:
@@ -190,7 +190,7 @@ class CollectiveContext:
         try:
             pending.raw.wait(self.timeout_s)
         except (TimeoutError, ConnectionError) as exc:
-            raise self.failure(_doing("waiting", pending.kind, pending.peer), exc,
+            raise self.failure(describe_wait("waiting", pending.kind, pending.peer), exc,
                                pending.peer, timed_out=isinstance(exc, TimeoutError)) from exc
         if self._on_progress is not None:
             self._on_progress()
@@ -211,8 +211,18 @@ class CollectiveContext:
         probe = getattr(self.transport, "unresponsive_ranks", None)
         if probe is None or self.world_size == 1:
             return None
-        result: list[int] | None = probe(min(self.timeout_s, _MAX_GRACE_S) + 0.5)
+        result: list[int] | None = probe(self.check_in_s)
         return result
+
+    @property
+    def check_in_s(self) -> float:
+        """How long :meth:`unresponsive` waits for the other survivors to check in."""
+        return min(self.timeout_s, _MAX_GRACE_S) + 0.5
+
+    @property
+    def longest_wait_s(self) -> float:
+        """The longest :meth:`wait` blocks: its timeout, then the survivors' check-in."""
+        return self.timeout_s + self.check_in_s
 
     def failure(self, doing: str, exc: BaseException, waited: int | None, *,
                 timed_out: bool, probe: bool = True) -> CommTimeoutError | PeerFailedError:
@@ -266,6 +276,6 @@ class CollectiveContext:
         self.wait_all(pendings)
 
 
-def _doing(what: str, kind: str, peer: int) -> str:
+def describe_wait(what: str, kind: str, peer: int) -> str:
     """``waiting to send to rank 2``, ``starting to recv from rank 0``."""
     return f"{what} to {kind} {'to' if kind == 'send' else 'from'} rank {peer}"

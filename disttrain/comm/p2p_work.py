@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from disttrain.comm.context import _MAX_GRACE_S, CollectiveContext, Pending, _doing
+from disttrain.comm.context import CollectiveContext, Pending, describe_wait
 from disttrain.comm.errors import CommError, CommTimeoutError
 from disttrain.comm.stats import TrafficStats
 from disttrain.comm.transport import Transport
@@ -119,13 +119,12 @@ class P2PWork(Work):
     def _wait_helper(self, ended: threading.Event, timeout: float | None) -> None:
         """Wait for the helper thread: at most ``timeout``, or its own limit (the
         communicator's timeout and the survivors' check-in) and a little more."""
-        limit = timeout if timeout is not None else \
-            self._ctx.timeout_s + min(self._ctx.timeout_s, _MAX_GRACE_S) + _BACKSTOP_S
+        limit = timeout if timeout is not None else self._ctx.longest_wait_s + _BACKSTOP_S
         if not ended.wait(limit):
             ctx, pending = self._ctx, self._pending
             exc = CommTimeoutError(
                 f"{ctx.op} #{ctx.seq} ({ctx.algorithm}) on rank {ctx.rank}: timed out after "
-                f"{limit:g}s {_doing('waiting', pending.kind, pending.peer)}; the message "
+                f"{limit:g}s {describe_wait('waiting', pending.kind, pending.peer)}; the message "
                 f"may still move later, so this communicator can no longer be used",
                 op=ctx.op, seq=ctx.seq, peer=pending.peer)
             self._on_error(exc)
