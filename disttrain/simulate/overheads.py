@@ -38,7 +38,8 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
 ``collective_wakeup_after_s`` the compute both ranks ran before that all-reduce (the
                             model's forward+backward at the profile's small batch): a
                             collective pays the wake-up in proportion to how long its link
-                            sat idle before it, in full after this long
+                            sat idle before it, in full after this long (and a pipeline
+                            stage ``stage_wakeup_s`` by its own idle time, likewise)
 ``ps_pull_s``, ``ps_push_s`` one parameter-server pull and push of the model's parameters,
                             one worker and one server in two processes, the worker
                             computing between them (:mod:`~disttrain.simulate.ps_probe`):

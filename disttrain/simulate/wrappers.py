@@ -170,10 +170,10 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     # measurement moves by milliseconds within minutes (where the kernel places the ranks).
     # Not the least, as for compute: this is the ranks' interference itself, and the
     # benchmark's runs draw their placement too
+    probed = [] if cores < 2 else [2, 2 * cores] if cores <= 4 else [2]
     in_step = {ranks: statistics.median(
         collective_in_step(_fwd_bwd(module, x), nbytes, transport=transport, ranks=ranks)
-        for _ in range(3)) for ranks in ((2, 2 * cores) if 1 < cores <= 4 else
-                                         (2,) if cores > 1 else ())}
+        for _ in range(3)) for ranks in probed}
     # the median of three, each pull and push on its own, for the wake-up's reason
     exchanges = [ps_exchange(module, _fwd_bwd(module, x), transport) for _ in range(3)] \
         if cores > 1 else [(0.0, 0.0)]
