@@ -45,7 +45,11 @@ class Case:
         """Extra seconds of a collective or parameter-server exchange issued right after
         compute, over its calibrated (back-to-back) cost: measured on this machine, where
         ranks share cores, and only charged there."""
-        return self.overheads.wakeup(self.workers) if self.cluster.shared_cores else 0.0
+        return self.wakeup_of("all_reduce")
+
+    def wakeup_of(self, op: str) -> float:
+        """:attr:`wakeup` for collective ``op`` (a reduce-scatter has its own probe)."""
+        return self.overheads.wakeup(self.workers, op) if self.cluster.shared_cores else 0.0
 
     def simulation(self) -> Simulation:
         """An engine for this case: on a cluster whose devices are processes sharing cores

@@ -18,6 +18,9 @@ collective as the wake-up (:func:`~disttrain.simulate.wrappers.measure_overheads
 project's 2-vCPU test host a 2-rank Gloo all-reduce of LeNet's gradients costs 1 ms or 3-7
 ms in a step, 85 % of the time the latter, after a barrier as well as after compute
 (docs/benchmarks.md, "In a step, a collective on this host costs one of two prices").
+Which price it mostly pays depends on the collective: a reduce-scatter issued
+asynchronously, as ZeRO reduces gradients, mostly pays the fast one, so it is probed
+apart (``op``).
 """
 
 from __future__ import annotations
@@ -124,16 +127,24 @@ def probe_comm(rank: int, ranks: int, store: str, transport: str) -> Iterator[Co
 
 def _collective_child(rank: int, ranks: int, store: str, results: Any,
                       work: Callable[[], object], nbytes: int, repeats: int,
-                      transport: str) -> None:
+                      transport: str, op: str) -> None:
     try:
         with probe_comm(rank, ranks, store, transport) as comm:
-            x = torch.zeros(max(1, nbytes // 4))
+            numel = max(1, nbytes // 4)
+            if op == "reduce_scatter":  # equal shards
+                numel = max(ranks, numel // ranks * ranks)
+            x, shard = torch.zeros(numel), torch.zeros(max(1, numel // ranks))
             times = []
             for _ in range(repeats + 2):
                 comm.barrier()
                 work()  # every rank computes, as in a training step
                 start = time.perf_counter()
-                comm.all_reduce(x, algorithm="ring")
+                if op == "all_reduce":  # synchronous, as DDP's last bucket
+                    comm.all_reduce(x, algorithm="ring")
+                else:  # on the progress thread, then waited for, as ZeRO's gradients
+                    pending = comm.reduce_scatter(shard, x, algorithm="ring", async_op=True)
+                    assert pending is not None
+                    pending.wait()
                 times.append(time.perf_counter() - start)
         results.put(statistics.median(times[2:]))
     except Exception as exc:  # reported to the parent, which falls back to 0
@@ -141,14 +152,18 @@ def _collective_child(rank: int, ranks: int, store: str, results: Any,
 
 
 def collective_in_step(work: Callable[[], object], nbytes: int, repeats: int = 15,
-                       transport: str = "torch", ranks: int = 2) -> float:
-    """Seconds of a ``ranks``-rank ring all-reduce of ``nbytes`` on ``transport`` issued
-    right after every rank ran ``work`` (as in a training step): the median over ranks of
-    each rank's median over ``repeats`` calls. 0 (logged) if the ranks fail."""
+                       transport: str = "torch", ranks: int = 2,
+                       op: str = "all_reduce") -> float:
+    """Seconds of a ``ranks``-rank ring ``op`` (``all_reduce``, called synchronously as
+    DDP's last bucket, or ``reduce_scatter``, issued asynchronously and waited for as ZeRO
+    reduces gradients) of ``nbytes`` on ``transport``, issued right after every rank ran
+    ``work`` (as in a training step): the median over ranks of each rank's median over
+    ``repeats`` calls. 0 (logged) if the ranks fail."""
+    if op not in ("all_reduce", "reduce_scatter"):
+        raise ValueError(f"op must be 'all_reduce' or 'reduce_scatter', got {op!r}")
     try:
-        times = forked_ranks(_collective_child, ranks, work, nbytes, repeats, transport)
+        times = forked_ranks(_collective_child, ranks, work, nbytes, repeats, transport, op)
     except Exception as exc:
-        log.warning("could not measure the in-step collective wake-up (%s); assuming "
-                    "none", exc)
+        log.warning("could not measure the in-step %s wake-up (%s); assuming none", op, exc)
         return 0.0
     return float(statistics.median(times))

@@ -69,14 +69,14 @@ def _buckets(case: Case) -> list[list[int]]:
                         int(case.workload.bucket_mb * MIB))
 
 
-def _issue(sim: Simulation, case: Case, name: str, seconds: float, deps: tuple[int, ...]
-           ) -> int:
+def _issue(sim: Simulation, case: Case, name: str, seconds: float, deps: tuple[int, ...],
+           op: str = "all_reduce") -> int:
     """A collective on "link": the call's software overhead (measured on one rank; on this
     machine plus the wake-up of a collective issued after compute, in proportion to how
     long the link sat idle before it, in full after the probe's own compute: one queued
-    right behind another, like ZeRO-3's prefetched gathers, wakes nothing), then its
-    α-β-γ time for every rank."""
-    call, wake = case.overheads.collective_call_s, case.wakeup
+    right behind another, like ZeRO-3's prefetched gathers, wakes nothing; a reduce-scatter
+    wakes at its own measured price), then its α-β-γ time for every rank."""
+    call, wake = case.overheads.collective_call_s, case.wakeup_of(op)
     if call or wake:
         deps = (sim.add(f"call:{name}", "link", call, deps, "overhead", cold_s=wake,
                         cold_after_s=case.overheads.collective_wakeup_after_s),)
@@ -92,7 +92,7 @@ def _bucketed(sim: Simulation, case: Case, op: str, bwd: list[int]) -> tuple[lis
     for bucket in _buckets(case):
         seconds, nbytes, algorithm = case.collective(op, group, case.grad_bytes(bucket))
         ready = bwd[min(bucket)]  # reverse order: the lowest layer's backward ends last
-        tasks.append(_issue(sim, case, f"{op}{len(tasks)}", seconds, (ready,)))
+        tasks.append(_issue(sim, case, f"{op}{len(tasks)}", seconds, (ready,), op))
         sent += nbytes
         algorithms.add(algorithm)
     return tasks, sent, algorithms
@@ -147,7 +147,8 @@ def simulate_zero12(case: Case, stage: int) -> StepResult:
         reduces, sent, algorithms = _bucketed(sim, case, "reduce_scatter", bwd)
     else:
         seconds, sent, algorithm = case.collective("reduce_scatter", group, grads)
-        reduces, algorithms = [_issue(sim, case, "rs", seconds, (bwd[0],))], {algorithm}
+        reduces = [_issue(sim, case, "rs", seconds, (bwd[0],), "reduce_scatter")]
+        algorithms = {algorithm}
     opt = sim.add("opt", "compute", case.optimizer(case.profile.params / case.workers),
                   tuple(reduces), "optimizer")
     seconds, ag_bytes, algorithm = case.collective("all_gather", group, grads)
@@ -176,7 +177,7 @@ def simulate_zero3(case: Case) -> StepResult:
         seconds, nbytes, algorithm = case.collective(op, group, case.grad_bytes([layer]))
         sent += nbytes
         algorithms.add(algorithm)
-        return _issue(sim, case, name, seconds, deps)
+        return _issue(sim, case, name, seconds, deps, op)
 
     if case.overheads.step_s:
         sim.add("loop", "compute", case.overheads.step_s, (), "overhead")

@@ -35,6 +35,11 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
 ``collective_wakeup_{p}ranks_s`` the same with p ranks (``wakeup_by_ranks``), on this
                             machine with twice as many ranks as cores: a step of more ranks
                             than cores pays it instead of the 2-rank one
+``scatter_wakeup_{p}ranks_s`` the same for a ring reduce-scatter of the gradients issued
+                            asynchronously and waited for, as ZeRO issues it
+                            (``scatter_wakeup_by_ranks``): on this host it mostly costs
+                            less than the all-reduce's wake-up; ZeRO's reduce-scatters
+                            pay it
 ``collective_wakeup_after_s`` the compute both ranks ran before that all-reduce (the
                             model's forward+backward at the profile's small batch): a
                             collective pays the wake-up in proportion to how long its link
@@ -96,6 +101,8 @@ class Overheads:
     # ranks → the wake-up measured with that many ranks (more than the cores: they also
     # wait for each other to be scheduled); collective_wakeup_s is the 2-rank one
     wakeup_by_ranks: dict[int, float] = field(default_factory=dict)
+    # ranks → the same for a reduce-scatter issued asynchronously (ZeRO's gradients)
+    scatter_wakeup_by_ranks: dict[int, float] = field(default_factory=dict)
     ps_pull_s: float = 0.0  # this machine only (simulate.parameter_server)
     ps_push_s: float = 0.0
     stage_message_s: float = 0.0  # this machine only (simulate.pipeline)
@@ -103,10 +110,12 @@ class Overheads:
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
 
     def __post_init__(self) -> None:
-        if any(isinstance(k, bool) or not isinstance(k, int) or k < 2
-               for k in self.wakeup_by_ranks):  # first: named() sorts them
-            raise ValueError(f"Overheads.wakeup_by_ranks keys must be rank counts ≥ 2, got "
-                             f"{list(self.wakeup_by_ranks)!r}")
+        for name in ("wakeup_by_ranks", "scatter_wakeup_by_ranks"):
+            keys = list(getattr(self, name))
+            if any(isinstance(k, bool) or not isinstance(k, int) or k < 2
+                   for k in keys):  # first: named() sorts them
+                raise ValueError(f"Overheads.{name} keys must be rank counts ≥ 2, got "
+                                 f"{keys!r}")
         for name, value in self.named():
             if not value >= 0:
                 raise ValueError(f"Overheads.{name} must be ≥ 0 seconds, got {value!r}")
@@ -122,10 +131,17 @@ class Overheads:
             "backward_call_s", "collective_wakeup_s", "collective_wakeup_after_s",
             "ps_pull_s", "ps_push_s", "stage_message_s", "stage_wakeup_s")]
         return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())] + [
-            (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())]
+            (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())
+        ] + [(f"scatter_wakeup_{k}ranks_s", v)
+             for k, v in sorted(self.scatter_wakeup_by_ranks.items())]
 
-    def wakeup(self, ranks: int) -> float:
-        """The wake-up measured with the most ranks not above ``ranks`` (2: the plain one)."""
+    def wakeup(self, ranks: int, op: str = "all_reduce") -> float:
+        """The wake-up measured with the most ranks not above ``ranks`` (2: the plain one);
+        for a ``reduce_scatter`` its own when it was probed at such a rank count."""
+        if op == "reduce_scatter":
+            fitting = [k for k in self.scatter_wakeup_by_ranks if k <= ranks]
+            if fitting:
+                return self.scatter_wakeup_by_ranks[max(fitting)]
         fitting = [k for k in self.wakeup_by_ranks if k <= ranks]
         return self.wakeup_by_ranks[max(fitting)] if fitting else self.collective_wakeup_s
 

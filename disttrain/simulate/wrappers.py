@@ -132,8 +132,9 @@ def _calls(comm: Communicator) -> int:
     return sum(op["calls"] for op in comm.stats.snapshot().values())
 
 
-def _wakeup(in_step: float, call: float, nbytes: int, ranks: int, transport: str) -> float:
-    """What an all-reduce of ``nbytes`` on ``ranks`` ranks took in a step (``in_step``)
+def _wakeup(in_step: float, call: float, nbytes: int, ranks: int, transport: str,
+            op: str = "all_reduce") -> float:
+    """What a ring ``op`` of ``nbytes`` on ``ranks`` ranks took in a step (``in_step``)
     beyond what the simulation charges it: the call's software overhead and the calibrated
     ring on this machine (``local(transport)``). At least 0; 0 when the probe failed."""
     from disttrain.simulate.cluster import local
@@ -142,8 +143,7 @@ def _wakeup(in_step: float, call: float, nbytes: int, ranks: int, transport: str
     if in_step <= 0:
         return 0.0
     cluster = local(transport)
-    calibrated, _ = collective_time(cluster, "all_reduce", "ring", group_of(cluster, ranks),
-                                    nbytes)
+    calibrated, _ = collective_time(cluster, op, "ring", group_of(cluster, ranks), nbytes)
     return max(0.0, in_step - call - calibrated)
 
 
@@ -171,9 +171,10 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     # Not the least, as for compute: this is the ranks' interference itself, and the
     # benchmark's runs draw their placement too
     probed = [] if cores < 2 else [2, 2 * cores] if cores <= 4 else [2]
-    in_step = {ranks: statistics.median(
-        collective_in_step(_fwd_bwd(module, x), nbytes, transport=transport, ranks=ranks)
-        for _ in range(3)) for ranks in probed}
+    in_step = {(op, ranks): statistics.median(
+        collective_in_step(_fwd_bwd(module, x), nbytes, transport=transport, ranks=ranks,
+                           op=op) for _ in range(3))
+        for op in ("all_reduce", "reduce_scatter") for ranks in probed}
     # the median of three, each pull and push on its own, for the wake-up's reason
     exchanges = [ps_exchange(module, _fwd_bwd(module, x), transport) for _ in range(3)] \
         if cores > 1 else [(0.0, 0.0)]
@@ -187,8 +188,10 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     comm = solo_comm()
     try:
         call = collective_call(comm)
-        wakeup = {ranks: _wakeup(took, call, nbytes, ranks, transport)
-                  for ranks, took in in_step.items()}
+        wakeup = {ranks: _wakeup(took, call, nbytes, ranks, transport, op)
+                  for (op, ranks), took in in_step.items() if op == "all_reduce"}
+        scatter = {ranks: _wakeup(took, call, nbytes, ranks, transport, op)
+                   for (op, ranks), took in in_step.items() if op == "reduce_scatter"}
         hook = ddp_hook(module, x, comm, call)
         zero = {k: zero_work(k, module, x, comm, call, sgd) for k in (1, 2, 3)}
     finally:
@@ -200,7 +203,7 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      collective_call_s=call, hook_s_per_tensor=hook,
                      backward_call_s=backward_call(), zero_s=zero,
                      collective_wakeup_s=wakeup.pop(2, 0.0), collective_wakeup_after_s=after,
-                     wakeup_by_ranks=wakeup,
+                     wakeup_by_ranks=wakeup, scatter_wakeup_by_ranks=scatter,
                      ps_pull_s=pull, ps_push_s=push,
                      stage_message_s=message, stage_wakeup_s=stage_wakeup,
                      concurrent_slowdown=slowdown)
