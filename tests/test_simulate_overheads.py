@@ -319,6 +319,26 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert all(p.grad is None for p in net.parameters())  # the model is left as it was
 
 
+def test_the_least_disturbed_ps_probe_counts_and_a_failed_one_is_no_reading(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three parameter-server probes read (2, 3), (1, 4) and failed (0, 0): the profile
+    keeps the least reading of each, pull 1 and push 3 (the other probes faked)."""
+    import disttrain.simulate.contention as contention
+    import disttrain.simulate.ps_probe as ps_probe
+    import disttrain.simulate.stage_probe as stage_probe
+    from disttrain.simulate.wrappers import measure_overheads
+
+    readings = iter([(2e-3, 3e-3), (1e-3, 4e-3), (0.0, 0.0)])
+    monkeypatch.setattr(ps_probe, "ps_exchange", lambda *a, **k: next(readings))
+    monkeypatch.setattr(contention, "collective_in_step", lambda *a, **k: 0.0)
+    monkeypatch.setattr(contention, "concurrent_slowdown", lambda *a, **k: 1.0)
+    monkeypatch.setattr(stage_probe, "stage_message", lambda *a, **k: (0.0, 0.0))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    overheads = measure_overheads(net, torch.randn(4, 8), cores=2)
+    assert (overheads.ps_pull_s, overheads.ps_push_s) == (1e-3, 3e-3)
+
+
 def test_the_wake_up_is_the_in_step_all_reduce_beyond_what_the_simulation_charges(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe's all-reduce after compute, minus the call overhead and the calibrated

@@ -175,10 +175,13 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
         collective_in_step(_fwd_bwd(module, x), nbytes, transport=transport, ranks=ranks,
                            op=op) for _ in range(3))
         for op in ("all_reduce", "reduce_scatter") for ranks in probed}
-    # the median of three, each pull and push on its own, for the wake-up's reason
+    # The least of three, each pull and push on its own: one worker and one server have a
+    # core each, so a slow reading is other load on the machine, as for compute (and the
+    # validation measures a strategy by its least disturbed run). A probe that failed (0)
+    # is not a reading
     exchanges = [ps_exchange(module, _fwd_bwd(module, x), transport) for _ in range(3)] \
         if cores > 1 else [(0.0, 0.0)]
-    pull, push = (statistics.median(e[i] for e in exchanges) for i in (0, 1))
+    pull, push = (min((e[i] for e in exchanges if e[i] > 0), default=0.0) for i in (0, 1))
     # a pipeline message, busy and after idling: the median of three, for the same reason
     messages = [stage_message(_fwd_bwd(module, x), transport) for _ in range(3)] \
         if cores > 1 else [(0.0, 0.0)]
