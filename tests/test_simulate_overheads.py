@@ -339,6 +339,16 @@ def test_the_least_disturbed_ps_probe_counts_and_a_failed_one_is_no_reading(
     assert (overheads.ps_pull_s, overheads.ps_push_s) == (1e-3, 3e-3)
 
 
+def test_probes_are_read_round_robin_so_a_slow_spell_hits_one_reading_of_each() -> None:
+    from disttrain.simulate.wrappers import _rounds
+
+    order: list[str] = []
+    readings = _rounds({name: (lambda name=name: order.append(name) or len(order))
+                        for name in ("a", "b")})
+    assert order == ["a", "b"] * 3
+    assert readings == {"a": [1, 3, 5], "b": [2, 4, 6]}
+
+
 def test_the_wake_up_is_the_in_step_all_reduce_beyond_what_the_simulation_charges(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe's all-reduce after compute, minus the call overhead and the calibrated

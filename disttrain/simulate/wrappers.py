@@ -12,9 +12,11 @@ around them.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import statistics
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -147,6 +149,18 @@ def _wakeup(in_step: float, call: float, nbytes: int, ranks: int, transport: str
     return max(0.0, in_step - call - calibrated)
 
 
+def _rounds(probes: dict[str, Callable[[], Any]], rounds: int = 3) -> dict[str, list[Any]]:
+    """``rounds`` readings of every probe, taken round-robin rather than each probe's in a
+    row: this machine has slow spells of tens of seconds, which then slow one reading of
+    every probe (that the median or the least of three leaves out) instead of every
+    reading of one probe."""
+    readings: dict[str, list[Any]] = {name: [] for name in probes}
+    for _ in range(rounds):
+        for name, probe in probes.items():
+            readings[name].append(probe())
+    return readings
+
+
 def measure_overheads(module: nn.Module, x: torch.Tensor,
                       loop: Callable[[], object] | None = None, cores: int = 1,
                       transport: str = "torch") -> Overheads:
@@ -165,26 +179,32 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     # needs a free core to hurt one process, two to hurt the pair, and inflates the ratio
     slowdown = min(concurrent_slowdown(_fwd_bwd(module, x), cores) for _ in range(3))
     nbytes = sum(p.numel() * 4 for p in module.parameters() if p.requires_grad)
-    # The gradients' all-reduce in a step, with 2 ranks and with twice as many ranks as
-    # cores (4 on this project's 2, as --validate runs them). The median of three: one
-    # measurement moves by milliseconds within minutes (where the kernel places the ranks).
-    # Not the least, as for compute: this is the ranks' interference itself, and the
-    # benchmark's runs draw their placement too
+    # The gradients' all-reduce (and ZeRO's reduce-scatter) in a step, with 2 ranks and
+    # with twice as many ranks as cores (4 on this project's 2, as --validate runs them),
+    # a parameter-server exchange and a pipeline message, three readings of each taken
+    # round-robin (_rounds)
     probed = [] if cores < 2 else [2, 2 * cores] if cores <= 4 else [2]
-    in_step = {(op, ranks): statistics.median(
-        collective_in_step(_fwd_bwd(module, x), nbytes, transport=transport, ranks=ranks,
-                           op=op) for _ in range(3))
+    probes: dict[str, Callable[[], Any]] = {
+        f"{op}:{ranks}": functools.partial(collective_in_step, _fwd_bwd(module, x), nbytes,
+                                           transport=transport, ranks=ranks, op=op)
         for op in ("all_reduce", "reduce_scatter") for ranks in probed}
+    if cores > 1:
+        probes["ps"] = functools.partial(ps_exchange, module, _fwd_bwd(module, x), transport)
+        probes["stage"] = functools.partial(stage_message, _fwd_bwd(module, x), transport)
+    readings = _rounds(probes)
+    # The collectives: the median of three. One measurement moves by milliseconds within
+    # minutes (where the kernel places the ranks). Not the least, as for compute: this is
+    # the ranks' interference itself, and the benchmark's runs draw their placement too
+    in_step = {(op, ranks): statistics.median(readings[f"{op}:{ranks}"])
+               for op in ("all_reduce", "reduce_scatter") for ranks in probed}
     # The least of three, each pull and push on its own: one worker and one server have a
     # core each, so a slow reading is other load on the machine, as for compute (and the
     # validation measures a strategy by its least disturbed run). A probe that failed (0)
     # is not a reading
-    exchanges = [ps_exchange(module, _fwd_bwd(module, x), transport) for _ in range(3)] \
-        if cores > 1 else [(0.0, 0.0)]
+    exchanges = readings.get("ps", [(0.0, 0.0)])
     pull, push = (min((e[i] for e in exchanges if e[i] > 0), default=0.0) for i in (0, 1))
-    # a pipeline message, busy and after idling: the median of three, for the same reason
-    messages = [stage_message(_fwd_bwd(module, x), transport) for _ in range(3)] \
-        if cores > 1 else [(0.0, 0.0)]
+    # a pipeline message, busy and after idling: the median of three, as the collectives
+    messages = readings.get("stage", [(0.0, 0.0)])
     message, stage_wakeup = (statistics.median(m[i] for m in messages) for i in (0, 1))
     after = median_time(_fwd_bwd(module, x)) if cores > 1 else 0.0  # the probe's compute
     module.zero_grad(set_to_none=True)
