@@ -19,8 +19,8 @@ project's 2-vCPU test host a 2-rank Gloo all-reduce of LeNet's gradients costs 1
 ms in a step, 85 % of the time the latter, after a barrier as well as after compute
 (docs/benchmarks.md, "In a step, a collective on this host costs one of two prices").
 Which price it mostly pays depends on the collective: a reduce-scatter issued
-asynchronously, as ZeRO reduces gradients, mostly pays the fast one, so it is probed
-apart (``op``).
+asynchronously, as ZeRO-2 and ZeRO-3 reduce gradients, mostly pays the fast one, so it is
+probed apart (``op``; ZeRO-1's synchronous one is charged the same).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def _collective_child(rank: int, ranks: int, store: str, results: Any,
                 start = time.perf_counter()
                 if op == "all_reduce":  # synchronous, as DDP's last bucket
                     comm.all_reduce(x, algorithm="ring")
-                else:  # on the progress thread, then waited for, as ZeRO's gradients
+                else:  # on the progress thread, then waited for, as ZeRO-2/3's gradients
                     pending = comm.reduce_scatter(shard, x, algorithm="ring", async_op=True)
                     assert pending is not None
                     pending.wait()
@@ -155,10 +155,10 @@ def collective_in_step(work: Callable[[], object], nbytes: int, repeats: int = 1
                        transport: str = "torch", ranks: int = 2,
                        op: str = "all_reduce") -> float:
     """Seconds of a ``ranks``-rank ring ``op`` (``all_reduce``, called synchronously as
-    DDP's last bucket, or ``reduce_scatter``, issued asynchronously and waited for as ZeRO
-    reduces gradients) of ``nbytes`` on ``transport``, issued right after every rank ran
-    ``work`` (as in a training step): the median over ranks of each rank's median over
-    ``repeats`` calls. 0 (logged) if the ranks fail."""
+    DDP's last bucket, or ``reduce_scatter``, issued asynchronously and waited for as
+    ZeRO-2 and ZeRO-3 reduce gradients) of ``nbytes`` on ``transport``, issued right after
+    every rank ran ``work`` (as in a training step): the median over ranks of each rank's
+    median over ``repeats`` calls. 0 (logged) if the ranks fail."""
     if op not in ("all_reduce", "reduce_scatter"):
         raise ValueError(f"op must be 'all_reduce' or 'reduce_scatter', got {op!r}")
     try:

@@ -36,10 +36,10 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             machine with twice as many ranks as cores: a step of more ranks
                             than cores pays it instead of the 2-rank one
 ``scatter_wakeup_{p}ranks_s`` the same for a ring reduce-scatter of the gradients issued
-                            asynchronously and waited for, as ZeRO issues it
+                            asynchronously and waited for, as ZeRO-2/3 issue it
                             (``scatter_wakeup_by_ranks``): on this host it mostly costs
-                            less than the all-reduce's wake-up; ZeRO's reduce-scatters
-                            pay it
+                            less than the all-reduce's wake-up; every ZeRO stage's
+                            reduce-scatters pay it (ZeRO-1's, called synchronously, too)
 ``collective_wakeup_after_s`` the compute both ranks ran before that all-reduce (the
                             model's forward+backward at the profile's small batch): a
                             collective pays the wake-up in proportion to how long its link
