@@ -244,7 +244,8 @@ def test_a_reduce_scatter_pays_its_own_probed_wake_up_where_it_was_probed() -> N
 def test_zero_reduce_scatters_wake_at_their_own_price_and_ddp_at_the_all_reduce_s() -> None:
     """One 2-layer model on 2 ranks sharing 2 cores: lowering only the reduce-scatter's
     wake-up from 1 s to 0.25 s takes 0.75 s off ZeRO-1's and ZeRO-2's step (one gradient
-    reduce-scatter after a long backward each), nothing off DDP's."""
+    reduce-scatter after a long backward each), nothing off DDP's; ZeRO-3's per-layer
+    reduce-scatters pay it too."""
     ar_only = Overheads(collective_wakeup_s=1.0, collective_wakeup_after_s=1.0)
     cheaper = replace(ar_only, scatter_wakeup_by_ranks={2: 0.25})
 
@@ -258,6 +259,7 @@ def test_zero_reduce_scatters_wake_at_their_own_price_and_ddp_at_the_all_reduce_
             return simulate_zero12(case, stage)
         assert step(zero, ar_only) - step(zero, cheaper) == pytest.approx(0.75)
     assert step(simulate_ddp, ar_only) == pytest.approx(step(simulate_ddp, cheaper))
+    assert step(simulate_zero3, cheaper) < step(simulate_zero3, ar_only)  # per layer
 
 
 def test_zero3_gathers_queued_behind_each_other_wake_nothing() -> None:
