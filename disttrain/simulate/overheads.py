@@ -49,9 +49,6 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             one worker and one server in two processes, the worker
                             computing between them (:mod:`~disttrain.simulate.ps_probe`):
                             messages, both sides' Python and the server's work
-``ps_server_s``             the server's CPU time (all its threads) per pull and push in
-                            that probe, between its updates: the part of an exchange only
-                            the server can do, which workers wait for in turn
 ``stage_message_s``         one message between two pipeline stages that compute nothing
                             in between (:mod:`~disttrain.simulate.stage_probe`): both
                             stages' Python, the header, the posted receive
@@ -108,7 +105,6 @@ class Overheads:
     scatter_wakeup_by_ranks: dict[int, float] = field(default_factory=dict)
     ps_pull_s: float = 0.0  # this machine only (simulate.parameter_server)
     ps_push_s: float = 0.0
-    ps_server_s: float = 0.0  # the server's CPU in that pull and push
     stage_message_s: float = 0.0  # this machine only (simulate.pipeline)
     stage_wakeup_s: float = 0.0
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
@@ -133,7 +129,7 @@ class Overheads:
             "step_s", "sgd_fixed_s", "sgd_s_per_byte", "adam_fixed_s", "adam_s_per_byte",
             "optimizer_tensor_s", "collective_call_s", "hook_s_per_tensor",
             "backward_call_s", "collective_wakeup_s", "collective_wakeup_after_s",
-            "ps_pull_s", "ps_push_s", "ps_server_s", "stage_message_s", "stage_wakeup_s")]
+            "ps_pull_s", "ps_push_s", "stage_message_s", "stage_wakeup_s")]
         return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())] + [
             (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())
         ] + [(f"scatter_wakeup_{k}ranks_s", v)

@@ -9,10 +9,7 @@ shared memory), where the calibrated α-β costs of their messages are 0.6 and 0
 shared memory. :func:`ps_exchange` times both in two forked processes on the transport
 the profile is for: rank 0 a :class:`~disttrain.parallel.parameter_server.PSWorker` that
 computes forward+backward between its pull and its push, as in a step, rank 1 the server
-(sync mode, SGD), whose CPU time per pull and push (all its threads, between updates) is
-the part of an exchange that only the server can do: with several workers the rest (the
-worker's own Python, the wake-ups while a message travels) overlaps other workers'
-exchanges. The simulation charges them on this machine
+(sync mode, SGD). The simulation charges them per worker on this machine
 (:mod:`~disttrain.simulate.parameter_server`).
 """
 
@@ -52,15 +49,9 @@ def _child(rank: int, ranks: int, store: str, results: Any, module: nn.Module,
             roles = assign_roles(ranks, 1)
             config = PSConfig(mode="sync", timeout_s=TIMEOUT_S / 2)
             if roles.role(rank).kind == "server":
-                # the server's CPU (every thread of it) between updates: one pull and one
-                # push per update in sync mode with one worker
-                marks: list[float] = []
                 run_parameter_server(comm, roles, module,
-                                     lambda p: torch.optim.SGD(p, lr=0.0), config,
-                                     on_update=lambda _: marks.append(time.process_time()))
-                spans = len(marks) - 1 - WARM_UP
-                results.put(("server", (marks[-1] - marks[WARM_UP]) / spans
-                             if spans > 0 else 0.0))
+                                     lambda p: torch.optim.SGD(p, lr=0.0), config)
+                results.put(None)
                 return
             ps = PSWorker(comm, module, roles, config)
             pulls, pushes = [], []
@@ -74,23 +65,22 @@ def _child(rank: int, ranks: int, store: str, results: Any, module: nn.Module,
                 pushes.append(time.perf_counter() - computed)
                 pulls.append(pulled - start)
             ps.close()
-        results.put(("worker", statistics.median(pulls[WARM_UP:]),
-                     statistics.median(pushes[WARM_UP:])))
+        results.put((statistics.median(pulls[WARM_UP:]), statistics.median(pushes[WARM_UP:])))
     except Exception as exc:  # reported to the parent, which falls back to 0
         results.put(f"{type(exc).__name__}: {exc}")
 
 
 def ps_exchange(module: nn.Module, work: Callable[[], object], transport: str = "torch"
-                ) -> tuple[float, float, float]:
-    """(seconds of a pull, seconds of a push, the server's CPU seconds per pull and push) of
-    ``module``'s parameters between one worker that runs ``work`` (forward+backward)
-    between them and one server, on ``transport``. (0, 0, 0), logged, if the processes fail
-    or fork is unavailable."""
+                ) -> tuple[float, float]:
+    """(seconds of a pull, seconds of a push) of ``module``'s parameters between one worker
+    that runs ``work`` (forward+backward) between them and one server, on ``transport``.
+    (0, 0), logged, if the processes fail or fork is unavailable."""
     try:
-        values = {v[0]: v[1:] for v in forked_ranks(_child, 2, module, work, transport)}
+        values = [v for v in forked_ranks(_child, 2, module, work, transport)
+                  if v is not None]
     except Exception as exc:
         log.warning("could not measure a parameter-server exchange (%s); assuming only "
                     "its messages' calibrated cost", exc)
-        return 0.0, 0.0, 0.0
-    (pull, push), (server,) = values["worker"], values["server"]
-    return float(pull), float(push), float(server)
+        return 0.0, 0.0
+    pull, push = values[0]
+    return float(pull), float(push)

@@ -197,13 +197,12 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     # the ranks' interference itself, and the benchmark's runs draw their placement too
     in_step = {(op, ranks): statistics.median(readings[f"{op}:{ranks}"])
                for op in ("all_reduce", "reduce_scatter") for ranks in probed}
-    # The least of three, the pull, the push and the server's CPU each on its own: one
-    # worker and one server have a core each, so a slow reading is other load on the
-    # machine, as for compute (and the validation measures a strategy by its least
-    # disturbed run). A probe that failed (0) is not a reading
-    exchanges = readings.get("ps", [(0.0, 0.0, 0.0)])
-    pull, push, server = (min((e[i] for e in exchanges if e[i] > 0), default=0.0)
-                          for i in (0, 1, 2))
+    # The least of three, each pull and push on its own: one worker and one server have a
+    # core each, so a slow reading is other load on the machine, as for compute (and the
+    # validation measures a strategy by its least disturbed run). A probe that failed (0)
+    # is not a reading
+    exchanges = readings.get("ps", [(0.0, 0.0)])
+    pull, push = (min((e[i] for e in exchanges if e[i] > 0), default=0.0) for i in (0, 1))
     # a pipeline message, busy and after idling: the median of three, as the collectives
     messages = readings.get("stage", [(0.0, 0.0)])
     message, stage_wakeup = (statistics.median(m[i] for m in messages) for i in (0, 1))
@@ -228,6 +227,6 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      backward_call_s=backward_call(), zero_s=zero,
                      collective_wakeup_s=wakeup.pop(2, 0.0), collective_wakeup_after_s=after,
                      wakeup_by_ranks=wakeup, scatter_wakeup_by_ranks=scatter,
-                     ps_pull_s=pull, ps_push_s=push, ps_server_s=min(server, pull + push),
+                     ps_pull_s=pull, ps_push_s=push,
                      stage_message_s=message, stage_wakeup_s=stage_wakeup,
                      concurrent_slowdown=slowdown)
