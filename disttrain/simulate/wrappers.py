@@ -16,7 +16,7 @@ import functools
 import logging
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -161,28 +161,26 @@ def _rounds(probes: dict[str, Callable[[], Any]], rounds: int = 3) -> dict[str, 
     return readings
 
 
-def measure_overheads(module: nn.Module, x: torch.Tensor,
-                      loop: Callable[[], object] | None = None, cores: int = 1,
-                      transport: str = "torch") -> Overheads:
-    """Every :class:`Overheads` quantity for ``module`` on input ``x`` (one thread is the
-    caller's business). ``loop`` runs the loop's own per-step work once; ``cores`` > 1
-    measures ``concurrent_slowdown`` with that many processes, the wake-up of a
-    collective, a parameter-server pull and push and a pipeline message on ``transport``."""
-    from disttrain.simulate.contention import collective_in_step, concurrent_slowdown
+class _Interference(NamedTuple):
+    """The probes of ranks sharing this machine's cores, aggregated."""
+
+    in_step: dict[tuple[str, int], float]  # (op, ranks) → seconds of the collective
+    pull: float
+    push: float
+    message: float
+    stage_wakeup: float
+
+
+def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
+                  transport: str) -> _Interference:
+    """The gradients' all-reduce (and ZeRO's reduce-scatter) in a step, with 2 ranks and
+    with twice as many ranks as cores (4 on this project's 2, as --validate runs them), a
+    parameter-server exchange and a pipeline message on ``transport``: three readings of
+    each, taken round-robin (:func:`_rounds`). Nothing with fewer than 2 cores."""
+    from disttrain.simulate.contention import collective_in_step
     from disttrain.simulate.ps_probe import ps_exchange
     from disttrain.simulate.stage_probe import stage_message
 
-    sgd = optimizer_costs(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
-    adam = optimizer_costs(lambda ps: torch.optim.Adam(ps, lr=1e-3))
-    params = [p for p in module.parameters() if p.requires_grad]
-    # before any thread starts (it forks). The least of three: other load on the machine
-    # needs a free core to hurt one process, two to hurt the pair, and inflates the ratio
-    slowdown = min(concurrent_slowdown(_fwd_bwd(module, x), cores) for _ in range(3))
-    nbytes = sum(p.numel() * 4 for p in module.parameters() if p.requires_grad)
-    # The gradients' all-reduce (and ZeRO's reduce-scatter) in a step, with 2 ranks and
-    # with twice as many ranks as cores (4 on this project's 2, as --validate runs them),
-    # a parameter-server exchange and a pipeline message, three readings of each taken
-    # round-robin (_rounds)
     probed = [] if cores < 2 else [2, 2 * cores] if cores <= 4 else [2]
     probes: dict[str, Callable[[], Any]] = {
         f"{op}:{ranks}": functools.partial(collective_in_step, _fwd_bwd(module, x), nbytes,
@@ -206,15 +204,35 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     # a pipeline message, busy and after idling: the median of three, as the collectives
     messages = readings.get("stage", [(0.0, 0.0)])
     message, stage_wakeup = (statistics.median(m[i] for m in messages) for i in (0, 1))
+    return _Interference(in_step, pull, push, message, stage_wakeup)
+
+
+def measure_overheads(module: nn.Module, x: torch.Tensor,
+                      loop: Callable[[], object] | None = None, cores: int = 1,
+                      transport: str = "torch") -> Overheads:
+    """Every :class:`Overheads` quantity for ``module`` on input ``x`` (one thread is the
+    caller's business). ``loop`` runs the loop's own per-step work once; ``cores`` > 1
+    measures ``concurrent_slowdown`` with that many processes, the wake-up of a
+    collective, a parameter-server pull and push and a pipeline message on ``transport``."""
+    from disttrain.simulate.contention import concurrent_slowdown
+
+    sgd = optimizer_costs(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
+    adam = optimizer_costs(lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    params = [p for p in module.parameters() if p.requires_grad]
+    # before any thread starts (it forks). The least of three: other load on the machine
+    # needs a free core to hurt one process, two to hurt the pair, and inflates the ratio
+    slowdown = min(concurrent_slowdown(_fwd_bwd(module, x), cores) for _ in range(3))
+    nbytes = sum(p.numel() * 4 for p in params)
+    shared = _interference(module, x, nbytes, cores, transport)
     after = median_time(_fwd_bwd(module, x)) if cores > 1 else 0.0  # the probe's compute
     module.zero_grad(set_to_none=True)
     comm = solo_comm()
     try:
         call = collective_call(comm)
         wakeup = {ranks: _wakeup(took, call, nbytes, ranks, transport, op)
-                  for (op, ranks), took in in_step.items() if op == "all_reduce"}
+                  for (op, ranks), took in shared.in_step.items() if op == "all_reduce"}
         scatter = {ranks: _wakeup(took, call, nbytes, ranks, transport, op)
-                   for (op, ranks), took in in_step.items() if op == "reduce_scatter"}
+                   for (op, ranks), took in shared.in_step.items() if op == "reduce_scatter"}
         hook = ddp_hook(module, x, comm, call)
         zero = {k: zero_work(k, module, x, comm, call, sgd) for k in (1, 2, 3)}
     finally:
@@ -227,6 +245,6 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      backward_call_s=backward_call(), zero_s=zero,
                      collective_wakeup_s=wakeup.pop(2, 0.0), collective_wakeup_after_s=after,
                      wakeup_by_ranks=wakeup, scatter_wakeup_by_ranks=scatter,
-                     ps_pull_s=pull, ps_push_s=push,
-                     stage_message_s=message, stage_wakeup_s=stage_wakeup,
+                     ps_pull_s=shared.pull, ps_push_s=shared.push,
+                     stage_message_s=shared.message, stage_wakeup_s=shared.stage_wakeup,
                      concurrent_slowdown=slowdown)
