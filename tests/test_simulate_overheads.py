@@ -472,8 +472,8 @@ def test_pipeline_messages_cost_two_busy_ranks_and_share_the_cores() -> None:
 
 
 def test_pipeline_messages_cost_their_probe_and_wake_an_idle_receiver_on_one_host() -> None:
-    """On this machine a message between stages costs the probed message between busy
-    stages where that exceeds the transport's α, and the computation that follows it pays
+    """On this machine a message between stages costs the probed message; with micro-batches
+    in flight at least the transport's α. The computation that follows it pays
     the probed wake-up in proportion to how long its stage sat idle (in full after
     ``collective_wakeup_after_s``)."""
     alpha = 0.25
@@ -493,8 +493,13 @@ def test_pipeline_messages_cost_their_probe_and_wake_an_idle_receiver_on_one_hos
     # at least 1 s (a stage's forward of one sample), so each wakes it in full
     assert extra(2, probed) == pytest.approx(2 * (1.0 + 0.5))
     assert extra(4, probed) == pytest.approx(6 * (1.0 + 0.5))
-    # a probe below α changes nothing: the transport's own latency is the floor
-    assert extra(4, Overheads(stage_message_s=0.1)) == pytest.approx(6 * alpha)
+    # one message at a time, as in the probe: a probe below α is still the price ...
+    assert extra(4, Overheads(stage_message_s=0.1)) == pytest.approx(6 * 0.1)
+    # ... but with micro-batches in flight the stages compute while messages move and a
+    # message costs at least the calibrated α: GPipe, m = 2, on 2 stages sends 4, two of
+    # them on the critical path (the last activation, the last gradient)
+    below = Overheads(stage_message_s=0.1)
+    assert extra(2, below, name="gpipe", m=2) == pytest.approx(2 * alpha)
     # on a cluster (a device per rank) the probes of this host say nothing
     assert extra(4, probed, cores=0) == pytest.approx(6 * alpha)
     # GPipe, m = 2: a message that reaches a stage busy with the other micro-batch wakes

@@ -12,7 +12,8 @@ the stage's compute stream (a backward also pays one autograd call,
 ``torch.autograd.backward``), every send a task on its link (α + activation bytes · β,
 intra- or inter-node depending on where the neighbour sits; on this machine, the constants
 calibrated with as many ranks as cores, the link sharing the cores with compute, and at
-least the probed cost of a message between busy stages, ``Overheads.stage_message_s``),
+least the probed cost of a message between stages, ``Overheads.stage_message_s``; model
+parallelism, one message at a time as in the probe, pays the probe alone),
 and every receive a dependency on the matching send; on this machine the computation that
 follows a receive also pays ``Overheads.stage_wakeup_s`` in proportion to how long its
 stage sat idle before it. The bubble, the idle time at the start and end of the step, comes
@@ -74,9 +75,17 @@ class _Replica:
         ranks = min(self.case.workers, cluster.shared_cores or self.case.workers)
         costs = costs.at(max(2, ranks))
         # What a message costs here besides its bytes, as probed through the stage links
-        # between busy stages (Overheads.stage_message_s: both stages' Python), when that
-        # is more than the transport's α
+        # (Overheads.stage_message_s: both stages' Python, the transport's latency). Model
+        # parallelism sends one message at a time while the other stages wait, as in the
+        # probe, so the probe is its price. With micro-batches in flight every stage
+        # computes while messages move, and the transport's threads take their cycles from
+        # that compute: such a message costs at least the calibrated α, measured with every
+        # rank busy (on Gloo here 0.77 ms against a probe of 0.25-0.32 ms; with the probe
+        # alone GPipe and 1F1B read 0.50-0.83 of their measured steps, model parallelism
+        # on 4 ranks with α 1.25-1.33: docs/simulate.md, "Overheads")
         probed = self.case.overheads.stage_message_s if self.on_host(stage, to) else 0.0
+        if probed and self.schedule.num_microbatches == 1:
+            return probed + nbytes * costs.beta
         return max(costs.alpha, probed) + nbytes * costs.beta
 
     def on_host(self, stage: int, to: int) -> bool:
