@@ -128,9 +128,14 @@ def segments_and_bad_args(_torch_comm: Communicator) -> dict[str, object]:
         except ValueError as exc:
             errors.append(str(exc))
     plain = Communicator.from_torch().shared_zeros(4, torch.int32)  # torch transport
+    # only_if_useful: a size the one-shot path copies anyway stays ordinary; above it, shared
+    small = comm.shared_zeros(16, only_if_useful=True)
+    big = comm.shared_zeros((2, 1 << 16), only_if_useful=True)  # 512 KiB > 256 KiB
     return {"shape": tuple(x.shape), "dtype": str(x.dtype), "zeros": bool((x == 0).all()),
             "left": [n for n in names if os.path.exists(f"/dev/shm/{n}")],
-            "errors": errors, "plain": (tuple(plain.shape), str(plain.dtype))}
+            "errors": errors, "plain": (tuple(plain.shape), str(plain.dtype)),
+            "useful": (transport.buffers.find(small) is not None,
+                       transport.buffers.find(big) is not None, tuple(big.shape))}
 
 
 def test_shared_zeros_allocates_leaves_no_name_and_checks_its_arguments(pools):
@@ -139,6 +144,7 @@ def test_shared_zeros_allocates_leaves_no_name_and_checks_its_arguments(pools):
         assert out["left"] == []
         assert len(out["errors"]) == 4 and all("shape must be" in e for e in out["errors"])
         assert out["plain"] == ((4,), "torch.int32")
+        assert out["useful"] == (False, True, (2, 1 << 16))
 
 
 def test_reduce_ops_all_have_kernels():

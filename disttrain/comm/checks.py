@@ -44,6 +44,15 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)
 
 
+def shape_arg(shape: Any) -> tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints ≥ 0) as a tuple; ValueError otherwise."""
+    dims = (shape,) if isinstance(shape, int) else (
+        tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+        raise ValueError(f"shape must be ints ≥ 0, got {shape!r}")
+    return dims
+
+
 def p2p_args(kind: str, peer: Any, tag: Any, world_size: int, rank: int,
              max_tag: int) -> tuple[int, int]:
     """(peer, tag) of a ``kind`` ("send": peer is ``dst``, "recv": ``src``) message."""
@@ -124,6 +133,11 @@ def all_to_all_rows(out: torch.Tensor, tensor: torch.Tensor, out_splits: list[in
     out_rows = splits_arg("output_split_sizes", out_splits,
                           out.shape[0] if out.dim() else 1, world_size)
     return out_rows, in_rows, row_elems(tensor)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements."""
+    return t.numel() * t.element_size()
 
 
 def row_elems(t: torch.Tensor) -> int:

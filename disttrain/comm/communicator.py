@@ -157,15 +157,15 @@ class Communicator:
         t, rop = self._tensor("tensor", tensor), checks.reduce_op(op)
         check_dtype(t, rop)
         flat = checks.flat(t)
-        return self._reducing("all_reduce", algorithm, _nbytes(t), lambda: signature_of(t, rop),
-                              async_op, flat, flat, rop)
+        return self._reducing("all_reduce", algorithm, checks.nbytes(t),
+                              lambda: signature_of(t, rop), async_op, flat, flat, rop)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *, algorithm: str | None = None,
                   async_op: bool = False) -> Work | None:
         """Copy ``tensor`` from ``root`` to every rank, in place."""
         t, root = self._tensor("tensor", tensor), self._root(root)
-        return self._plain("broadcast", algorithm, _nbytes(t), lambda: signature_of(t, root=root),
-                           async_op, checks.flat(t), root)
+        return self._plain("broadcast", algorithm, checks.nbytes(t),
+                           lambda: signature_of(t, root=root), async_op, checks.flat(t), root)
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: str | ReduceOp = "sum", *,
                algorithm: str | None = None, async_op: bool = False) -> Work | None:
@@ -174,7 +174,7 @@ class Communicator:
         check_dtype(t, rop)
         flat = checks.flat(t)
         is_root = self.rank == root  # elsewhere the algorithm may use a copy as scratch
-        return self._reducing("reduce", algorithm, _nbytes(t),
+        return self._reducing("reduce", algorithm, checks.nbytes(t),
                               lambda: signature_of(t, rop, root), async_op,
                               flat if is_root else None, flat if is_root else flat.clone(), root,
                               rop)
@@ -183,7 +183,7 @@ class Communicator:
                    algorithm: str | None = None, async_op: bool = False) -> Work | None:
         """``output`` = every rank's ``tensor`` concatenated in rank order (flat)."""
         out, t = self._blocks("output", output, "tensor", tensor, self.world_size, 1)
-        return self._plain("all_gather", algorithm, _nbytes(out), lambda: signature_of(t),
+        return self._plain("all_gather", algorithm, checks.nbytes(out), lambda: signature_of(t),
                            async_op, checks.flat(out), checks.flat(t))
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor,
@@ -194,7 +194,7 @@ class Communicator:
         out, t = self._blocks("output", output, "tensor", tensor, 1, self.world_size)
         check_dtype(t, rop)
         fo = checks.flat(out)
-        return self._reducing("reduce_scatter", algorithm, _nbytes(t),
+        return self._reducing("reduce_scatter", algorithm, checks.nbytes(t),
                               lambda: signature_of(t, rop), async_op, fo, fo, checks.flat(t), rop)
 
     def gather(self, output: torch.Tensor | None, tensor: torch.Tensor, root: int = 0, *,
@@ -205,7 +205,7 @@ class Communicator:
         if self.rank == root:
             out = checks.root_buffer("output", output, root, "gather")
             fo = checks.flat(self._blocks("output", out, "tensor", t, self.world_size, 1)[0])
-        return self._plain("gather", algorithm, _nbytes(t) * self.world_size,
+        return self._plain("gather", algorithm, checks.nbytes(t) * self.world_size,
                            lambda: signature_of(t, root=root), async_op, fo, checks.flat(t), root)
 
     def scatter(self, output: torch.Tensor, tensor: torch.Tensor | None, root: int = 0, *,
@@ -216,7 +216,7 @@ class Communicator:
         if self.rank == root:
             t = checks.root_buffer("tensor", tensor, root, "scatter")
             ft = checks.flat(self._blocks("output", out, "tensor", t, 1, self.world_size)[1])
-        return self._plain("scatter", algorithm, _nbytes(out) * self.world_size,
+        return self._plain("scatter", algorithm, checks.nbytes(out) * self.world_size,
                            lambda: signature_of(out, root=root), async_op, checks.flat(out), ft,
                            root)
 
@@ -242,8 +242,8 @@ class Communicator:
         # Explicit splits may differ per rank: only the row size and dtype are common to all
         # ranks, so they are all that is compared and all that ``auto`` may choose by.
         uneven = input_split_sizes is not None or output_split_sizes is not None
-        choice = row * t.element_size() if uneven else _nbytes(t)
-        return self._collective("all_to_all", algorithm, _nbytes(t),
+        choice = row * t.element_size() if uneven else checks.nbytes(t)
+        return self._collective("all_to_all", algorithm, checks.nbytes(t),
                                 lambda: (row, *signature_of(t)[1:]), body, async_op,
                                 choice_bytes=choice)
 
@@ -319,31 +319,17 @@ class Communicator:
     # ----------------------------------------------------------------- memory
     def shared_zeros(self, shape: int | Sequence[int], dtype: torch.dtype = torch.float32, *,
                      only_if_useful: bool = False) -> torch.Tensor:
-        """A zero-filled CPU tensor that a large all-reduce reduces where it lies.
-
-        On the ``shm`` transport the tensor lives in shared memory, and algorithm ``shm``
-        (``auto`` there) reads the other ranks' copies directly instead of copying every
-        tensor into its slots: the role of NCCL's user-buffer registration. On other
-        transports it is an ordinary tensor. Collective: every rank calls it with the same
-        shape and dtype, in the same order, and later all-reduces the same slice of it on
-        every rank (checked: a mismatch raises on every rank). ``only_if_useful``: an ordinary
-        tensor when the transport would not all-reduce this size in place (small tensors go
-        through one slot and one step anyway). A segment that cannot be made (/dev/shm
-        full) raises ``ShmUnavailableError`` on every rank."""
+        """A zero-filled tensor that a large all-reduce reduces where it lies: on ``shm`` it
+        lives in shared memory and algorithm ``shm`` (``auto`` there) reads the other ranks'
+        copies instead of copying each into its slots (the role of NCCL's user-buffer
+        registration); elsewhere an ordinary tensor. Collective: every rank calls it with
+        the same shape and dtype, in the same order, and all-reduces the same slice of it
+        (a mismatch raises on every rank). ``only_if_useful``: an ordinary tensor for a
+        size the transport would not all-reduce in place. No room in /dev/shm raises
+        ``ShmUnavailableError`` on every rank."""
         self._check_usable()
-        dims = (shape,) if isinstance(shape, int) else (
-            tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
-            raise ValueError(f"shape must be ints ≥ 0, got {shape!r}")
-        numel = math.prod(dims)
-        allocate = getattr(self.transport, "shared_zeros", None)
-        useful = getattr(self.transport, "shares_usefully", None)
-        if only_if_useful and useful is not None:
-            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-            allocate = allocate if useful(nbytes) else None
-        flat = (allocate(numel, dtype) if allocate is not None
-                else torch.zeros(numel, dtype=dtype, device=self.transport.device_type))
-        return flat.view(dims)
+        dims = checks.shape_arg(shape)
+        return self.transport.zeros(math.prod(dims), dtype, only_if_useful).view(dims)
 
     # ----------------------------------------------------------------- groups, lifetime
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:
@@ -389,17 +375,13 @@ class Communicator:
         return self._progress.pending + sum(c.unfinished for c in children if c is not None)
 
     def close(self) -> None:
-        """Finish queued work, stop the progress thread, and close the transport unless it
-        was passed in with ``owns_transport=False`` (shared with another communicator).
-        Sub-communicators made from this one (:meth:`new_group`, and those the
-        ``hierarchical`` algorithm built) are closed after the queued work finished and
-        before the transport. A closed communicator raises
-        :class:`CommError` when used, and holds no process group any more: the transport
-        drops its reference, so ``torch.distributed.destroy_process_group()`` frees the
-        group while the interpreter still runs (a group freed during interpreter shutdown
-        can abort the process: ``terminate called without an active exception``).
-        A communicator sharing a transport it does not own keeps it open, so the owner is
-        closed last. Closing twice does nothing."""
+        """Finish queued work, stop the progress thread, close the sub-communicators made
+        from this one (:meth:`new_group`, the ``hierarchical`` algorithm's), then the
+        transport unless it was passed in with ``owns_transport=False`` (its owner closes
+        it). A closed communicator raises :class:`CommError` when used and holds no process
+        group, so ``torch.distributed.destroy_process_group()`` frees the group while the
+        interpreter runs (freed at shutdown, it can abort the process: ``terminate called
+        without an active exception``). Closing twice does nothing."""
         from disttrain.comm.topology import close_hierarchy  # (import cycle)
 
         if self._closed:
@@ -414,9 +396,4 @@ class Communicator:
         self._closed = True
         if self._owns_transport:
             self.transport.close()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
 

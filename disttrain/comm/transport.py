@@ -83,6 +83,13 @@ class Transport(ABC):
         """The device type tensors must live on (``cpu`` for Gloo, ``cuda`` for NCCL)."""
         return "cpu"
 
+    def zeros(self, numel: int, dtype: torch.dtype, only_if_useful: bool = False
+              ) -> torch.Tensor:
+        """A zero-filled flat tensor for :meth:`Communicator.shared_zeros`: an ordinary one
+        here; a transport that reduces tensors where they lie (``shm``) returns one of its
+        shared buffers, unless ``only_if_useful`` and ``numel`` elements would not gain."""
+        return torch.zeros(numel, dtype=dtype, device=self.device_type)
+
     def close(self) -> None:
         """Release resources; the transport must not be used afterwards."""
         return None

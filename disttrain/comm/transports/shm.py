@@ -192,6 +192,13 @@ class SharedMemoryTransport(Transport):
         size (which copies once into a slot and needs one step) it skips two copies."""
         return nbytes > self._collectives.one_shot_max_bytes
 
+    def zeros(self, numel: int, dtype: torch.dtype, only_if_useful: bool = False
+              ) -> torch.Tensor:
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if only_if_useful and not self.shares_usefully(nbytes):
+            return super().zeros(numel, dtype)
+        return self.shared_zeros(numel, dtype)
+
     # ------------------------------------------------------------------ messages
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RawWork:
         data = self._bytes(tensor, "dst", dst)
