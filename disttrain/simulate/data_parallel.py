@@ -70,13 +70,15 @@ def _buckets(case: Case) -> list[list[int]]:
 
 
 def _issue(sim: Simulation, case: Case, name: str, seconds: float, deps: tuple[int, ...],
-           op: str = "all_reduce") -> int:
+           probe: str = "all_reduce") -> int:
     """A collective on "link": the call's software overhead (measured on one rank; on this
     machine plus the wake-up of a collective issued after compute, in proportion to how
     long the link sat idle before it, in full after the probe's own compute: one queued
-    right behind another, like ZeRO-3's prefetched gathers, wakes nothing; a reduce-scatter
-    wakes at its own measured price), then its α-β-γ time for every rank."""
-    call, wake = case.overheads.collective_call_s, case.wakeup_of(op)
+    right behind another, like ZeRO-3's prefetched gathers, wakes nothing), then its α-β-γ
+    time for every rank. ``probe`` names whose wake-up it pays: ``"all_reduce"``, probed as
+    a synchronous call (DDP's last bucket, ZeRO-1's calls), or ``"reduce_scatter"``, probed
+    issued asynchronously and waited for (ZeRO-2/3)."""
+    call, wake = case.overheads.collective_call_s, case.wakeup_of(probe)
     if call or wake:
         deps = (sim.add(f"call:{name}", "link", call, deps, "overhead", cold_s=wake,
                         cold_after_s=case.overheads.collective_wakeup_after_s),)
@@ -147,7 +149,11 @@ def simulate_zero12(case: Case, stage: int) -> StepResult:
         reduces, sent, algorithms = _bucketed(sim, case, "reduce_scatter", bwd)
     else:
         seconds, sent, algorithm = case.collective("reduce_scatter", group, grads)
-        reduces = [_issue(sim, case, "rs", seconds, (bwd[0],), "reduce_scatter")]
+        # called synchronously right after backward, as the all-reduce probe is: on this
+        # host a synchronous call pays the slow price more often (docs/benchmarks.md,
+        # "2026-11-26, evening": ZeRO-1 on 2 Gloo ranks at 0.61-0.86 in seven runs with
+        # the asynchronous reduce-scatter's wake-up, 0.91-1.17 in six of them with this)
+        reduces = [_issue(sim, case, "rs", seconds, (bwd[0],))]
         algorithms = {algorithm}
     opt = sim.add("opt", "compute", case.optimizer(case.profile.params / case.workers),
                   tuple(reduces), "optimizer")

@@ -38,8 +38,9 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
 ``scatter_wakeup_{p}ranks_s`` the same for a ring reduce-scatter of the gradients issued
                             asynchronously and waited for, as ZeRO-2/3 issue it
                             (``scatter_wakeup_by_ranks``): on this host it mostly costs
-                            less than the all-reduce's wake-up; every ZeRO stage's
-                            reduce-scatters pay it (ZeRO-1's, called synchronously, too)
+                            less than the all-reduce's wake-up; ZeRO-2/3's reduce-
+                            scatters pay it (ZeRO-1's, a synchronous call like the
+                            all-reduce probe's, pays the all-reduce's)
 ``collective_wakeup_after_s`` the compute both ranks ran before that all-reduce (the
                             model's forward+backward at the profile's small batch): a
                             collective pays the wake-up in proportion to how long its link
