@@ -200,6 +200,24 @@ def test_measured_ps_exchanges_replace_the_message_formula_on_one_host() -> None
     assert formula.step_s == pytest.approx(plain.step_s) != pytest.approx(row.step_s)
 
 
+def test_with_the_served_share_probed_only_that_share_is_served_in_turn() -> None:
+    """Pull 0.2 s and push 0.3 s, of which a second worker added 0.25 s to the probe's
+    clock (served: 0.1 of the pull, 0.15 of the push): two workers wait for the served
+    shares in turn and run their own shares side by side, 0.75 s of exchange per clock
+    instead of 2 × 0.5 s."""
+    clocks = 3
+    split = Overheads(step_s=0.5, ps_pull_s=0.2, ps_push_s=0.3, ps_served_s=0.25)
+    row = simulate_ps(_case(2, split, servers=1, clocks=clocks), "sync")
+    compute = 4 * 3.0 + 0.5
+    per_clock = compute + (0.15 + 2 * 0.15) + (2 * 0.1 + 0.1)  # push: own, served; pull
+    assert row.step_s == pytest.approx((2 * 0.1 + 0.1 + clocks * per_clock) / clocks)
+    assert dict(split.named())["ps_served_s"] == 0.25
+    # one worker: the same step as charging the whole exchange to the server
+    whole = replace(split, ps_served_s=0.0)
+    assert simulate_ps(_case(1, split, servers=1, clocks=clocks), "sync").step_s == \
+        pytest.approx(simulate_ps(_case(1, whole, servers=1, clocks=clocks), "sync").step_s)
+
+
 def test_a_task_pays_its_cold_extra_by_how_long_its_resource_sat_idle() -> None:
     sim = Simulation()
     work = sim.add("compute", "cpu", 2.0)
@@ -318,6 +336,7 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert all(v >= 0 for v in values.values())
     assert values["collective_call_s"] > 0 and values["sgd_s_per_byte"] > 0
     assert values["ps_pull_s"] > 0 and values["ps_push_s"] > 0  # a worker and a server ran
+    assert 0 < values["ps_served_s"] <= values["ps_pull_s"] + values["ps_push_s"]
     assert sorted(overheads.wakeup_by_ranks) == [4]  # 4 ranks on the 2 cores, as validated
     assert sorted(overheads.scatter_wakeup_by_ranks) == [2, 4]  # ZeRO's reduce-scatter too
     assert "could not measure a pipeline message" not in caplog.text  # the stages ran
@@ -329,14 +348,15 @@ def test_measured_overheads_come_from_the_real_wrappers(
 
 def test_the_least_disturbed_ps_probe_counts_and_a_failed_one_is_no_reading(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three parameter-server probes read (2, 3), (1, 4) and failed (0, 0): the profile
-    keeps the least reading of each, pull 1 and push 3 (the other probes faked)."""
+    """Three parameter-server probes read (2, 3, 2.5), (1, 4, 1) and failed (0, 0, 0): the
+    profile keeps the least pull and push, 1 and 3, and the median served share, 1.75 (a
+    difference of two runs; the other probes faked)."""
     import disttrain.simulate.contention as contention
     import disttrain.simulate.ps_probe as ps_probe
     import disttrain.simulate.stage_probe as stage_probe
     from disttrain.simulate.wrappers import measure_overheads
 
-    readings = iter([(2e-3, 3e-3), (1e-3, 4e-3), (0.0, 0.0)])
+    readings = iter([(2e-3, 3e-3, 2.5e-3), (1e-3, 4e-3, 1e-3), (0.0, 0.0, 0.0)])
     monkeypatch.setattr(ps_probe, "ps_exchange", lambda *a, **k: next(readings))
     monkeypatch.setattr(contention, "collective_in_step", lambda *a, **k: 0.0)
     monkeypatch.setattr(contention, "concurrent_slowdown", lambda *a, **k: 1.0)
@@ -345,6 +365,7 @@ def test_the_least_disturbed_ps_probe_counts_and_a_failed_one_is_no_reading(
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     overheads = measure_overheads(net, torch.randn(4, 8), cores=2)
     assert (overheads.ps_pull_s, overheads.ps_push_s) == (1e-3, 3e-3)
+    assert overheads.ps_served_s == pytest.approx(1.75e-3)
 
 
 def test_probes_are_read_round_robin_so_a_slow_spell_hits_one_reading_of_each() -> None:

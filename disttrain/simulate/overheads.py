@@ -50,6 +50,9 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             one worker and one server in two processes, the worker
                             computing between them (:mod:`~disttrain.simulate.ps_probe`):
                             messages, both sides' Python and the server's work
+``ps_served_s``             what a second worker adds to that probe's clock (the same
+                            probe with two workers): the share of an exchange the server
+                            serves one worker at a time (the rest overlaps the others')
 ``stage_message_s``         one message between two pipeline stages that compute nothing
                             in between (:mod:`~disttrain.simulate.stage_probe`): both
                             stages' Python, the header, the posted receive
@@ -106,6 +109,7 @@ class Overheads:
     scatter_wakeup_by_ranks: dict[int, float] = field(default_factory=dict)
     ps_pull_s: float = 0.0  # this machine only (simulate.parameter_server)
     ps_push_s: float = 0.0
+    ps_served_s: float = 0.0  # of that pull and push, served one worker at a time
     stage_message_s: float = 0.0  # this machine only (simulate.pipeline)
     stage_wakeup_s: float = 0.0
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
@@ -130,7 +134,7 @@ class Overheads:
             "step_s", "sgd_fixed_s", "sgd_s_per_byte", "adam_fixed_s", "adam_s_per_byte",
             "optimizer_tensor_s", "collective_call_s", "hook_s_per_tensor",
             "backward_call_s", "collective_wakeup_s", "collective_wakeup_after_s",
-            "ps_pull_s", "ps_push_s", "stage_message_s", "stage_wakeup_s")]
+            "ps_pull_s", "ps_push_s", "ps_served_s", "stage_message_s", "stage_wakeup_s")]
         return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())] + [
             (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())
         ] + [(f"scatter_wakeup_{k}ranks_s", v)

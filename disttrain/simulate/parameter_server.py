@@ -21,8 +21,12 @@ exchange also pays the measured wake-up of communication issued after compute
 (:attr:`~disttrain.simulate.base.Case.wakeup`). When the profile measured a pull and a push
 through disttrain's own server here (:mod:`~disttrain.simulate.ps_probe`: 1.6-2.2 and
 2.5-3.8 ms for LeNet, several times their messages' α-β cost, because both sides run
-Python per message), those replace the formula on this machine, once per worker a
-representative stands for. Each clock a worker also
+Python per message), those replace the formula on this machine. Of an exchange, the share
+the server serves one worker at a time is what a second worker added to the probe's
+clock (``ps_served_s``): on Gloo here about the whole exchange, on shared memory about
+0.6 of it (docs/benchmarks.md, "evening"). That share is served in turn, once per worker
+a representative stands for; the rest is the worker's own and runs on its cores beside
+the other workers'. Each clock a worker also
 runs the loop's own work (``Overheads.step_s``); the server applies the optimizer on Ψ/S.
 On this machine workers and servers are processes sharing its cores (their compute and
 the server's apply share them in the simulation). Modes:
@@ -48,26 +52,40 @@ PULL_MESSAGES = 3  # request header; reply header; values
 PUSH_MESSAGES = 4  # request header; GRANT; payload; reply
 
 
+def _split(case: Case) -> bool:
+    """Whether exchanges are charged as probed served and own shares (this machine, a
+    profile that probed a second worker)."""
+    return bool(case.cluster.intra_costs is not None and case.cluster.nodes == 1
+                and case.overheads.ps_served_s > 0 and case.overheads.ps_pull_s > 0)
+
+
 def _transfer(case: Case, servers: int, weight: float, element_bytes: int,
-              messages: int) -> float:
-    """Seconds of one representative's push (or pull) of the whole model, ``messages``
-    messages per server. On this machine, when the profile measured them, a pull and a
-    push cost what disttrain's own server took for one worker (``Overheads.ps_pull_s``,
-    ``ps_push_s``: its messages and both sides' Python), once per worker the representative
-    stands for: the server answers one request at a time."""
+              messages: int) -> tuple[float, float]:
+    """(seconds on the server, seconds on the worker) of one representative's push (or
+    pull) of the whole model, ``messages`` messages per server.
+
+    On this machine, when the profile measured them, a pull and a push cost what
+    disttrain's own server took for one worker (``Overheads.ps_pull_s``, ``ps_push_s``: its
+    messages and both sides' Python). Their served share (``ps_served_s``, split between
+    them in proportion) is served in turn, once per worker the representative stands for;
+    the rest is the worker's own, which the workers run side by side on their cores. A
+    profile without ``ps_served_s`` charges the whole exchange in turn."""
     psi = case.profile.params * element_bytes
     cluster = case.cluster
     if cluster.intra_costs is not None and cluster.nodes == 1:  # this machine: one host
-        measured = case.overheads.ps_pull_s if messages == PULL_MESSAGES else \
-            case.overheads.ps_push_s
+        o = case.overheads
+        measured = o.ps_pull_s if messages == PULL_MESSAGES else o.ps_push_s
+        if _split(case):
+            served = o.ps_served_s * measured / (o.ps_pull_s + o.ps_push_s)
+            return weight * served, measured - served
         if measured > 0:
-            return weight * measured  # the S servers answer their shares side by side
+            return weight * measured, 0.0  # the S servers answer their shares side by side
         server = worker = cluster.intra_costs.at(case.workers + servers)
     else:
         server = cluster.inter_link()
         worker = cluster.inter_link(min(case.workers, cluster.devices_per_node))
     return max(server.alpha + weight * psi / servers * server.beta,
-               worker.alpha * messages * servers + psi * worker.beta + case.wakeup)
+               worker.alpha * messages * servers + psi * worker.beta + case.wakeup), 0.0
 
 
 def simulate_ps(case: Case, mode: str) -> StepResult:
@@ -79,6 +97,8 @@ def simulate_ps(case: Case, mode: str) -> StepResult:
     compute_1 = case.profile.compute(case.global_batch / case.workers) * case.scale \
         + case.overheads.step_s
     sim = case.simulation()
+    # the server's NIC, or on this machine its turn with one worker at a time: wall-clock
+    # time (the server's CPU and its waits), not a core's worth of load
     for name in ("server.in", "server.out"):
         sim.resource(name, "ready")
     case.compute(sim, "server.cpu", servers, "ready")  # S symmetric servers, one simulated
@@ -86,8 +106,7 @@ def simulate_ps(case: Case, mode: str) -> StepResult:
         case.compute(sim, f"w{r}", w)
     pull = [_transfer(case, servers, w, wl.element_bytes, PULL_MESSAGES) for _, w in reps]
     push = [_transfer(case, servers, w, wl.element_bytes, PUSH_MESSAGES) for _, w in reps]
-    pulled = [sim.add(f"w{r}.pull0", "server.out", pull[r], (), "comm")
-              for r in range(len(reps))]
+    pulled = [_pull(sim, r, 0, pull[r], ()) for r in range(len(reps))]
     done: list[list[int]] = []  # per clock: the updates applied (one when sync)
     for c in range(wl.clocks):
         done.append(_clock(sim, case, mode, c, reps, (pull, push), pulled, done, servers,
@@ -96,9 +115,26 @@ def simulate_ps(case: Case, mode: str) -> StepResult:
     return _result(case, mode, sim, reps, pulled, servers, compute_1)
 
 
+def _pull(sim: Simulation, r: int, c: int, seconds: tuple[float, float],
+          deps: tuple[int, ...]) -> int:
+    """Representative ``r``'s pull of clock ``c``: the server's share, then its own."""
+    served = sim.add(f"w{r}.pull{c}", "server.out", seconds[0], deps, "comm")
+    return sim.add(f"w{r}.pulled{c}", f"w{r}", seconds[1], (served,), "comm") \
+        if seconds[1] else served
+
+
+def _push(sim: Simulation, r: int, c: int, seconds: tuple[float, float],
+          deps: tuple[int, ...]) -> int:
+    """Representative ``r``'s push of clock ``c``: its own share, then the server's."""
+    if seconds[1]:
+        deps = (sim.add(f"w{r}.pushing{c}", f"w{r}", seconds[1], deps, "comm"),)
+    return sim.add(f"w{r}.push{c}", "server.in", seconds[0], deps, "comm")
+
+
 def _clock(sim: Simulation, case: Case, mode: str, c: int, reps: list[tuple[float, float]],
-           transfer: tuple[list[float], list[float]], pulled: list[int],
-           done: list[list[int]], servers: int, compute_1: float) -> list[int]:
+           transfer: tuple[list[tuple[float, float]], list[tuple[float, float]]],
+           pulled: list[int], done: list[list[int]], servers: int, compute_1: float
+           ) -> list[int]:
     """Clock ``c`` of every representative: compute, push, apply, pull (``pulled`` is
     updated in place). Returns the clock's apply tasks."""
     wl = case.workload
@@ -110,7 +146,7 @@ def _clock(sim: Simulation, case: Case, mode: str, c: int, reps: list[tuple[floa
         if mode == "ssp" and c - wl.staleness - 1 >= 0:  # wait for the slowest's clock
             deps += done[c - wl.staleness - 1]
         comp = sim.add(f"w{r}.c{c}", f"w{r}", compute_1 * factor, tuple(deps), "compute")
-        pushes.append(sim.add(f"w{r}.push{c}", "server.in", push[r], (comp,), "comm"))
+        pushes.append(_push(sim, r, c, push[r], (comp,)))
         if mode != "sync":  # applied on arrival
             applies.append(sim.add(f"apply{c}.{r}", "server.cpu", apply_1 * w,
                                    (pushes[-1],), "optimizer"))
@@ -121,7 +157,7 @@ def _clock(sim: Simulation, case: Case, mode: str, c: int, reps: list[tuple[floa
                                "optimizer"))
     for r in range(len(reps)):
         src = applies[0] if mode == "sync" else applies[r]
-        pulled[r] = sim.add(f"w{r}.pull{c + 1}", "server.out", pull[r], (src,), "comm")
+        pulled[r] = _pull(sim, r, c + 1, pull[r], (src,))
     return applies
 
 

@@ -167,6 +167,7 @@ class _Interference(NamedTuple):
     in_step: dict[tuple[str, int], float]  # (op, ranks) → seconds of the collective
     pull: float
     push: float
+    served: float
     message: float
     stage_wakeup: float
 
@@ -195,16 +196,20 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     # the ranks' interference itself, and the benchmark's runs draw their placement too
     in_step = {(op, ranks): statistics.median(readings[f"{op}:{ranks}"])
                for op in ("all_reduce", "reduce_scatter") for ranks in probed}
-    # The least of three, each pull and push on its own: one worker and one server have a
-    # core each, so a slow reading is other load on the machine, as for compute (and the
-    # validation measures a strategy by its least disturbed run). A probe that failed (0)
-    # is not a reading
-    exchanges = readings.get("ps", [(0.0, 0.0)])
+    # The least of three, the pull and the push each on its own: one worker and one server
+    # have a core each, so a slow reading is other load on the machine, as for compute
+    # (and the validation measures a strategy by its least disturbed run). The share a
+    # second worker adds is a difference of two runs: the median of three. A probe that
+    # failed (0) is not a reading
+    exchanges = readings.get("ps", [(0.0, 0.0, 0.0)])
     pull, push = (min((e[i] for e in exchanges if e[i] > 0), default=0.0) for i in (0, 1))
+    served = [e[2] for e in exchanges if e[2] > 0]
     # a pipeline message, busy and after idling: the median of three, as the collectives
     messages = readings.get("stage", [(0.0, 0.0)])
     message, stage_wakeup = (statistics.median(m[i] for m in messages) for i in (0, 1))
-    return _Interference(in_step, pull, push, message, stage_wakeup)
+    return _Interference(in_step, pull, push,
+                         min(statistics.median(served), pull + push) if served else 0.0,
+                         message, stage_wakeup)
 
 
 def measure_overheads(module: nn.Module, x: torch.Tensor,
@@ -245,6 +250,6 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      backward_call_s=backward_call(), zero_s=zero,
                      collective_wakeup_s=wakeup.pop(2, 0.0), collective_wakeup_after_s=after,
                      wakeup_by_ranks=wakeup, scatter_wakeup_by_ranks=scatter,
-                     ps_pull_s=shared.pull, ps_push_s=shared.push,
+                     ps_pull_s=shared.pull, ps_push_s=shared.push, ps_served_s=shared.served,
                      stage_message_s=shared.message, stage_wakeup_s=shared.stage_wakeup,
                      concurrent_slowdown=slowdown)
