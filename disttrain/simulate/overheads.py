@@ -67,7 +67,7 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
 Everything is measured with one thread, as ``disttrain bench`` ranks run. The collectives
 measured on one rank move no bytes: their cost on p ranks is the α-β-γ model's, and only
 the software overhead of issuing them is here. How each piece carries to other clusters is
-in :meth:`Overheads.host_scale` (docs/simulate.md, "Overheads").
+in docs/simulate.md ("Overheads", the table's last column).
 """
 
 from __future__ import annotations
