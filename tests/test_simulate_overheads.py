@@ -212,6 +212,14 @@ def test_with_the_served_share_probed_only_that_share_is_served_in_turn() -> Non
     per_clock = compute + (0.15 + 2 * 0.15) + (2 * 0.1 + 0.1)  # push: own, served; pull
     assert row.step_s == pytest.approx((2 * 0.1 + 0.1 + clocks * per_clock) / clocks)
     assert dict(split.named())["ps_served_s"] == 0.25
+    # a second worker that added the whole exchange (the probe caps it there) is the
+    # whole-exchange rule, whatever the rounding (these floats left the rest at −2e-19)
+    pull, push = 0.0018457309997756965, 0.003204242999345297
+    capped = Overheads(step_s=0.5, ps_pull_s=pull, ps_push_s=push, ps_served_s=pull + push)
+    for workers in (1, 2, 4):
+        assert simulate_ps(_case(workers, capped, servers=1, clocks=clocks), "sync").step_s \
+            == pytest.approx(simulate_ps(_case(workers, replace(capped, ps_served_s=0.0),
+                                               servers=1, clocks=clocks), "sync").step_s)
     # one worker: the same step as charging the whole exchange to the server
     whole = replace(split, ps_served_s=0.0)
     assert simulate_ps(_case(1, split, servers=1, clocks=clocks), "sync").step_s == \

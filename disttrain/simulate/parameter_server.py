@@ -76,8 +76,10 @@ def _transfer(case: Case, servers: int, weight: float, element_bytes: int,
         o = case.overheads
         measured = o.ps_pull_s if messages == PULL_MESSAGES else o.ps_push_s
         if _split(case):
-            served = o.ps_served_s * measured / (o.ps_pull_s + o.ps_push_s)
-            return weight * served, measured - served
+            # the whole exchange when the second worker added all of it (rounding can
+            # leave the rest a hair below 0)
+            share = min(1.0, o.ps_served_s / (o.ps_pull_s + o.ps_push_s))
+            return weight * share * measured, max(0.0, (1.0 - share) * measured)
         if measured > 0:
             return weight * measured, 0.0  # the S servers answer their shares side by side
         server = worker = cluster.intra_costs.at(case.workers + servers)
