@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -223,6 +224,45 @@ def test_simulate_rejects_an_unknown_transport(capsys: pytest.CaptureFixture[str
         main(["simulate", "--validate", "-n", "2", "--transport", "carrier-pigeon"])
     assert exc.value.code == 2
     assert "unknown transport 'carrier-pigeon'; known: " in capsys.readouterr().err
+
+
+def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prediction the model cannot make fails before the minutes of benchmark runs (it
+    once failed after them), and each row then uses the prediction made up front."""
+    import argparse
+
+    import disttrain.simulate.validate as validate
+
+    profile = _profile(4, fwd=1e-4, bwd=2e-4, params=1000, out_bytes=400.0)
+    monkeypatch.setattr(validate, "measure_registered", lambda *a, **k: profile)
+    ran: list[object] = []
+    monkeypatch.setattr(validate, "run_table", lambda config, **k: ran.append(config))
+    args = argparse.Namespace(strategies=["ddp", "gpipe"], dataset=None, model="lenet",
+                              transport="torch", world_sizes=[2, 4], steps=5,
+                              global_batch=None, repeat=1, microbatches=8)
+
+    def broken(_profile: object, name: str, *rest: object) -> float:
+        if name == "gpipe":
+            raise ValueError("task 'x': duration must be ≥ 0 seconds")
+        return 1.0
+
+    monkeypatch.setattr(validate, "predicted", broken)
+    with pytest.raises(ValueError, match="duration must be"):
+        validate.rows_for(args)
+    assert ran == []  # nothing was measured
+
+    calls: list[tuple[str, int]] = []
+
+    def counting(_profile: object, name: str, world_size: int, *rest: object) -> float:
+        calls.append((name, world_size))
+        return 0.5
+
+    monkeypatch.setattr(validate, "predicted", counting)
+    rows = [{"strategy": "ddp", "world_size": 2, "step_time_s": 0.25, "error": None}]
+    monkeypatch.setattr(validate, "run_table", lambda config, **k: SimpleNamespace(rows=rows))
+    out = validate.rows_for(args)
+    assert sorted(calls) == [("ddp", 2), ("ddp", 4), ("gpipe", 2), ("gpipe", 4)]  # once each
+    assert out[0]["predicted_step_s"] == 0.5 and out[0]["ratio"] == 2.0
 
 
 def test_validate_compares_the_fastest_fresh_run() -> None:

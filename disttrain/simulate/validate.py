@@ -127,6 +127,13 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
                          model=args.model, dataset=dataset, steps=args.steps,
                          global_batch=args.global_batch or GLOBAL_BATCH, algorithm="ring",
                          eval_every=10**6, repeat=args.repeat)
+
+    def predict(name: str, world_size: int) -> float:
+        return predicted(profile, name, world_size, config.global_batch, args.microbatches,
+                         args.transport)
+
+    # every prediction before the minutes of runs: one the model cannot make fails now
+    predictions = {(name, n): predict(name, n) for name in names for n in args.world_sizes}
     outcome = run_table(config, on_start=lambda i, n, run: print(
         f"[{i + 1}/{n}] measuring {run.label}", file=sys.stderr, flush=True))
     fwd_bwd = profile.compute(config.global_batch)
@@ -143,8 +150,8 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
     for row in outcome.rows:
         if row["strategy"] == "single":
             continue
-        pred = predicted(profile, row["strategy"], row["world_size"], config.global_batch,
-                         args.microbatches, args.transport)
+        key = (row["strategy"], row["world_size"])
+        pred = predictions[key] if key in predictions else predict(*key)
         measured = measured_step(row) if row.get("error") is None else None
         rows.append({"strategy": row["strategy"], "world_size": row["world_size"],
                      "predicted_step_s": pred, "measured_step_s": measured,
