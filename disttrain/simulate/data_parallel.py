@@ -75,9 +75,10 @@ def _issue(sim: Simulation, case: Case, name: str, seconds: float, deps: tuple[i
     machine plus the wake-up of a collective issued after compute, in proportion to how
     long the link sat idle before it, in full after the probe's own compute: one queued
     right behind another, like ZeRO-3's prefetched gathers, wakes nothing), then its α-β-γ
-    time for every rank. ``probe`` names whose wake-up it pays: ``"all_reduce"``, probed as
-    a synchronous call (DDP's last bucket, ZeRO-1's calls), or ``"reduce_scatter"``, probed
-    issued asynchronously and waited for (ZeRO-2/3)."""
+    time for every rank. ``probe`` names whose wake-up it pays: ``"reduce_scatter"``'s,
+    probed issued asynchronously and waited for (ZeRO-2/3's gradients), or, for any other
+    name, the all-reduce's, probed as a synchronous call (DDP's last bucket, ZeRO-1's
+    calls, every all-gather)."""
     call, wake = case.overheads.collective_call_s, case.wakeup_of(probe)
     if call or wake:
         deps = (sim.add(f"call:{name}", "link", call, deps, "overhead", cold_s=wake,
