@@ -61,3 +61,49 @@ def test_an_in_place_layer_counts_its_backward_in_the_layer_before() -> None:
     assert all(f >= 0 and b >= 0 for f, b in times)
     assert times[2][1] < SLOW_BACKWARD / 2  # the in-place ReLU shares Slow's output tensor
     assert times[1][1] >= SLOW_BACKWARD  # Slow's own backward is still found
+
+
+def test_the_profile_keeps_the_median_round_of_each_batch_size() -> None:
+    """Rounds at different moments disagree (this machine drifts); the layer times come
+    from the round whose layers sum to the median, per batch size, not the fastest."""
+    from disttrain.simulate.profile import LayerRounds
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    rounds = LayerRounds(model, (torch.randn(4, 8), torch.randn(32, 8)))
+
+    def rows(scale: float, batch: int) -> list[tuple[float, float, int, int]]:
+        return [(scale * (1e-3 + batch * 1e-4), scale * batch * 2e-4, 8, 8 * batch),
+                (scale * batch * 1e-5, scale * batch * 1e-5, 0, 4 * batch)]
+
+    for small, large in ((3.0, 2.0), (1.0, 3.0), (2.0, 1.0)):  # in each, the median is 2
+        rounds.small.append(rows(small, 4))
+        rounds.large.append(rows(large, 32))
+    first, second = rounds.layer_profiles()
+    assert first.forward_fixed == pytest.approx(2e-3)
+    assert first.forward_per_sample == pytest.approx(2e-4)
+    assert first.backward(32) == pytest.approx(2.0 * 32 * 2e-4)
+    assert second.backward(32) == pytest.approx(2.0 * 32 * 1e-5)
+    assert first.output_bytes_per_sample == 8 and first.params == 72 and first.tensors == 2
+    rounds.small.append(rows(0.5, 4))  # an even count: the lower of the middle two
+    assert rounds.median() == (rows(1.0, 4), rows(2.0, 32))
+    assert rounds.totals(1) == pytest.approx([s * 32 * 3.2e-4 + s * 1e-3 for s in (2, 3, 1)])
+
+
+def test_a_later_round_leaves_the_model_and_the_thread_count_as_they_were() -> None:
+    from disttrain.simulate.profile import LayerRounds
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    threads = torch.get_num_threads()
+    rounds = LayerRounds(model, (torch.randn(4, 8), torch.randn(16, 8)),
+                         threads=max(1, threads - 1) if threads > 1 else 2)
+    with pytest.raises(ValueError, match="no rounds taken"):
+        rounds.median()
+    rounds.sample()
+    rounds.sample()
+    assert len(rounds.small) == len(rounds.large) == 2 and all(t > 0 for t in rounds.totals())
+    assert torch.get_num_threads() == threads
+    for key, value in model.state_dict().items():  # the running statistics too
+        assert torch.equal(value, before[key]), key
+    assert all(p.grad is None for p in model.parameters())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -226,15 +227,36 @@ def test_simulate_rejects_an_unknown_transport(capsys: pytest.CaptureFixture[str
     assert "unknown transport 'carrier-pigeon'; known: " in capsys.readouterr().err
 
 
+class _Rounds:
+    """A stand-in for LayerRounds: counts its rounds, and its profile is ``later``."""
+
+    def __init__(self, later: ModelProfile) -> None:
+        self.later, self.taken = later, 0
+        self.inputs = (None, [0.0] * 32)
+
+    def sample(self) -> None:
+        self.taken += 1
+
+    def totals(self) -> list[float]:
+        return [1e-3] * self.taken
+
+    def profile(self, base: ModelProfile) -> ModelProfile:
+        return self.later
+
+
 def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prediction the model cannot make fails before the minutes of benchmark runs (it
-    once failed after them), and each row then uses the prediction made up front."""
+    once failed after them). Each row is then predicted again from the profile with the
+    layer rounds taken before every run (one per run, one after the last), and keeps the
+    prediction made up front beside it."""
     import argparse
 
     import disttrain.simulate.validate as validate
 
     profile = _profile(4, fwd=1e-4, bwd=2e-4, params=1000, out_bytes=400.0)
-    monkeypatch.setattr(validate, "measure_registered", lambda *a, **k: profile)
+    later = _profile(4, fwd=3e-4, bwd=2e-4, params=1000, out_bytes=400.0)
+    rounds = _Rounds(later)
+    monkeypatch.setattr(validate, "registered_rounds", lambda *a, **k: (profile, rounds))
     ran: list[object] = []
     monkeypatch.setattr(validate, "run_table", lambda config, **k: ran.append(config))
     args = argparse.Namespace(strategies=["ddp", "gpipe"], dataset=None, model="lenet",
@@ -251,25 +273,38 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
         validate.rows_for(args)
     assert ran == []  # nothing was measured
 
-    calls: list[tuple[str, int]] = []
+    calls: list[tuple[object, str, int]] = []
 
-    def counting(_profile: object, name: str, world_size: int, *rest: object) -> float:
-        calls.append((name, world_size))
-        return 0.5
+    def counting(prof: ModelProfile, name: str, world_size: int, *rest: object) -> float:
+        calls.append((prof, name, world_size))
+        return 0.5 if prof is profile else 0.75
 
     monkeypatch.setattr(validate, "predicted", counting)
-    rows = [{"strategy": "ddp", "world_size": 2, "step_time_s": 0.25, "error": None}]
-    monkeypatch.setattr(validate, "run_table", lambda config, **k: SimpleNamespace(rows=rows))
+    rows = [{"strategy": "ddp", "world_size": 2, "step_time_s": 0.25, "error": None},
+            {"strategy": "gpipe", "world_size": 4, "step_time_s": 0.5, "error": None}]
+
+    def table(config: object, on_start: Any) -> SimpleNamespace:
+        for i, row in enumerate(rows):
+            on_start(i, len(rows), SimpleNamespace(label=row["strategy"]))
+        return SimpleNamespace(rows=rows)
+
+    monkeypatch.setattr(validate, "run_table", table)
     out = validate.rows_for(args)
-    assert sorted(calls) == [("ddp", 2), ("ddp", 4), ("gpipe", 2), ("gpipe", 4)]  # once each
-    assert out[0]["predicted_step_s"] == 0.5 and out[0]["ratio"] == 2.0
+    keys = [("ddp", 2), ("ddp", 4), ("gpipe", 2), ("gpipe", 4)]
+    assert sorted((n, w) for p, n, w in calls if p is profile) == keys  # once each, first
+    assert sorted((n, w) for p, n, w in calls if p is later) == keys  # then again
+    assert rounds.taken == len(rows) + 1
+    assert out[0]["predicted_step_s"] == 0.75 and out[0]["ratio"] == 3.0
+    assert out[0]["predicted_before_runs_s"] == 0.5
+    assert out[1]["ratio"] == 1.5
 
 
-def test_validate_compares_the_fastest_fresh_run() -> None:
+def test_validate_compares_the_median_fresh_run() -> None:
     from disttrain.simulate.validate import measured_step, runs_text
 
-    assert measured_step({"step_time_s": 9.0, "step_time_s_runs": [3.0, 1.5, 2.0]}) == 1.5
+    assert measured_step({"step_time_s": 9.0, "step_time_s_runs": [3.0, 1.5, 2.0]}) == 2.0
     assert measured_step({"step_time_s": 9.0, "step_time_s_runs": [3.0, None, 2.0]}) == 2.0
+    assert measured_step({"step_time_s": 9.0, "step_time_s_runs": [3.0, 1.5, 2.0, 2.5]}) == 2.0
     assert measured_step({"step_time_s": 9.0}) == 9.0  # rows written before the runs key
     assert measured_step({"step_time_s": None, "step_time_s_runs": []}) is None
     assert runs_text([3e-3, None, 2e-3]) == "; runs 3.00, 2.00 ms"  # every run is printed

@@ -11,13 +11,16 @@ charged every layer the autograd engine's start and cold caches: on LeNet the la
 summed to 1.3–1.7× the whole model's forward+backward.) Times are measured at two batch
 sizes and fitted as ``t(b) = fixed + b · per_sample`` per layer: on a CPU the fixed part
 (Python, kernel launch) matters at small batches, on an accelerator the per-sample part
-dominates. Each batch size is measured in two rounds, before and after the overheads
-(seconds apart), and the faster round is kept: interference only adds time (the argument
-of Python's ``timeit`` documentation for the minimum), and this machine has slow spells
-(LeNet's pass at 3.0 ms instead of 1.7 ms) that last tens of seconds. Each layer also runs
-on its own once, on a detached input, to count the bytes of the tensors autograd saves for
-backward (``torch.autograd.graph.saved_tensors_hooks``: what a layer's activations cost in
-memory) and its output bytes (what a pipeline stage sends to the next).
+dominates. Each batch size is measured in three rounds spread over the profile's tens of
+seconds (:class:`LayerRounds`), and the median round is kept: this machine's speed drifts
+(LeNet's pass at 2.5-3.1 ms within a minute, and spells at 1.7 ms or 3.0 ms lasting tens of
+seconds), and a profile is to describe the machine as the runs it predicts find it, which
+is its usual state, not its fastest (with the least of two rounds, kept until 2026-11-26,
+two validations predicted the single process 10-26 % below each of its runs). Each layer
+also runs on its own once, on a detached input, to count the bytes of the tensors autograd
+saves for backward (``torch.autograd.graph.saved_tensors_hooks``: what a layer's
+activations cost in memory) and its output bytes (what a pipeline stage sends to the
+next).
 
 Ranks of ``disttrain bench`` run one thread each, so the profile is measured with one
 thread too. ``reference_flops`` is this machine's sustained matmul FLOP/s at that thread
@@ -30,6 +33,7 @@ is measured too, as named :class:`~disttrain.simulate.overheads.Overheads`.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -170,12 +174,6 @@ def _run_layers(layers: list[nn.Module], sample: torch.Tensor) -> list[tuple[flo
     return [(f, b, saved, out) for (f, b), (_, _, saved, out) in zip(times, rows, strict=True)]
 
 
-def _least(a: list[tuple[float, float, int, int]], b: list[tuple[float, float, int, int]]
-           ) -> list[tuple[float, float, int, int]]:
-    """Of two rounds of :func:`_run_layers`, the one whose layers sum to less time."""
-    return min(a, b, key=lambda rows: sum(f + w for f, w, _, _ in rows))
-
-
 def _one_pass(layers: list[nn.Module], sample: torch.Tensor) -> list[tuple[float, float]] | None:
     """One forward and one backward of ``layers`` in sequence (the loss on the last output
     as :func:`_time_layer` uses), with a timestamp after each layer's forward and one when
@@ -241,6 +239,74 @@ def _optimizer_rate(params: list[nn.Parameter]) -> float:
     return statistics.median(times) / numel
 
 
+Rows = list[tuple[float, float, int, int]]  # per layer: forward s, backward s, saved, out
+
+
+class LayerRounds:
+    """Rounds of :func:`_run_layers` at the profile's two batch sizes, taken at different
+    moments; the profile's layer times are those of the median round (by the layers' sum),
+    per batch size. The median and not the least: this machine's speed drifts by 10-20 %
+    within seconds and has spells of ×1.8 lasting tens of seconds, so the least of many
+    rounds is a state the machine is rarely in; the median is its usual speed over the
+    time the rounds span. ``disttrain simulate --validate`` adds a round before each run it
+    measures, so the profile spans the same minutes as the runs."""
+
+    def __init__(self, model: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor],
+                 threads: int = 1) -> None:
+        self.model, self.inputs, self.threads = model, inputs, threads
+        self.layers = layers_of(model)
+        self.small: list[Rows] = []
+        self.large: list[Rows] = []
+
+    def sample(self) -> None:
+        """One more round at both batch sizes, with the profile's thread count; the model's
+        parameters and buffers (a batch norm's running statistics) are left as they were."""
+        old_threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        try:
+            self.small.append(_run_layers(self.layers, self.inputs[0]))
+            self.large.append(_run_layers(self.layers, self.inputs[1]))
+        finally:
+            self.model.load_state_dict(state)
+            torch.set_num_threads(old_threads)
+
+    def totals(self, batch_index: int = 1) -> list[float]:
+        """Each round's forward+backward (the layers' sum) at the small (0) or large (1)
+        batch, in the order taken."""
+        return [sum(f + b for f, b, _, _ in rows)
+                for rows in (self.small, self.large)[batch_index]]
+
+    def median(self) -> tuple[Rows, Rows]:
+        """The median round at each batch size (the lower of the middle two for an even
+        count)."""
+        if not self.small:
+            raise ValueError("no rounds taken: call sample() first")
+        picked = []
+        for i, rounds in enumerate((self.small, self.large)):
+            order = sorted(range(len(rounds)), key=self.totals(i).__getitem__)
+            picked.append(rounds[order[(len(rounds) - 1) // 2]])
+        return picked[0], picked[1]
+
+    def layer_profiles(self) -> tuple[LayerProfile, ...]:
+        """Each layer fitted as ``fixed + batch · per_sample`` from the median rounds."""
+        (b1, b2), (small, large) = (len(x) for x in self.inputs), self.median()
+        profiles = []
+        for i, (layer, s, g) in enumerate(zip(self.layers, small, large, strict=True)):
+            fwd_slope = max(0.0, (g[0] - s[0]) / (b2 - b1))
+            bwd_slope = max(0.0, (g[1] - s[1]) / (b2 - b1))
+            params = [p for p in layer.parameters() if p.requires_grad]
+            profiles.append(LayerProfile(
+                f"{i}:{type(layer).__name__}", max(0.0, s[0] - b1 * fwd_slope), fwd_slope,
+                max(0.0, s[1] - b1 * bwd_slope), bwd_slope, sum(p.numel() for p in params),
+                g[2] / b2, g[3] / b2, len(params)))
+        return tuple(profiles)
+
+    def profile(self, base: ModelProfile) -> ModelProfile:
+        """``base`` with its layer times from every round taken so far."""
+        return dataclasses.replace(base, layers=self.layer_profiles())
+
+
 def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tensor],
             batches: tuple[int, int] = PROFILE_BATCHES, threads: int = 1,
             loop: Callable[[], object] | None = None, transport: str = "torch"
@@ -248,6 +314,15 @@ def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tenso
     """Profile ``model`` (its ``layers_of`` split) on inputs ``make_input(batch)``;
     ``loop`` runs the training loop's own work of one step (for ``Overheads.step_s``);
     ``transport`` carries the collectives whose wake-up is measured."""
+    return measure_rounds(name, model, make_input, batches, threads, loop, transport)[0]
+
+
+def measure_rounds(name: str, model: nn.Module, make_input: Callable[[int], torch.Tensor],
+                   batches: tuple[int, int] = PROFILE_BATCHES, threads: int = 1,
+                   loop: Callable[[], object] | None = None, transport: str = "torch"
+                   ) -> tuple[ModelProfile, LayerRounds]:
+    """:func:`measure`, and its :class:`LayerRounds` (to take more rounds later and
+    :meth:`LayerRounds.profile` them)."""
     from disttrain.simulate.cluster import usable_cores
     from disttrain.simulate.wrappers import measure_overheads
 
@@ -258,37 +333,33 @@ def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tenso
     torch.set_num_threads(threads)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        layers = layers_of(model)
         with torch.random.fork_rng(devices=[]):
             inputs = make_input(b1), make_input(b2)
-            small, large = (_run_layers(layers, x) for x in inputs)
+            rounds = LayerRounds(model, inputs, threads)
+            rounds.sample()
             opt = _optimizer_rate([p for p in model.parameters() if p.requires_grad])
             flops = host_flops()
+            # rounds seconds apart, around the overheads' tens of seconds (see LayerRounds)
+            rounds.sample()
             overheads = measure_overheads(model, inputs[0], loop, usable_cores(), transport)
-            # a second round seconds later: this machine runs in a slow regime (×1.8) for
-            # tens of seconds at a time; the faster round is the undisturbed speed
-            small, large = (_least(rows, _run_layers(layers, x))
-                            for rows, x in zip((small, large), inputs, strict=True))
+            rounds.sample()
     finally:
         model.load_state_dict(state)
         torch.set_num_threads(old_threads)
-    profiles = []
-    for i, (layer, s, g) in enumerate(zip(layers, small, large)):
-        fwd_slope = max(0.0, (g[0] - s[0]) / (b2 - b1))
-        bwd_slope = max(0.0, (g[1] - s[1]) / (b2 - b1))
-        profiles.append(LayerProfile(
-            f"{i}:{type(layer).__name__}", max(0.0, s[0] - b1 * fwd_slope), fwd_slope,
-            max(0.0, s[1] - b1 * bwd_slope), bwd_slope,
-            sum(p.numel() for p in layer.parameters() if p.requires_grad),
-            g[2] / b2, g[3] / b2, sum(1 for p in layer.parameters() if p.requires_grad)))
-    return ModelProfile(name, tuple(profiles), flops, opt, f"measured here ({threads} thread)",
-                        overheads)
+    return ModelProfile(name, rounds.layer_profiles(), flops, opt,
+                        f"measured here ({threads} thread)", overheads), rounds
 
 
 def measure_registered(model: str, dataset: str = "digits", seed: int = 0,
                        transport: str = "torch") -> ModelProfile:
     """Profile a model of the registry (or ``"pkg.mod:factory"``) on ``dataset``'s inputs,
     with this machine's collectives on ``transport``."""
+    return registered_rounds(model, dataset, seed, transport)[0]
+
+
+def registered_rounds(model: str, dataset: str = "digits", seed: int = 0,
+                      transport: str = "torch") -> tuple[ModelProfile, LayerRounds]:
+    """:func:`measure_registered`, and its :class:`LayerRounds`."""
     from disttrain.train.data import build_dataset
     from disttrain.train.models import build_model
 
@@ -302,7 +373,8 @@ def measure_registered(model: str, dataset: str = "digits", seed: int = 0,
             return torch.randint(0, info.num_classes, (batch, *info.input_shape))
         return torch.randn(batch, *info.input_shape)
 
-    return measure(model, net, make_input, loop=_loop_work(net, dataset), transport=transport)
+    return measure_rounds(model, net, make_input, loop=_loop_work(net, dataset),
+                          transport=transport)
 
 
 def _loop_work(net: nn.Module, dataset: str, batch: int = PROFILE_BATCHES[0]

@@ -4,6 +4,9 @@ For each strategy that ``disttrain bench`` can run here (a name the training reg
 not have is skipped, saying so) and each world size, it
 
 1. profiles the model here (:mod:`~disttrain.simulate.profile`, one thread, as ranks run),
+   and times its layers again before every run of step 3 (the profile's layer times are
+   then the median of all those rounds: a profile of the minutes the runs ran in, not of
+   the seconds before them; see :class:`~disttrain.simulate.profile.LayerRounds`),
 2. simulates the step on the ``local`` cluster (calibrated costs, ranks sharing the cores)
    with the configuration the benchmark uses: the global batch fixed, the ``ring``
    algorithm, every rank a pipeline stage, 8 micro-batches (the only count the benchmark
@@ -15,21 +18,24 @@ not have is skipped, saying so) and each world size, it
 3. runs the strategy with the benchmark's machinery
    (:func:`disttrain.bench.strategy_bench.run_table`: fresh processes, median step time of
    the slowest rank after warm-up), ``--repeat`` times (default 3; the table goes round
-   that many times, so the runs of a row are minutes apart), and takes the fastest
-   run (one run's step time moves by 20-35 % from run to run on this machine: the single
+   that many times, so the runs of a row are minutes apart), and takes the median run
+   (one run's step time moves by 20-35 % from run to run on this machine: the single
    process measured 2.35 and 3.13 ms back to back; see :func:`measured_step`),
 
 and prints both with their ratio. The single-process reference the benchmark runs anyway
 is printed as a check of the profile alone (no communication, no sharing). ``--json FILE``
 writes one object per row with ``strategy, world_size, predicted_step_s, measured_step_s``
-(and ``ratio``). ``--transport`` (default ``torch``) is the transport of both sides: the
-calibration the model reads, the profile's wake-up probe and the benchmark's runs.
+(and ``ratio``, each run's time, and ``predicted_before_runs_s``: the prediction from the
+profile's own rounds, made before anything ran). ``--transport`` (default ``torch``) is the
+transport of both sides: the calibration the model reads, the profile's wake-up probe and
+the benchmark's runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from typing import Any
 
@@ -37,7 +43,7 @@ from disttrain.bench.experiments import BenchConfig
 from disttrain.bench.strategy_bench import run_table
 from disttrain.comm.cost_model import LinkCosts, load_costs
 from disttrain.simulate.cluster import local
-from disttrain.simulate.profile import ModelProfile, measure_registered
+from disttrain.simulate.profile import ModelProfile, registered_rounds
 from disttrain.simulate.strategies import simulate
 from disttrain.simulate.workload import Workload
 from disttrain.train.strategies import STRATEGIES as RUNNABLE
@@ -88,13 +94,15 @@ def single_step(profile: ModelProfile, global_batch: int) -> float:
 
 
 def measured_step(row: dict[str, Any]) -> float | None:
-    """The least over the row's fresh runs of each run's median step time, or None without
-    one. The least, as the profile's rounds: this machine has slow spells (every step
-    ×1.8 for tens of seconds) and interference only adds time, so the fastest run is the
-    undisturbed machine the profile and the calibration describe."""
+    """The median over the row's fresh runs of each run's median step time (the lower of
+    the middle two for an even count), or None without one. The median, as the profile's
+    rounds: the machine's usual state over the minutes of the runs. (The least, used until
+    2026-11-26 with a profile's least round, compared two snapshots of the machine's
+    fastest moments; a spell in the profile's seconds alone put the single process's
+    prediction 10-26 % below each of its runs.)"""
     runs = _runs(row.get("step_time_s_runs"))
     if runs:
-        return min(runs)
+        return statistics.median_low(runs)
     return row.get("step_time_s") or None
 
 
@@ -121,25 +129,35 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
               f"default costs; run disttrain bench comm --calibrate --transport "
               f"{args.transport} -n {','.join(map(str, args.world_sizes))} first",
               file=sys.stderr)
-    profile = measure_registered(args.model, dataset, transport=args.transport)
+    profile, rounds = registered_rounds(args.model, dataset, transport=args.transport)
     config = BenchConfig(strategies=tuple(names), world_sizes=tuple(args.world_sizes),
                          transport=args.transport,
                          model=args.model, dataset=dataset, steps=args.steps,
                          global_batch=args.global_batch or GLOBAL_BATCH, algorithm="ring",
                          eval_every=10**6, repeat=args.repeat)
 
-    def predict(name: str, world_size: int) -> float:
-        return predicted(profile, name, world_size, config.global_batch, args.microbatches,
+    def predict(name: str, world_size: int, prof: ModelProfile = profile) -> float:
+        return predicted(prof, name, world_size, config.global_batch, args.microbatches,
                          args.transport)
 
     # every prediction before the minutes of runs: one the model cannot make fails now
-    predictions = {(name, n): predict(name, n) for name in names for n in args.world_sizes}
-    outcome = run_table(config, on_start=lambda i, n, run: print(
-        f"[{i + 1}/{n}] measuring {run.label}", file=sys.stderr, flush=True))
+    before = {(name, n): predict(name, n) for name in names for n in args.world_sizes}
+
+    def start(i: int, n: int, run: Any) -> None:
+        print(f"[{i + 1}/{n}] measuring {run.label}", file=sys.stderr, flush=True)
+        rounds.sample()  # the layers' times as this run will find the machine
+
+    outcome = run_table(config, on_start=start)
+    rounds.sample()
+    own = profile.compute(config.global_batch)
+    profile = rounds.profile(profile)
+    predictions = {key: predict(*key, prof=profile) for key in before}
+    totals, large = rounds.totals(), len(rounds.inputs[1])
     fwd_bwd = profile.compute(config.global_batch)
     print(f"profile of {profile.name}: forward+backward {fwd_bwd * 1e3:.2f} ms at batch "
-          f"{config.global_batch}; per-step overheads:\n{profile.overheads.text()}",
-          file=sys.stderr)
+          f"{config.global_batch} ({own * 1e3:.2f} ms before the runs); at batch {large} the "
+          f"median of {len(totals)} rounds, {min(totals) * 1e3:.2f}-{max(totals) * 1e3:.2f} "
+          f"ms; per-step overheads:\n{profile.overheads.text()}", file=sys.stderr)
     single = next((r for r in outcome.rows if r["strategy"] == "single"), {})
     took = measured_step(single)
     if took:
@@ -151,10 +169,11 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
         if row["strategy"] == "single":
             continue
         key = (row["strategy"], row["world_size"])
-        pred = predictions[key] if key in predictions else predict(*key)
+        pred = predictions[key] if key in predictions else predict(*key, prof=profile)
         measured = measured_step(row) if row.get("error") is None else None
         rows.append({"strategy": row["strategy"], "world_size": row["world_size"],
                      "predicted_step_s": pred, "measured_step_s": measured,
+                     "predicted_before_runs_s": before.get(key),
                      "measured_step_s_runs": row.get("step_time_s_runs"),
                      "ratio": pred / measured if measured else None, "error": row.get("error")})
     return rows
