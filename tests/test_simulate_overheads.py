@@ -5,6 +5,7 @@ plus one run of the real measurement on a tiny model (values only checked for sa
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -423,6 +424,29 @@ def test_a_failed_pipeline_message_probe_is_reported_and_charges_nothing(
         assert stage_message(lambda: None, transport="no-such-transport") == (0.0, 0.0)
     assert "could not measure a pipeline message" in caplog.text
     assert "no-such-transport" in caplog.text  # the rank's own error, passed on
+
+
+def test_the_pipeline_probe_takes_off_the_work_its_stages_ran_not_the_parents(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stages' work runs at the children's speed: here 8 ms a call in the forked
+    stages and 0.5 ms in the parent. Taking off four of the parent's (as until 2026-11-26)
+    would read a wake-up of about 15 ms; the rounds minus each stage's own two runs read
+    what the messages cost, a few ms at most on a loaded 2-core machine."""
+    import os
+
+    import disttrain.simulate.stage_probe as stage_probe
+
+    monkeypatch.setattr(stage_probe, "ROUNDS", 6)
+    monkeypatch.setattr(stage_probe, "WARM_UP", 1)
+    parent = os.getpid()
+
+    def work() -> None:
+        time.sleep(0.0005 if os.getpid() == parent else 0.008)
+
+    work()
+    busy, wakeup = stage_probe.stage_message(work)
+    assert 0 < busy < 0.003
+    assert wakeup < 0.004
 
 
 def test_collectives_on_shared_cores_slow_the_compute_they_overlap() -> None:

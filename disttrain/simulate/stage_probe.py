@@ -13,9 +13,15 @@ arrives (GPipe, 1F1B) pays much less.
 one micro-batch down the two stages and its gradient back up through
 :class:`~disttrain.parallel.pipeline.link.StageLink`. Rounds in which each stage computes
 ``work`` before each of its messages (the receiver idles meanwhile) give the cold price;
-rounds with no computation the hot one. The simulation charges every message the hot price
-(at least α) and the receiver's next computation the difference, in proportion to how long
-it sat idle (:mod:`~disttrain.simulate.pipeline`).
+rounds with no computation the hot one. After each cold round both stages run ``work``
+twice more, back to back: the round minus those two runs of each stage is its two
+messages, woken receivers and computations after idling included. (Until 2026-11-26 the
+work was timed once in the parent before the fork: the children computed 2-20 % slower
+than that, at other moments, and the wake-up read 0.6-1.25 ms where the rounds' own
+difference read 0.3-0.6 ms, 16 probes on LeNet; model parallelism and 1F1B on 4 ranks
+came out 1.22-1.28× their runs.) The simulation charges every message the hot price (at least α) and the
+receiver's next computation the difference, in proportion to how long it sat idle
+(:mod:`~disttrain.simulate.pipeline`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from typing import Any
 import torch
 
 from disttrain.simulate.contention import forked_ranks, probe_comm
-from disttrain.simulate.overheads import median_time
 
 log = logging.getLogger(__name__)
 ROUNDS = 30
@@ -48,6 +53,7 @@ def _child(rank: int, ranks: int, store: str, results: Any, work: Callable[[], o
             link = StageLink(comm, rank)
             payload = torch.zeros(max(1, nbytes // 4))
             rounds: dict[bool, list[float]] = {True: [], False: []}
+            solo: list[float] = []  # work twice, right after each cold round
             for call in range(2 * (ROUNDS + WARM_UP)):
                 cold = call < ROUNDS + WARM_UP
                 link.begin(TRAIN, {act: int(not last), grad: int(not first)},
@@ -66,9 +72,13 @@ def _child(rank: int, ranks: int, store: str, results: Any, work: Callable[[], o
                     link.send(grad, payload, call=call, mode=TRAIN, microbatch=0, rows=1)
                 link.flush()
                 rounds[cold].append(time.perf_counter() - start)
+                if cold:
+                    start = time.perf_counter()
+                    work()
+                    work()
+                    solo.append(time.perf_counter() - start)
         # stage 0 starts first and finishes last: its rounds are the critical path
-        results.put((rank, statistics.median(rounds[True][WARM_UP:]),
-                     statistics.median(rounds[False][WARM_UP:])))
+        results.put((rank, rounds[True][WARM_UP:], rounds[False][WARM_UP:], solo[WARM_UP:]))
     except Exception as exc:  # reported to the parent, which falls back to 0
         results.put(f"{type(exc).__name__}: {exc}")
 
@@ -77,16 +87,17 @@ def stage_message(work: Callable[[], object], transport: str = "torch",
                   nbytes: int = PAYLOAD_BYTES) -> tuple[float, float]:
     """(seconds of a message between two pipeline stages that are busy, extra seconds when
     its receiver sat idle while the sender ran ``work``) on ``transport``. A round is 2
-    messages; the cold one also runs ``work`` 4 times, timed alone beforehand and taken
-    off. Both at least 0; (0, 0), logged, if the processes fail or fork is unavailable."""
-    alone = median_time(work)
+    messages; the cold one also runs ``work`` twice on each stage, and each stage's two
+    runs of ``work`` right after it are taken off it (the median over rounds). Both at
+    least 0; (0, 0), logged, if the processes fail or fork is unavailable."""
     try:
-        rounds = {rank: (cold, hot) for rank, cold, hot in
+        rounds = {rank: rest for rank, *rest in
                   forked_ranks(_child, 2, work, nbytes, transport)}
     except Exception as exc:
         log.warning("could not measure a pipeline message (%s); assuming its calibrated "
                     "α-β cost", exc)
         return 0.0, 0.0
-    cold, hot = rounds[0]
-    busy = max(0.0, hot / 2)
-    return busy, max(0.0, (cold - 4 * alone) / 2 - busy)
+    (cold, hot, solo), other = rounds[0], rounds[1][2]
+    busy = max(0.0, statistics.median(hot) / 2)
+    messages = [(c - a - b) / 2 for c, a, b in zip(cold, solo, other, strict=True)]
+    return busy, max(0.0, statistics.median(messages) - busy)
