@@ -355,6 +355,25 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert all(p.grad is None for p in net.parameters())  # the model is left as it was
 
 
+def test_the_loops_cost_is_a_whole_step_less_what_is_charged_apart() -> None:
+    """A step that runs the model's forward+backward and 3 ms of other work, and whose
+    optimizer is charged 1 ms apart: the loop's own work reads 2 ms (the forward+backward
+    taken off by running it alternately with the step)."""
+    from disttrain.simulate.wrappers import _fwd_bwd, loop_cost
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    x = torch.randn(4, 8)
+    model_step = _fwd_bwd(net, x)
+
+    def step() -> None:
+        model_step()
+        time.sleep(0.003)
+
+    assert loop_cost(net, x, step, sgd_step=0.001) == pytest.approx(0.002, abs=0.0007)
+    assert loop_cost(net, x, model_step, sgd_step=0.001) == 0  # never below nothing
+
+
 def test_the_least_disturbed_ps_probe_counts_and_a_failed_one_is_no_reading(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Three parameter-server probes read (2, 3, 2.5), (1, 4, 1) and failed (0, 0, 0): the

@@ -48,6 +48,21 @@ def test_single_learns_digits(model, epochs, threshold):
     assert len(result.step_times) == result.steps and result.samples_per_s > 0
 
 
+def test_single_steps_are_the_loops_own_steps():
+    """The steps the simulator's profile times are the training loop's: the same losses in
+    the same order, and past the first epoch they go round its batches again."""
+    from disttrain.train.loop import single_steps
+
+    config = quiet(model="mlp", steps=5, global_batch=256, eval_every=0)
+    losses = train(config).losses  # digits' training split makes 5 batches of 256
+    with single_steps(config) as step:
+        records = [step() for _ in range(5)]
+        assert [r.loss for r in records] == pytest.approx(losses, rel=1e-6)
+        assert all(r.seconds > 0 for r in records)
+        for _ in range(12):  # the first epoch's batches again (train() reshuffles)
+            assert step().loss > 0
+
+
 def test_bf16_trains_too():
     result = train(quiet(model="mlp", epochs=1, precision="bf16"))
     assert result.accuracy > 0.7

@@ -6,8 +6,10 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
 ``disttrain simulate`` and used as tasks by the strategies' event simulations:
 
 ==========================  ==========================================================
-``step_s``                  the loop's own work per step: fetch the batch, ``zero_grad``,
-                            the cross-entropy loss, ``float(loss)``
+``step_s``                  the loop's own work per step: a whole step of the real loop
+                            less the model's forward+backward and the SGD step (fetch the
+                            batch, ``zero_grad``, the cross-entropy loss, ``float(loss)``,
+                            the optimizer's extra after backward; ``wrappers.loop_cost``)
 ``sgd_fixed_s``,            SGD with momentum: ``fixed + bytes · per_byte`` per call on
 ``sgd_s_per_byte``          one flat tensor (fp32 parameter bytes)
 ``adam_fixed_s``,           the same for Adam

@@ -312,7 +312,8 @@ def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tenso
             loop: Callable[[], object] | None = None, transport: str = "torch"
             ) -> ModelProfile:
     """Profile ``model`` (its ``layers_of`` split) on inputs ``make_input(batch)``;
-    ``loop`` runs the training loop's own work of one step (for ``Overheads.step_s``);
+    ``loop`` runs one whole step of the training loop on a batch of ``batches[0]`` (for
+    ``Overheads.step_s``: that step minus the model's forward+backward and SGD step);
     ``transport`` carries the collectives whose wake-up is measured."""
     return measure_rounds(name, model, make_input, batches, threads, loop, transport)[0]
 
@@ -360,7 +361,9 @@ def measure_registered(model: str, dataset: str = "digits", seed: int = 0,
 def registered_rounds(model: str, dataset: str = "digits", seed: int = 0,
                       transport: str = "torch") -> tuple[ModelProfile, LayerRounds]:
     """:func:`measure_registered`, and its :class:`LayerRounds`."""
+    from disttrain.train.config import TrainConfig
     from disttrain.train.data import build_dataset
+    from disttrain.train.loop import single_steps
     from disttrain.train.models import build_model
 
     info = build_dataset(dataset).info
@@ -373,28 +376,8 @@ def registered_rounds(model: str, dataset: str = "digits", seed: int = 0,
             return torch.randint(0, info.num_classes, (batch, *info.input_shape))
         return torch.randn(batch, *info.input_shape)
 
-    return measure_rounds(model, net, make_input, loop=_loop_work(net, dataset),
-                          transport=transport)
-
-
-def _loop_work(net: nn.Module, dataset: str, batch: int = PROFILE_BATCHES[0]
-               ) -> Callable[[], object]:
-    """One step of the training loop's own work around the model (what
-    :func:`disttrain.train.loop.train` does besides forward, backward and the optimizer):
-    fetch the batch, ``zero_grad``, the cross-entropy loss and its backward on an output of
-    the model's shape, ``float(loss)``."""
-    from disttrain.train.data import build_dataset, fetch
-    from disttrain.train.loop import loss_fn
-
-    train = build_dataset(dataset).train
-    indices = torch.arange(batch)
-    with torch.no_grad():
-        out = net(fetch(train, indices)[0])
-
-    def run() -> float:
-        _, targets = fetch(train, indices)
-        net.zero_grad(set_to_none=True)
-        loss = loss_fn(out.detach().requires_grad_(), targets)
-        loss.backward()
-        return float(loss.detach())
-    return run
+    # the loop's own work is timed on whole steps of the real loop at the small batch
+    config = TrainConfig(model=model, dataset=dataset, seed=seed, strategy="single",
+                         global_batch=PROFILE_BATCHES[0])
+    with single_steps(config) as step:
+        return measure_rounds(model, net, make_input, loop=step, transport=transport)

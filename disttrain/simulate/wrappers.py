@@ -197,10 +197,10 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     in_step = {(op, ranks): statistics.median(readings[f"{op}:{ranks}"])
                for op in ("all_reduce", "reduce_scatter") for ranks in probed}
     # The least of three, the pull and the push each on its own: one worker and one server
-    # have a core each, so a slow reading is other load on the machine, as for compute
-    # (and the validation measures a strategy by its least disturbed run). The share a
-    # second worker adds is a difference of two runs: the median of three. A probe that
-    # failed (0) is not a reading
+    # have a core each, so a slow reading is other load on the machine. (Compute and the
+    # validation's runs now take medians, 2026-11-26; this stays the least until runs
+    # show the median predicts better.) The share a second worker adds is a difference of
+    # two runs: the median of three. A probe that failed (0) is not a reading
     exchanges = readings.get("ps", [(0.0, 0.0, 0.0)])
     pull, push = (min((e[i] for e in exchanges if e[i] > 0), default=0.0) for i in (0, 1))
     served = [e[2] for e in exchanges if e[2] > 0]
@@ -210,6 +210,20 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     return _Interference(in_step, pull, push,
                          min(statistics.median(served), pull + push) if served else 0.0,
                          message, stage_wakeup)
+
+
+def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
+              sgd_step: float) -> float:
+    """``Overheads.step_s``: ``loop`` (one whole step of the training loop on a batch of
+    ``x``'s size) against ``module``'s forward+backward on ``x``, run alternately
+    (:func:`~disttrain.simulate.overheads.paired`: the machine's drift hits both), minus
+    ``sgd_step``, the optimizer step the simulation charges on its own. What is left is
+    the loop's own work (the batch fetched, ``zero_grad``, the cross-entropy loss,
+    ``float(loss)``, the strategy's bookkeeping) and what the optimizer pays in a step
+    beyond its time alone (its tensors cold after backward). Until 2026-11-26 a copy of
+    the loop's work was timed instead: 0.23-0.27 ms on LeNet where this reads 0.38-0.42
+    ms, and the single process was predicted at 0.80-0.97 of its runs."""
+    return max(0.0, paired(_fwd_bwd(module, x), loop) - sgd_step)
 
 
 def measure_overheads(module: nn.Module, x: torch.Tensor,
@@ -230,6 +244,9 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     nbytes = sum(p.numel() * 4 for p in params)
     shared = _interference(module, x, nbytes, cores, transport)
     after = median_time(_fwd_bwd(module, x)) if cores > 1 else 0.0  # the probe's compute
+    tensor = tensor_cost(params, sgd[0], sgd[1])
+    step = loop_cost(module, x, loop, sgd[0] + nbytes * sgd[1] + max(0, len(params) - 1)
+                     * tensor) if loop is not None else 0.0
     module.zero_grad(set_to_none=True)
     comm = solo_comm()
     try:
@@ -242,10 +259,10 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
         zero = {k: zero_work(k, module, x, comm, call, sgd) for k in (1, 2, 3)}
     finally:
         comm.close()
-    return Overheads(step_s=median_time(loop) if loop is not None else 0.0,
+        module.zero_grad(set_to_none=True)  # the model as it came
+    return Overheads(step_s=step,
                      sgd_fixed_s=sgd[0], sgd_s_per_byte=sgd[1], adam_fixed_s=adam[0],
-                     adam_s_per_byte=adam[1],
-                     optimizer_tensor_s=tensor_cost(params, sgd[0], sgd[1]),
+                     adam_s_per_byte=adam[1], optimizer_tensor_s=tensor,
                      collective_call_s=call, hook_s_per_tensor=hook,
                      backward_call_s=backward_call(), zero_s=zero,
                      collective_wakeup_s=wakeup.pop(2, 0.0), collective_wakeup_after_s=after,

@@ -22,7 +22,8 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,28 @@ def train(config: TrainConfig, comm: Communicator | None = None, *,
     run = _Run(config, comm, phases)
     try:
         return run.execute(hooks)
+    finally:
+        run.close()
+
+
+@contextmanager
+def single_steps(config: TrainConfig) -> Iterator[Callable[[], StepRecord]]:
+    """Steps of ``config`` in this process without a communicator (``single``, or any
+    strategy that needs none), one per call, each through the loop's own step: the batch
+    fetched, the strategy's ``train_step``, the records. Cycles over the first epoch's
+    batches and never evaluates, checkpoints or logs: for timing the loop's own work
+    (``disttrain simulate``'s profile)."""
+    run = _Run(dataclasses.replace(config, log_every=0, progress=False), None)
+    try:
+        indices, per_step = run.sampler.indices(), run.per_step
+        batches, taken = len(indices) // per_step, 0
+
+        def step() -> StepRecord:
+            nonlocal taken
+            k = taken % batches
+            taken += 1
+            return run._one_step(0, indices[k * per_step:(k + 1) * per_step])
+        yield step
     finally:
         run.close()
 
