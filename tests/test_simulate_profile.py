@@ -107,3 +107,31 @@ def test_a_later_round_leaves_the_model_and_the_thread_count_as_they_were() -> N
     for key, value in model.state_dict().items():  # the running statistics too
         assert torch.equal(value, before[key]), key
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_profile_keeps_each_overheads_median_over_its_measurements() -> None:
+    from disttrain.simulate.overheads import Overheads
+    from disttrain.simulate.profile import LayerRounds, ModelProfile
+
+    measured = [Overheads(step_s=1e-3, stage_wakeup_s=5e-4, wakeup_by_ranks={4: 3e-3}),
+                Overheads(step_s=4e-3, stage_wakeup_s=1e-4, zero_s={1: 1e-3}),
+                Overheads(step_s=2e-3, stage_wakeup_s=9e-4, wakeup_by_ranks={4: 1e-3},
+                          concurrent_slowdown=1.5)]
+    mid = Overheads.median(measured)
+    assert (mid.step_s, mid.stage_wakeup_s, mid.concurrent_slowdown) == (2e-3, 5e-4, 1.0)
+    assert mid.wakeup_by_ranks == {4: 2e-3} and mid.zero_s == {1: 1e-3}  # over those with it
+    with pytest.raises(ValueError, match="at least one"):
+        Overheads.median([])
+
+    model = nn.Sequential(nn.Linear(8, 8))
+    later = iter(measured[1:])
+    rounds = LayerRounds(model, (torch.randn(4, 8), torch.randn(16, 8)),
+                         overheads=lambda: next(later))
+    rounds.sample()
+    base = ModelProfile("toy", rounds.layer_profiles(), 1.0, 0.0, overheads=measured[0])
+    assert rounds.profile(base).overheads == base.overheads  # nothing measured again yet
+    rounds.sample_overheads()
+    rounds.sample_overheads()
+    assert rounds.profile(base).overheads == mid
+    with pytest.raises(ValueError, match="without a way to measure overheads"):
+        LayerRounds(model, rounds.inputs).sample_overheads()

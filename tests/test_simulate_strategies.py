@@ -231,11 +231,18 @@ class _Rounds:
     """A stand-in for LayerRounds: counts its rounds, and its profile is ``later``."""
 
     def __init__(self, later: ModelProfile) -> None:
-        self.later, self.taken = later, 0
+        self.later, self.taken, self.closed = later, 0, False
         self.inputs = (None, [0.0] * 32)
+        self.overheads: list[object] = []
 
     def sample(self) -> None:
         self.taken += 1
+
+    def sample_overheads(self) -> None:
+        self.overheads.append(self.taken)  # how many runs had started
+
+    def close(self) -> None:
+        self.closed = True
 
     def totals(self) -> list[float]:
         return [1e-3] * self.taken
@@ -283,9 +290,10 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
     rows = [{"strategy": "ddp", "world_size": 2, "step_time_s": 0.25, "error": None},
             {"strategy": "gpipe", "world_size": 4, "step_time_s": 0.5, "error": None}]
 
-    def table(config: object, on_start: Any) -> SimpleNamespace:
-        for i, row in enumerate(rows):
-            on_start(i, len(rows), SimpleNamespace(label=row["strategy"]))
+    def table(config: Any, on_start: Any) -> SimpleNamespace:
+        runs = rows * config.repeat  # the table goes round
+        for i, row in enumerate(runs):
+            on_start(i, len(runs), SimpleNamespace(label=row["strategy"]))
         return SimpleNamespace(rows=rows)
 
     monkeypatch.setattr(validate, "run_table", table)
@@ -294,9 +302,15 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
     assert sorted((n, w) for p, n, w in calls if p is profile) == keys  # once each, first
     assert sorted((n, w) for p, n, w in calls if p is later) == keys  # then again
     assert rounds.taken == len(rows) + 1
+    assert rounds.overheads == [len(rows) + 1] and rounds.closed  # after the last run
     assert out[0]["predicted_step_s"] == 0.75 and out[0]["ratio"] == 3.0
     assert out[0]["predicted_before_runs_s"] == 0.5
     assert out[1]["ratio"] == 1.5
+
+    rounds = _Rounds(later)  # three rounds of the table: the overheads before the 2nd, 3rd
+    monkeypatch.setattr(validate, "registered_rounds", lambda *a, **k: (profile, rounds))
+    validate.rows_for(argparse.Namespace(**{**vars(args), "repeat": 3}))
+    assert rounds.overheads == [2, 4, 7] and rounds.closed
 
 
 def test_validate_compares_the_median_fresh_run() -> None:

@@ -78,7 +78,8 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch import nn
@@ -141,6 +142,22 @@ class Overheads:
             (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())
         ] + [(f"scatter_wakeup_{k}ranks_s", v)
              for k, v in sorted(self.scatter_wakeup_by_ranks.items())]
+
+    @staticmethod
+    def median(measured: Sequence[Overheads]) -> Overheads:
+        """Each quantity's median over ``measured`` (several measurements at different
+        moments; a keyed one, such as a rank count's wake-up, over those that have it)."""
+        if not measured:
+            raise ValueError("Overheads.median needs at least one measurement")
+        keyed = ("zero_s", "wakeup_by_ranks", "scatter_wakeup_by_ranks")
+        values: dict[str, Any] = {
+            f.name: statistics.median(getattr(o, f.name) for o in measured)
+            for f in fields(Overheads) if f.name not in keyed}
+        for name in keyed:
+            keys = sorted({k for o in measured for k in getattr(o, name)})
+            values[name] = {k: statistics.median(getattr(o, name)[k] for o in measured
+                                                 if k in getattr(o, name)) for k in keys}
+        return Overheads(**values)
 
     def wakeup(self, ranks: int, op: str = "all_reduce") -> float:
         """The wake-up measured with the most ranks not above ``ranks`` (2: the plain one);

@@ -4,9 +4,11 @@ For each strategy that ``disttrain bench`` can run here (a name the training reg
 not have is skipped, saying so) and each world size, it
 
 1. profiles the model here (:mod:`~disttrain.simulate.profile`, one thread, as ranks run),
-   and times its layers again before every run of step 3 (the profile's layer times are
-   then the median of all those rounds: a profile of the minutes the runs ran in, not of
-   the seconds before them; see :class:`~disttrain.simulate.profile.LayerRounds`),
+   and times its layers again before every run of step 3, and its overheads before every
+   round of the table and after the last (the profile's layer times are then those of the
+   median round, each overhead the median of its measurements: a profile of the minutes
+   the runs ran in, not of the seconds before them; see
+   :class:`~disttrain.simulate.profile.LayerRounds`),
 2. simulates the step on the ``local`` cluster (calibrated costs, ranks sharing the cores)
    with the configuration the benchmark uses: the global batch fixed, the ``ring``
    algorithm, every rank a pipeline stage, 8 micro-batches (the only count the benchmark
@@ -144,11 +146,18 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
     before = {(name, n): predict(name, n) for name in names for n in args.world_sizes}
 
     def start(i: int, n: int, run: Any) -> None:
+        if i and i % max(1, n // config.repeat) == 0:  # the table starts another round
+            print("measuring the overheads again", file=sys.stderr, flush=True)
+            rounds.sample_overheads()
         print(f"[{i + 1}/{n}] measuring {run.label}", file=sys.stderr, flush=True)
         rounds.sample()  # the layers' times as this run will find the machine
 
-    outcome = run_table(config, on_start=start)
-    rounds.sample()
+    try:
+        outcome = run_table(config, on_start=start)
+        rounds.sample()
+        rounds.sample_overheads()
+    finally:
+        rounds.close()
     own = profile.compute(config.global_batch)
     profile = rounds.profile(profile)
     predictions = {key: predict(*key, prof=profile) for key in before}
@@ -157,7 +166,8 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"profile of {profile.name}: forward+backward {fwd_bwd * 1e3:.2f} ms at batch "
           f"{config.global_batch} ({own * 1e3:.2f} ms before the runs); at batch {large} the "
           f"median of {len(totals)} rounds, {min(totals) * 1e3:.2f}-{max(totals) * 1e3:.2f} "
-          f"ms; per-step overheads:\n{profile.overheads.text()}", file=sys.stderr)
+          f"ms; per-step overheads, the median of {len(rounds.overheads) + 1} measurements:\n"
+          f"{profile.overheads.text()}", file=sys.stderr)
     single = next((r for r in outcome.rows if r["strategy"] == "single"), {})
     took = measured_step(single)
     if took:
