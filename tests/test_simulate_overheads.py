@@ -374,6 +374,22 @@ def test_the_loops_cost_is_a_whole_step_less_what_is_charged_apart() -> None:
     assert loop_cost(net, x, model_step, sgd_step=0.001) == 0  # never below nothing
 
 
+def test_the_loops_cost_takes_off_the_layers_sum_the_simulation_charges(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the layers' times leave out of a pass (the loss, the start of backward) is the
+    loop's to pay: here the profile's pass charges 3 ms for its layers whatever its wall
+    time, and a step takes 5 ms, so the loop's own work reads 2 ms (it read the step less a
+    plain forward+backward's wall time, about 5 ms here, until 2026-11-26)."""
+    import disttrain.simulate.profile as profile
+    from disttrain.simulate.wrappers import loop_cost
+
+    net = nn.Sequential(nn.Linear(8, 4))
+    monkeypatch.setattr(profile, "_one_pass", lambda layers, x: [(0.001, 0.002)])
+    took = loop_cost(net, torch.randn(4, 8), lambda: time.sleep(0.005), sgd_step=0.0,
+                     repeats=5, rounds=2)
+    assert took == pytest.approx(0.002, abs=0.0007)
+
+
 def test_the_least_disturbed_ps_probe_counts_and_a_failed_one_is_no_reading(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Three parameter-server probes read (2, 3, 2.5), (1, 4, 1) and failed (0, 0, 0): the

@@ -7,9 +7,10 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
 
 ==========================  ==========================================================
 ``step_s``                  the loop's own work per step: a whole step of the real loop
-                            less the model's forward+backward and the SGD step (fetch the
-                            batch, ``zero_grad``, the cross-entropy loss, ``float(loss)``,
-                            the optimizer's extra after backward; ``wrappers.loop_cost``)
+                            less the layers' times of a profile pass and the SGD step
+                            (fetch the batch, ``zero_grad``, the loss and the start of
+                            backward, ``float(loss)``, the optimizer's extra after
+                            backward; ``wrappers.loop_cost``)
 ``sgd_fixed_s``,            SGD with momentum: ``fixed + bytes · per_byte`` per call on
 ``sgd_s_per_byte``          one flat tensor (fp32 parameter bytes)
 ``adam_fixed_s``,           the same for Adam

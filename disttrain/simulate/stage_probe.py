@@ -18,7 +18,7 @@ twice more, back to back: the round minus those two runs of each stage is its tw
 messages, woken receivers and computations after idling included. (Until 2026-11-26 the
 work was timed once in the parent before the fork: the children computed 2-20 % slower
 than that, at other moments, and the wake-up read 0.6-1.25 ms where the rounds' own
-difference read 0.3-0.6 ms, 16 probes on LeNet; model parallelism and 1F1B on 4 ranks
+difference read 0.3-0.6 ms (16 and 8 probes on LeNet); model parallelism and 1F1B on 4 ranks
 came out 1.22-1.28× their runs.) The simulation charges every message the hot price (at
 least α) and the receiver's next computation the difference, in proportion to how long
 it sat idle (:mod:`~disttrain.simulate.pipeline`).

@@ -15,6 +15,7 @@ import copy
 import functools
 import logging
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -213,17 +214,46 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
 
 
 def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
-              sgd_step: float) -> float:
+              sgd_step: float, repeats: int = 21, rounds: int = 3) -> float:
     """``Overheads.step_s``: ``loop`` (one whole step of the training loop on a batch of
-    ``x``'s size) against ``module``'s forward+backward on ``x``, run alternately
-    (:func:`~disttrain.simulate.overheads.paired`: the machine's drift hits both), minus
-    ``sgd_step``, the optimizer step the simulation charges on its own. What is left is
-    the loop's own work (the batch fetched, ``zero_grad``, the cross-entropy loss,
-    ``float(loss)``, the strategy's bookkeeping) and what the optimizer pays in a step
-    beyond its time alone (its tensors cold after backward). Until 2026-11-26 a copy of
-    the loop's work was timed instead: 0.23-0.27 ms on LeNet where this reads 0.38-0.42
-    ms, and the single process was predicted at 0.80-0.97 of its runs."""
-    return max(0.0, paired(_fwd_bwd(module, x), loop) - sgd_step)
+    ``x``'s size) less what the simulation charges for the model in it, the sum of the
+    layers' times in one of the profile's passes over ``x``
+    (:func:`~disttrain.simulate.profile._one_pass`), less ``sgd_step``, the optimizer step
+    it charges on its own. The two run alternately, so the machine's drift hits both; the
+    median difference over ``repeats`` pairs, the least of ``rounds`` such medians, as
+    :func:`~disttrain.simulate.overheads.paired`. What is left is the loop's own work (the
+    batch fetched, ``zero_grad``, the loss and the start of backward, which no layer's
+    time holds, ``float(loss)``, the strategy's bookkeeping) and what the optimizer pays
+    in a step beyond its time alone (its tensors cold after backward). Until 2026-11-26 a
+    copy of the loop's work was timed instead (0.22-0.29 ms on LeNet), and the single
+    process was predicted at 0.80-0.97 of its runs; against a plain forward+backward
+    instead of the layers' sum it missed the loss and the start of backward (0.11-0.15
+    ms at batch 4 and 32) and read 0.27-0.61 ms."""
+    from disttrain.simulate.profile import _one_pass, layers_of
+
+    layers, plain = layers_of(module), _fwd_bwd(module, x)
+
+    def charged() -> float:
+        """Seconds the simulation charges for the model's pass over ``x``."""
+        start = time.perf_counter()
+        times = _one_pass(layers, x)
+        if times is None:  # the layers cannot be timed in a pass: the whole of it
+            plain()
+            return time.perf_counter() - start
+        return sum(f + b for f, b in times)
+
+    charged()
+    loop()
+    medians = []
+    for _ in range(rounds):
+        diffs = []
+        for _ in range(repeats):
+            base = charged()
+            start = time.perf_counter()
+            loop()
+            diffs.append(time.perf_counter() - start - base)
+        medians.append(statistics.median(diffs))
+    return max(0.0, min(medians) - sgd_step)
 
 
 def measure_overheads(module: nn.Module, x: torch.Tensor,
