@@ -279,6 +279,8 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ValueError, match="duration must be"):
         validate.rows_for(args)
     assert ran == []  # nothing was measured
+    assert rounds.closed  # and the profile's loop was let go
+    rounds.closed = False
 
     calls: list[tuple[object, str, int]] = []
 

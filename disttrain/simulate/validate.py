@@ -45,7 +45,7 @@ from disttrain.bench.experiments import BenchConfig
 from disttrain.bench.strategy_bench import run_table
 from disttrain.comm.cost_model import LinkCosts, load_costs
 from disttrain.simulate.cluster import local
-from disttrain.simulate.profile import ModelProfile, registered_rounds
+from disttrain.simulate.profile import LayerRounds, ModelProfile, registered_rounds
 from disttrain.simulate.strategies import simulate
 from disttrain.simulate.workload import Workload
 from disttrain.train.strategies import STRATEGIES as RUNNABLE
@@ -132,6 +132,14 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
               f"{args.transport} -n {','.join(map(str, args.world_sizes))} first",
               file=sys.stderr)
     profile, rounds = registered_rounds(args.model, dataset, transport=args.transport)
+    try:
+        return _validate(args, names, dataset, profile, rounds)
+    finally:
+        rounds.close()
+
+
+def _validate(args: argparse.Namespace, names: list[str], dataset: str,
+              profile: ModelProfile, rounds: LayerRounds) -> list[dict[str, Any]]:
     config = BenchConfig(strategies=tuple(names), world_sizes=tuple(args.world_sizes),
                          transport=args.transport,
                          model=args.model, dataset=dataset, steps=args.steps,
@@ -152,12 +160,9 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"[{i + 1}/{n}] measuring {run.label}", file=sys.stderr, flush=True)
         rounds.sample()  # the layers' times as this run will find the machine
 
-    try:
-        outcome = run_table(config, on_start=start)
-        rounds.sample()
-        rounds.sample_overheads()
-    finally:
-        rounds.close()
+    outcome = run_table(config, on_start=start)
+    rounds.sample()
+    rounds.sample_overheads()
     own = profile.compute(config.global_batch)
     profile = rounds.profile(profile)
     predictions = {key: predict(*key, prof=profile) for key in before}
