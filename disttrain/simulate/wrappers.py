@@ -29,6 +29,7 @@ from disttrain.simulate.overheads import (
     median_time,
     optimizer_costs,
     paired,
+    paired_charge,
     tensor_cost,
 )
 
@@ -220,11 +221,12 @@ def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
     layers' times in one of the profile's passes over ``x``
     (:func:`~disttrain.simulate.profile._one_pass`), less ``sgd_step``, the optimizer step
     it charges on its own. The two run alternately, so the machine's drift hits both; the
-    median difference over ``repeats`` pairs, the least of ``rounds`` such medians, as
-    :func:`~disttrain.simulate.overheads.paired`. What is left is the loop's own work (the
-    batch fetched, ``zero_grad``, the loss and the start of backward, which no layer's
-    time holds, ``float(loss)``, the strategy's bookkeeping) and what the optimizer pays
-    in a step beyond its time alone (its tensors cold after backward). Until 2026-11-26 a
+    median difference over ``repeats`` pairs, the least of ``rounds`` such medians
+    (:func:`~disttrain.simulate.overheads.paired_charge`). What is left is the loop's own
+    work (the batch fetched, ``zero_grad``, the loss and the start of backward, which no
+    layer's time holds, ``float(loss)``, the strategy's bookkeeping) and what the
+    optimizer pays in a step beyond its time alone (its tensors cold after backward).
+    Until 2026-11-26 a
     copy of the loop's work was timed instead (0.22-0.29 ms on LeNet), and the single
     process was predicted at 0.80-0.97 of its runs; against a plain forward+backward
     instead of the layers' sum it missed the loss and the start of backward (0.11-0.15
@@ -242,18 +244,7 @@ def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
             return time.perf_counter() - start
         return sum(f + b for f, b in times)
 
-    charged()
-    loop()
-    medians = []
-    for _ in range(rounds):
-        diffs = []
-        for _ in range(repeats):
-            base = charged()
-            start = time.perf_counter()
-            loop()
-            diffs.append(time.perf_counter() - start - base)
-        medians.append(statistics.median(diffs))
-    return max(0.0, min(medians) - sgd_step)
+    return max(0.0, paired_charge(charged, loop, repeats, rounds) - sgd_step)
 
 
 def measure_overheads(module: nn.Module, x: torch.Tensor,
