@@ -226,11 +226,10 @@ def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
     work (the batch fetched, ``zero_grad``, the loss and the start of backward, which no
     layer's time holds, ``float(loss)``, the strategy's bookkeeping) and what the
     optimizer pays in a step beyond its time alone (its tensors cold after backward).
-    Until 2026-11-26 a
-    copy of the loop's work was timed instead (0.22-0.29 ms on LeNet), and the single
-    process was predicted at 0.80-0.97 of its runs; against a plain forward+backward
-    instead of the layers' sum it missed the loss and the start of backward (0.11-0.15
-    ms at batch 4 and 32) and read 0.27-0.61 ms."""
+    Until 2026-11-26 a copy of the loop's work was timed instead (0.22-0.29 ms on LeNet),
+    and the single process was predicted at 0.80-0.97 of its runs; against a plain
+    forward+backward instead of the layers' sum it missed the loss and the start of
+    backward (0.11-0.15 ms at batch 4 and 32) and read 0.27-0.61 ms."""
     from disttrain.simulate.profile import _one_pass, layers_of
 
     layers, plain = layers_of(module), _fwd_bwd(module, x)
@@ -251,7 +250,8 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                       loop: Callable[[], object] | None = None, cores: int = 1,
                       transport: str = "torch") -> Overheads:
     """Every :class:`Overheads` quantity for ``module`` on input ``x`` (one thread is the
-    caller's business). ``loop`` runs the loop's own per-step work once; ``cores`` > 1
+    caller's business). ``loop`` runs one whole step of the training loop on a batch of
+    ``x``'s size (:func:`loop_cost` makes ``step_s`` of it); ``cores`` > 1
     measures ``concurrent_slowdown`` with that many processes, the wake-up of a
     collective, a parameter-server pull and push and a pipeline message on ``transport``."""
     from disttrain.simulate.contention import concurrent_slowdown
