@@ -380,11 +380,11 @@ def test_the_loops_cost_takes_off_the_layers_sum_the_simulation_charges(
     loop's to pay: here the profile's pass charges 3 ms for its layers whatever its wall
     time, and a step takes 5 ms, so the loop's own work reads 2 ms (it read the step less a
     plain forward+backward's wall time, about 5 ms here, until 2026-11-26)."""
-    import disttrain.simulate.profile as profile
+    import disttrain.simulate.wrappers as wrappers
     from disttrain.simulate.wrappers import loop_cost
 
     net = nn.Sequential(nn.Linear(8, 4))
-    monkeypatch.setattr(profile, "_one_pass", lambda layers, x: [(0.001, 0.002)])
+    monkeypatch.setattr(wrappers, "one_pass", lambda layers, x: [(0.001, 0.002)])
     took = loop_cost(net, torch.randn(4, 8), lambda: time.sleep(0.005), sgd_step=0.0,
                      repeats=5, rounds=2)
     assert took == pytest.approx(0.002, abs=0.0007)

@@ -3,12 +3,7 @@ activation bytes, measured on this machine.
 
 Each layer of the model (:func:`~disttrain.parallel.pipeline.partition.layers_of`: the
 children of an ``nn.Sequential``) is timed inside passes of the whole model, as training
-runs it: a timestamp after each layer's forward, and during the one backward call a
-timestamp when the gradient of each layer's output arrives (a tensor hook), so layer i's
-backward is the time between the gradient of its output and that of its input. Summed, the
-layers are the whole pass. (Timing each layer on its own, with its own backward call,
-charged every layer the autograd engine's start and cold caches: on LeNet the layers
-summed to 1.3–1.7× the whole model's forward+backward.) Times are measured at two batch
+runs it (:mod:`~disttrain.simulate.layer_timing`). Times are measured at two batch
 sizes and fitted as ``t(b) = fixed + b · per_sample`` per layer: on a CPU the fixed part
 (Python, kernel launch) matters at small batches, on an accelerator the per-sample part
 dominates. Each batch size is measured in three rounds spread over the profile's tens of
@@ -16,11 +11,8 @@ seconds (:class:`LayerRounds`), and the median round is kept: this machine's spe
 (LeNet's pass at 2.5-3.1 ms within a minute, and spells at 1.7 ms or 3.0 ms lasting tens of
 seconds), and a profile is to describe the machine as the runs it predicts find it, which
 is its usual state, not its fastest (with the least of two rounds, kept until 2026-11-26,
-two validations predicted the single process 10-26 % below each of its runs). Each layer
-also runs on its own once, on a detached input, to count the bytes of the tensors autograd
-saves for backward (``torch.autograd.graph.saved_tensors_hooks``: what a layer's
-activations cost in memory) and its output bytes (what a pipeline stage sends to the
-next).
+two validations predicted the single process 10-26 % below each of its runs). The bytes
+autograd saves per layer and its output bytes come with the times.
 
 Ranks of ``disttrain bench`` run one thread each, so the profile is measured with one
 thread too. ``reference_flops`` is this machine's sustained matmul FLOP/s at that thread
@@ -44,11 +36,10 @@ import torch
 from torch import nn
 
 from disttrain.parallel.pipeline.partition import layers_of
+from disttrain.simulate.layer_timing import REPEATS, Rows, run_layers
 from disttrain.simulate.overheads import Overheads
 
 PROFILE_BATCHES = (4, 32)
-REPEATS = 5  # standalone runs of a layer, when whole-model passes cannot time it
-PASSES = 21  # whole-model passes timed per batch size (the median per layer)
 
 
 @dataclass(frozen=True)
@@ -122,109 +113,6 @@ def host_flops(size: int = 256, repeats: int = 10) -> float:
     return 2 * size**3 / statistics.median(times)
 
 
-def _saved_bytes(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return out, total
-
-
-def _time_layer(layer: nn.Module, x: torch.Tensor, loss: bool, repeats: int = REPEATS
-                ) -> tuple[float, float, int, int]:
-    """Median (forward s, backward s) of ``repeats`` runs after one warm-up, saved bytes and
-    output bytes of ``layer`` on ``x``."""
-    fwd, bwd, saved, out_bytes = [], [], 0, 0
-    for run in range(repeats + 1):
-        x_in = x.detach().requires_grad_(x.is_floating_point())
-        start = time.perf_counter()
-        y, saved = _saved_bytes(lambda: layer(x_in))  # noqa: B023 (used at once)
-        out_bytes = y.numel() * y.element_size()
-        target = y.float().pow(2).mean() if loss else None  # a scalar loss on the last layer
-        mid = time.perf_counter()
-        if y.requires_grad:
-            (target if target is not None else y).backward(
-                None if target is not None else torch.ones_like(y))
-        end = time.perf_counter()
-        if run:
-            fwd.append(mid - start)
-            bwd.append(end - mid)
-        layer.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd), saved, out_bytes
-
-
-def _run_layers(layers: list[nn.Module], sample: torch.Tensor) -> list[tuple[float, float, int,
-                                                                             int]]:
-    """Per layer: (forward s, backward s) from whole-model passes (:func:`_pass_times`),
-    saved bytes and output bytes from a standalone run (its times are used only when the
-    passes cannot time the layers: then each layer is timed alone, :data:`REPEATS` runs)."""
-    times = _pass_times(layers, sample)
-    rows, x = [], sample
-    for i, layer in enumerate(layers):
-        rows.append(_time_layer(layer, x, loss=i == len(layers) - 1,
-                                repeats=REPEATS if times is None else 1))
-        with torch.no_grad():
-            x = layer(x)
-    if times is None:  # a layer's output takes no gradient: keep the standalone times
-        return rows
-    return [(f, b, saved, out) for (f, b), (_, _, saved, out) in zip(times, rows, strict=True)]
-
-
-def _one_pass(layers: list[nn.Module], sample: torch.Tensor) -> list[tuple[float, float]] | None:
-    """One forward and one backward of ``layers`` in sequence (the loss on the last output
-    as :func:`_time_layer` uses), with a timestamp after each layer's forward and one when
-    the gradient of each layer's output arrives; None if an output takes no gradient. An
-    in-place layer (``ReLU(inplace=True)``) returns its input tensor, so both hooks sit on
-    one tensor: its backward is counted in the layer before it (the sum stays right)."""
-    n = len(layers)
-    marks = [time.perf_counter()]
-    outputs, x = [], sample
-    for layer in layers:
-        x = layer(x)
-        marks.append(time.perf_counter())
-        outputs.append(x)
-    if not all(y.requires_grad for y in outputs):
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
-        return None
-    arrived = [0.0] * n  # arrived[i]: gradient of layer i's output ready
-
-    def stamp(i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            arrived[i] = time.perf_counter()
-        return hook
-
-    for i, y in enumerate(outputs):
-        y.register_hook(stamp(i))
-    target = x.float().pow(2).mean()
-    target.backward()
-    done = time.perf_counter()
-    for layer in layers:
-        layer.zero_grad(set_to_none=True)
-    ends = [arrived[i - 1] if i else done for i in range(n)]  # input's gradient (or the end)
-    return [(marks[i + 1] - marks[i], max(0.0, ends[i] - arrived[i])) for i in range(n)]
-
-
-def _pass_times(layers: list[nn.Module], sample: torch.Tensor,
-                passes: int = PASSES) -> list[tuple[float, float]] | None:
-    """Median per layer (forward s, backward s) over ``passes`` whole-model passes, after
-    two warm-up passes; None when :func:`_one_pass` cannot time the layers."""
-    runs = []
-    for i in range(passes + 2):
-        times = _one_pass(layers, sample)
-        if times is None:
-            return None
-        if i >= 2:
-            runs.append(times)
-    return [(statistics.median(r[i][0] for r in runs), statistics.median(r[i][1] for r in runs))
-            for i in range(len(layers))]
-
-
 def _optimizer_rate(params: list[nn.Parameter]) -> float:
     """Seconds per parameter of an SGD-with-momentum step (what the training loop runs)."""
     for p in params:
@@ -240,17 +128,15 @@ def _optimizer_rate(params: list[nn.Parameter]) -> float:
     return statistics.median(times) / numel
 
 
-Rows = list[tuple[float, float, int, int]]  # per layer: forward s, backward s, saved, out
-
-
 class LayerRounds:
-    """Rounds of :func:`_run_layers` at the profile's two batch sizes, taken at different
-    moments; the profile's layer times are those of the median round (by the layers' sum),
-    per batch size. The median and not the least: this machine's speed drifts by 10-20 %
-    within seconds and has spells of ×1.8 lasting tens of seconds, so the least of many
-    rounds is a state the machine is rarely in; the median is its usual speed over the
-    time the rounds span. ``disttrain simulate --validate`` adds a round before each run it
-    measures, so the profile spans the same minutes as the runs.
+    """Rounds of :func:`~disttrain.simulate.layer_timing.run_layers` at the profile's two
+    batch sizes, taken at different moments; the profile's layer times are those of the
+    median round (by the layers' sum), per batch size. The median and not the least: this
+    machine's speed drifts by 10-20 % within seconds and has spells of ×1.8 lasting tens of
+    seconds, so the least of many rounds is a state the machine is rarely in; the median
+    is its usual speed over the time the rounds span. ``disttrain simulate --validate``
+    adds a round before each run it measures, so the profile spans the same minutes as
+    the runs.
 
     With ``overheads`` (a function measuring :class:`Overheads` anew, tens of seconds),
     :meth:`sample_overheads` takes another measurement of them too, and :meth:`profile`
@@ -297,8 +183,8 @@ class LayerRounds:
         """One more round at both batch sizes, with the profile's thread count; the model's
         parameters and buffers (a batch norm's running statistics) are left as they were."""
         def both() -> None:
-            self.small.append(_run_layers(self.layers, self.inputs[0]))
-            self.large.append(_run_layers(self.layers, self.inputs[1]))
+            self.small.append(run_layers(self.layers, self.inputs[0]))
+            self.large.append(run_layers(self.layers, self.inputs[1]))
         self._quietly(both)
 
     def totals(self, batch_index: int = 1) -> list[float]:

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from disttrain.comm import CommConfig, Communicator, LinkCosts, Transport
+from disttrain.parallel.pipeline.partition import layers_of
+from disttrain.simulate.layer_timing import one_pass
 from disttrain.simulate.overheads import (
     Overheads,
     backward_call,
@@ -219,7 +221,7 @@ def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
     """``Overheads.step_s``: ``loop`` (one whole step of the training loop on a batch of
     ``x``'s size) less what the simulation charges for the model in it, the sum of the
     layers' times in one of the profile's passes over ``x``
-    (:func:`~disttrain.simulate.profile._one_pass`), less ``sgd_step``, the optimizer step
+    (:func:`~disttrain.simulate.layer_timing.one_pass`), less ``sgd_step``, the optimizer step
     it charges on its own. The two run alternately, so the machine's drift hits both; the
     median difference over ``repeats`` pairs, the least of ``rounds`` such medians
     (:func:`~disttrain.simulate.overheads.paired_charge`). What is left is the loop's own
@@ -230,14 +232,12 @@ def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
     and the single process was predicted at 0.80-0.97 of its runs; against a plain
     forward+backward instead of the layers' sum it missed the loss and the start of
     backward (0.11-0.15 ms at batch 4 and 32) and read 0.27-0.61 ms."""
-    from disttrain.simulate.profile import _one_pass, layers_of
-
     layers, plain = layers_of(module), _fwd_bwd(module, x)
 
     def charged() -> float:
         """Seconds the simulation charges for the model's pass over ``x``."""
         start = time.perf_counter()
-        times = _one_pass(layers, x)
+        times = one_pass(layers, x)
         if times is None:  # the layers cannot be timed in a pass: the whole of it
             plain()
             return time.perf_counter() - start
