@@ -350,6 +350,8 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert sorted(overheads.scatter_wakeup_by_ranks) == [2, 4]  # ZeRO's reduce-scatter too
     assert "could not measure a pipeline message" not in caplog.text  # the stages ran
     assert values["stage_message_s"] > 0  # at least the messages' Python
+    assert "could not measure a pipeline stage's own work" not in caplog.text
+    assert values["stage_work_s"] > 0  # the runtime's two stages ran
     assert "could not measure the in-step" not in caplog.text  # two gloo ranks ran
     assert overheads.concurrent_slowdown >= 1  # two forked processes ran the model
     assert all(p.grad is None for p in net.parameters())  # the model is left as it was

@@ -62,6 +62,11 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
 ``stage_wakeup_s``          what such a message costs more when its receiver sat idle
                             while the sender ran the model's forward+backward: waking the
                             receiver, its next computation on cold caches
+``stage_work_s``            what a pipeline stage spends on its own thread per message it
+                            sends or receives (packing, posting, taking it in, the
+                            schedule's Python per micro-batch): the real runtime's GPipe
+                            on two stages, its steps less layers and waits
+                            (:func:`~disttrain.simulate.stage_probe.stage_work`)
 ``concurrent_slowdown``     how much slower the model's forward+backward runs in each of
                             this machine's cores at once than alone (a ratio ≥ 1;
                             :mod:`~disttrain.simulate.contention`)
@@ -116,6 +121,7 @@ class Overheads:
     ps_served_s: float = 0.0  # of that pull and push, served one worker at a time
     stage_message_s: float = 0.0  # this machine only (simulate.pipeline)
     stage_wakeup_s: float = 0.0
+    stage_work_s: float = 0.0
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
 
     def __post_init__(self) -> None:
@@ -138,7 +144,8 @@ class Overheads:
             "step_s", "sgd_fixed_s", "sgd_s_per_byte", "adam_fixed_s", "adam_s_per_byte",
             "optimizer_tensor_s", "collective_call_s", "hook_s_per_tensor",
             "backward_call_s", "collective_wakeup_s", "collective_wakeup_after_s",
-            "ps_pull_s", "ps_push_s", "ps_served_s", "stage_message_s", "stage_wakeup_s")]
+            "ps_pull_s", "ps_push_s", "ps_served_s", "stage_message_s", "stage_wakeup_s",
+            "stage_work_s")]
         return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())] + [
             (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())
         ] + [(f"scatter_wakeup_{k}ranks_s", v)

@@ -82,17 +82,25 @@ class _Replica:
         # that compute: such a message costs at least the calibrated α, measured with every
         # rank busy (on Gloo here 0.77 ms against a probe of 0.25-0.32 ms; with the probe
         # alone GPipe and 1F1B read 0.50-0.83 of their measured steps, model parallelism
-        # on 4 ranks with α 1.25-1.33: docs/simulate.md, "Overheads")
+        # on 4 ranks with α 1.25-1.33: docs/simulate.md, "Overheads"). Of that price, the
+        # work each of the two stages does on its own thread is charged to the stages
+        # (Overheads.stage_work_s, see step): the link keeps the rest, the time the message
+        # is in flight while both stages compute
         probed = self.case.overheads.stage_message_s if self.on_host(stage, to) else 0.0
-        if probed and self.schedule.num_microbatches == 1:
-            return probed + nbytes * costs.beta
-        return max(costs.alpha, probed) + nbytes * costs.beta
+        price = probed if probed and self.schedule.num_microbatches == 1 else \
+            max(costs.alpha, probed)
+        return max(0.0, price - 2 * self.work(stage, to)) + nbytes * costs.beta
 
     def on_host(self, stage: int, to: int) -> bool:
         """Both stages are processes on this machine's shared cores, where the profile's
         probes of a pipeline message apply."""
         dpn = self.case.cluster.devices_per_node
         return bool(self.case.cluster.shared_cores) and stage // dpn == to // dpn
+
+    def work(self, stage: int, to: int) -> float:
+        """What a stage spends on its own thread to send a message from ``stage`` to ``to``
+        or to take one in (``Overheads.stage_work_s``, probed on this machine's runtime)."""
+        return self.case.overheads.stage_work_s if self.on_host(stage, to) else 0.0
 
     def stage_time(self, stage: int, backward: bool) -> float:
         lo, hi = self.bounds[stage]
@@ -106,32 +114,46 @@ class _Replica:
 
     def step(self, s: int, action: object) -> bool:
         """Add ``action``'s task; False if it waits for a message not yet sent."""
-        sim, mb = self.sim, getattr(action, "microbatch", 0)
+        mb = getattr(action, "microbatch", 0)
         if isinstance(action, (RecvAct, RecvGrad)):
             return ("act" if isinstance(action, RecvAct) else "grad", s, mb) in self.sent
         if isinstance(action, (Forward, Backward)):
-            fwd = isinstance(action, Forward)
-            key = ("act", s, mb) if fwd else ("grad", s, mb)
-            deps = (self.sent[key],) if key in self.sent else ()
-            # a stage that sat idle waiting for this message is woken and computes on cold
-            # caches (Overheads.stage_wakeup_s, in full after the probe's idle time); one
-            # busy with other micro-batches when it arrived pays nothing
-            ov = self.case.overheads
-            sender = s - 1 if fwd else s + 1
-            wake = ov.stage_wakeup_s if deps and self.on_host(sender, s) else 0.0
-            self.last_compute[s] = sim.add(f"{action}@{s}", f"compute{s}",
-                                           self.stage_time(s, not fwd), deps,
-                                           "forward" if fwd else "backward", cold_s=wake,
-                                           cold_after_s=ov.collective_wakeup_after_s)
-            return True
+            self.compute(s, action, mb)
+        else:
+            self.send(s, action, mb)
+        return True
+
+    def compute(self, s: int, action: Forward | Backward, mb: int) -> None:
+        fwd, sim, ov = isinstance(action, Forward), self.sim, self.case.overheads
+        key = ("act", s, mb) if fwd else ("grad", s, mb)
+        deps = (self.sent[key],) if key in self.sent else ()
+        # a stage that sat idle waiting for this message is woken and computes on cold
+        # caches (Overheads.stage_wakeup_s, in full after the probe's idle time); one busy
+        # with other micro-batches when it arrived pays nothing
+        sender = s - 1 if fwd else s + 1
+        wake = ov.stage_wakeup_s if deps and self.on_host(sender, s) else 0.0
+        took = self.work(sender, s) if deps else 0.0
+        if took:  # it takes the message in on its own thread first, woken if idle
+            deps = (sim.add(f"take{action}@{s}", f"compute{s}", took, deps, "overhead",
+                            cold_s=wake, cold_after_s=ov.collective_wakeup_after_s),)
+            wake = 0.0
+        self.last_compute[s] = sim.add(f"{action}@{s}", f"compute{s}",
+                                       self.stage_time(s, not fwd), deps,
+                                       "forward" if fwd else "backward", cold_s=wake,
+                                       cold_after_s=ov.collective_wakeup_after_s)
+
+    def send(self, s: int, action: object, mb: int) -> None:
         forward = isinstance(action, SendAct)
         to = s + 1 if forward else s - 1
         nbytes = self.boundary_bytes(s if forward else to)
         self.bytes[s] += nbytes
-        self.sent[("act" if forward else "grad", to, mb)] = sim.add(
+        posting = self.work(s, to)
+        if posting:  # packed and posted on the stage's own thread, after its computation
+            self.last_compute[s] = self.sim.add(f"post{action}@{s}", f"compute{s}", posting,
+                                                (), "overhead")
+        self.sent[("act" if forward else "grad", to, mb)] = self.sim.add(
             f"{action}@{s}", f"link{s}", self.link(s, to, nbytes), (self.last_compute[s],),
             "comm")
-        return True
 
     def build(self) -> None:
         pcs = [0] * self.schedule.num_stages

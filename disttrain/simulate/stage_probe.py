@@ -101,3 +101,51 @@ def stage_message(work: Callable[[], object], transport: str = "torch",
     busy = max(0.0, statistics.median(hot) / 2)
     messages = [(c - a - b) / 2 for c, a, b in zip(cold, solo, other, strict=True)]
     return busy, max(0.0, statistics.median(messages) - busy)
+
+
+MICROBATCHES = 8  # as disttrain bench runs its pipelines
+STEPS = 20
+
+
+def _work_child(rank: int, ranks: int, store: str, results: Any, module: torch.nn.Module,
+                x: torch.Tensor, transport: str) -> None:
+    from disttrain.parallel.pipeline import build_pipeline
+
+    def loss(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+        return out.float().pow(2).mean()
+
+    try:
+        with probe_comm(rank, ranks, store, transport) as comm:
+            pipe = build_pipeline(module, comm, schedule="gpipe", microbatches=MICROBATCHES)
+            batch = torch.cat([x] * MICROBATCHES)
+            targets = torch.zeros(len(batch))
+            own = []
+            for _ in range(WARM_UP + STEPS):
+                for param in pipe.parameters():
+                    param.grad = None
+                pipe.train_step(batch if pipe.is_first else None,
+                                targets if pipe.is_last else None, loss)
+                step = pipe.last_step
+                assert step is not None
+                own.append(step.wall_s - step.busy_s - step.wait_s)
+        results.put((rank, own[WARM_UP:]))
+    except Exception as exc:  # reported to the parent, which falls back to 0
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def stage_work(module: torch.nn.Module, x: torch.Tensor, transport: str = "torch") -> float:
+    """Seconds a pipeline stage works on its own thread per message it sends or receives
+    (``Overheads.stage_work_s``): ``module`` split into two stages by disttrain's pipeline
+    runtime in two forked processes, GPipe over :data:`MICROBATCHES` micro-batches of
+    ``x``; each stage's step less its layers and loss (the stage's busy time) and less its
+    waits for the other, the median of :data:`STEPS` steps, is what it spends packing,
+    posting, taking in and dispatching messages and micro-batches. Each stage sends and
+    receives one message per micro-batch: the two stages' mean over 2·m messages. 0,
+    logged, if the processes fail (a model of one layer has no two stages)."""
+    try:
+        per_rank = forked_ranks(_work_child, 2, module, x, transport)
+    except Exception as exc:
+        log.warning("could not measure a pipeline stage's own work (%s); charging none", exc)
+        return 0.0
+    own = statistics.mean(statistics.median(steps) for _, steps in per_rank)
+    return max(0.0, own / (2 * MICROBATCHES))

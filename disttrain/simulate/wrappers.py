@@ -174,17 +174,19 @@ class _Interference(NamedTuple):
     served: float
     message: float
     stage_wakeup: float
+    stage_work: float
 
 
 def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
                   transport: str) -> _Interference:
     """The gradients' all-reduce (and ZeRO's reduce-scatter) in a step, with 2 ranks and
     with twice as many ranks as cores (4 on this project's 2, as --validate runs them), a
-    parameter-server exchange and a pipeline message on ``transport``: three readings of
-    each, taken round-robin (:func:`_rounds`). Nothing with fewer than 2 cores."""
+    parameter-server exchange, a pipeline message and a pipeline stage's own work per
+    message on ``transport``: three readings of each, taken round-robin
+    (:func:`_rounds`). Nothing with fewer than 2 cores."""
     from disttrain.simulate.contention import collective_in_step
     from disttrain.simulate.ps_probe import ps_exchange
-    from disttrain.simulate.stage_probe import stage_message
+    from disttrain.simulate.stage_probe import stage_message, stage_work
 
     probed = [] if cores < 2 else [2, 2 * cores] if cores <= 4 else [2]
     probes: dict[str, Callable[[], Any]] = {
@@ -194,6 +196,7 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     if cores > 1:
         probes["ps"] = functools.partial(ps_exchange, module, _fwd_bwd(module, x), transport)
         probes["stage"] = functools.partial(stage_message, _fwd_bwd(module, x), transport)
+        probes["stage_work"] = functools.partial(stage_work, module, x, transport)
     readings = _rounds(probes)
     # The collectives: the median of three. One measurement moves by milliseconds within
     # minutes (where the kernel places the ranks). Not the least, as for compute: this is
@@ -211,9 +214,11 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     # a pipeline message, busy and after idling: the median of three, as the collectives
     messages = readings.get("stage", [(0.0, 0.0)])
     message, stage_wakeup = (statistics.median(m[i] for m in messages) for i in (0, 1))
+    # and a stage's own work per message: the median of three likewise
     return _Interference(in_step, pull, push,
                          min(statistics.median(served), pull + push) if served else 0.0,
-                         message, stage_wakeup)
+                         message, stage_wakeup,
+                         statistics.median(readings.get("stage_work", [0.0])))
 
 
 def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
@@ -253,7 +258,8 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     caller's business). ``loop`` runs one whole step of the training loop on a batch of
     ``x``'s size (:func:`loop_cost` makes ``step_s`` of it); ``cores`` > 1
     measures ``concurrent_slowdown`` with that many processes, the wake-up of a
-    collective, a parameter-server pull and push and a pipeline message on ``transport``."""
+    collective, a parameter-server pull and push, a pipeline message and a stage's own
+    work per message on ``transport``."""
     from disttrain.simulate.contention import concurrent_slowdown
 
     sgd = optimizer_costs(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
@@ -290,4 +296,5 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      wakeup_by_ranks=wakeup, scatter_wakeup_by_ranks=scatter,
                      ps_pull_s=shared.pull, ps_push_s=shared.push, ps_served_s=shared.served,
                      stage_message_s=shared.message, stage_wakeup_s=shared.stage_wakeup,
+                     stage_work_s=shared.stage_work,
                      concurrent_slowdown=slowdown)

@@ -1,0 +1,97 @@
+"""A pipeline stage's own work per message (``Overheads.stage_work_s``): probed on the real
+runtime in two forked stages, and charged on the stages' compute in the simulation with
+the link keeping the rest of the message's price (fixed numbers in, exact timelines out)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from disttrain.comm.cost_model import LinkCosts
+from disttrain.simulate.overheads import Overheads
+from disttrain.simulate.pipeline import simulate_pipeline
+from tests.test_simulate_overheads import _case
+
+ALPHA = 0.25
+COSTS = LinkCosts(alpha=ALPHA, beta=0.0, gamma=0.0, native_alpha=ALPHA, native_beta=0.0)
+
+
+def _extra(workers: int, overheads: Overheads, name: str = "model-parallel", m: int = 1,
+           cores: int = 2) -> float:
+    """The step on this 2-core "machine" with ``overheads`` and α = 0.25 s, less the step
+    with free messages and no overheads (toy layers: 1 s forward, 2 s backward a sample)."""
+    run = simulate_pipeline(_case(workers, overheads, cores=cores, costs=COSTS,
+                                  pp_size=workers, microbatches=m), name)
+    free = simulate_pipeline(_case(workers, Overheads(), cores=cores, pp_size=workers,
+                                   microbatches=m), name)
+    return run.step_s - free.step_s
+
+
+def test_one_message_at_a_time_pays_its_probed_price_however_the_stages_share_it() -> None:
+    """Model parallelism on 2 stages sends an activation and a gradient one after the other,
+    each into a stage that sat idle (woken in full). A message's price is the probe (1 s):
+    with 0.3 s of it on each stage's own thread, the link keeps 0.4 s and the step is the
+    same; stages that need 0.7 s each leave the link nothing and the message costs 1.4 s."""
+    probed = Overheads(stage_message_s=1.0, stage_wakeup_s=0.5, collective_wakeup_after_s=1.0)
+    assert _extra(2, probed) == pytest.approx(2 * (1.0 + 0.5))
+    assert _extra(2, replace(probed, stage_work_s=0.3)) == pytest.approx(2 * (1.0 + 0.5))
+    assert _extra(2, replace(probed, stage_work_s=0.7)) == pytest.approx(2 * (1.4 + 0.5))
+    assert dict(replace(probed, stage_work_s=0.7).named())["stage_work_s"] == 0.7
+
+
+def test_with_micro_batches_in_flight_the_stages_own_work_is_not_hidden_by_the_link() -> None:
+    """GPipe, m = 2, on 2 stages (2 s forward, 4 s backward per micro-batch): two of the
+    four messages are on the critical path, the first activation and the last gradient,
+    each at α (the probe, 0.1 s, is below it). When 0.05 s of each message is its sender's
+    and its receiver's own work, that work is charged to the stages: stage 0 posts its
+    first activation before its second forward, whose activation reaches stage 1 0.05 s
+    later, and stage 1 its first gradient before its second backward, so the step grows by
+    2α + 2 · 0.05 (until 2026-11-26 the link overlapped all of it: 2α)."""
+    below = Overheads(stage_message_s=0.1)
+    assert _extra(2, below, "gpipe", 2) == pytest.approx(2 * ALPHA)
+    assert _extra(2, replace(below, stage_work_s=0.05), "gpipe", 2) == pytest.approx(
+        2 * ALPHA + 2 * 0.05)
+    # on a cluster (a device per rank) the host's probes say nothing: α alone
+    assert _extra(2, replace(below, stage_work_s=0.05), "gpipe", 2, cores=0) == \
+        pytest.approx(2 * ALPHA)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_the_stage_work_probe_reads_work_added_to_each_send(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stage sends one message and receives one per micro-batch. With 4 ms of extra
+    work in every send (a sleep: not a wait for the other stage), the probe reads about
+    2 ms more per message: the stages' sends are half the messages they handle."""
+    from disttrain.parallel.pipeline.link import StageLink
+    from disttrain.simulate.stage_probe import stage_work
+
+    net, x = _net(), torch.randn(4, 8)
+    plain = stage_work(net, x)
+    assert plain > 0
+    send = StageLink.send
+
+    def slow_send(self: StageLink, *args: object, **kwargs: object) -> object:
+        time.sleep(0.004)
+        return send(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StageLink, "send", slow_send)  # the forked stages inherit it
+    slowed = stage_work(net, x)
+    assert 0.0015 < slowed - plain < 0.0035
+
+
+def test_a_model_without_two_stages_is_reported_and_charges_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from disttrain.simulate.stage_probe import stage_work
+
+    with caplog.at_level(logging.WARNING):
+        assert stage_work(nn.Linear(8, 4), torch.randn(4, 8)) == 0.0
+    assert "could not measure a pipeline stage's own work" in caplog.text
