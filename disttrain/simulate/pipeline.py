@@ -14,9 +14,12 @@ intra- or inter-node depending on where the neighbour sits; on this machine, the
 calibrated with as many ranks as cores, the link sharing the cores with compute, and at
 least the probed cost of a message between stages, ``Overheads.stage_message_s``; model
 parallelism, one message at a time as in the probe, pays the probe alone),
-and every receive a dependency on the matching send; on this machine the computation that
-follows a receive also pays ``Overheads.stage_wakeup_s`` in proportion to how long its
-stage sat idle before it. The bubble, the idle time at the start and end of the step, comes
+and every receive a dependency on the matching send. On this machine a stage also works
+``Overheads.stage_work_s`` on its own compute stream per message it sends (before the
+send) and per message it takes in (before the computation that follows; probed on the
+real runtime), and the link keeps the message's price less both of those; the stage's
+first task after a receive also pays ``Overheads.stage_wakeup_s`` in proportion to how
+long it sat idle before it. The bubble, the idle time at the start and end of the step, comes
 out of the simulation: with equal stage times and free messages it is
 (p − 1)/(m + p − 1).
 

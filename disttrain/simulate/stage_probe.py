@@ -22,6 +22,14 @@ difference read 0.3-0.6 ms (16 and 8 probes on LeNet); model parallelism and 1F1
 came out 1.22-1.28× their runs.) The simulation charges every message the hot price (at
 least α) and the receiver's next computation the difference, in proportion to how long
 it sat idle (:mod:`~disttrain.simulate.pipeline`).
+
+:func:`stage_work` measures the other side of a message in a pipeline with micro-batches in
+flight: what each stage does on its own thread for it (packing and posting it, taking it
+in, the schedule's Python per micro-batch), on disttrain's real pipeline runtime. Each
+stage of a 2-stage GPipe spent 0.37-0.52 ms per micro-batch so, on Gloo and on shared
+memory alike; until 2026-11-26 the simulation put all of a message on a link that overlaps
+the sender's computation, and GPipe and 1F1B on shared memory, whose α is small, came out
+at 0.73-0.84 of their runs.
 """
 
 from __future__ import annotations
@@ -114,6 +122,7 @@ def _work_child(rank: int, ranks: int, store: str, results: Any, module: torch.n
     def loss(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
         return out.float().pow(2).mean()
 
+    logging.getLogger("disttrain.parallel.pipeline").setLevel(logging.WARNING)  # its plan
     try:
         with probe_comm(rank, ranks, store, transport) as comm:
             pipe = build_pipeline(module, comm, schedule="gpipe", microbatches=MICROBATCHES)
