@@ -95,3 +95,21 @@ def test_a_model_without_two_stages_is_reported_and_charges_nothing(
     with caplog.at_level(logging.WARNING):
         assert stage_work(nn.Linear(8, 4), torch.randn(4, 8)) == 0.0
     assert "could not measure a pipeline stage's own work" in caplog.text
+
+
+@pytest.mark.parametrize(("name", "m", "extra"), [("model-parallel", 1, 0.5), ("gpipe", 4, 1.0),
+                                              ("1f1b", 4, 1.0)])
+def test_only_the_first_stages_loop_precedes_the_step_the_others_overlap_its_tail(
+        name: str, m: int, extra: float) -> None:
+    """4 stages on 2 cores with 0.5 s of training-loop work per step on every stage: in a
+    run of steps the first stage's loop precedes its first forward, the others' follow
+    their optimizer while the stages before them still go backward. Model parallelism
+    computes on one stage at a time, so the step grows by the loop once, at full speed
+    (until 2026-11-27 the four loops shared the 2 cores at the step's start: 1 s). With 4
+    micro-batches the backward keeps the cores busy, and the four loops' 2 s of work
+    spread over the 2 cores: 1 s either way."""
+    def step(overheads: Overheads) -> float:
+        case = _case(4, overheads, cores=2, pp_size=4, microbatches=m)
+        return simulate_pipeline(case, name).step_s
+
+    assert step(Overheads(step_s=0.5)) - step(Overheads()) == pytest.approx(extra)

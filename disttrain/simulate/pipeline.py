@@ -19,8 +19,10 @@ and every receive a dependency on the matching send. On this machine a stage als
 send) and per message it takes in (before the computation that follows; probed on the
 real runtime), and the link keeps the message's price less both of those; the stage's
 first task after a receive also pays ``Overheads.stage_wakeup_s`` in proportion to how
-long it sat idle before it. The bubble, the idle time at the start and end of the step, comes
-out of the simulation: with equal stage times and free messages it is
+long it sat idle before it. A step is simulated as in a run of consecutive steps: the first
+stage runs the training loop's own work (``Overheads.step_s``) before its first forward,
+every other stage after its optimizer, overlapping the stages still going backward. The
+bubble, the idle time at the start and end of the step, comes out of the simulation: with equal stage times and free messages it is
 (p − 1)/(m + p − 1).
 
 Every pipeline replica of a pp × dp grid is the same, so one replica is simulated; after
@@ -60,9 +62,17 @@ class _Replica:
         for s in range(schedule.num_stages):  # a stage stands for its dp copies
             case.compute(self.sim, f"compute{s}", dp)
             case.compute(self.sim, f"link{s}", dp)  # messages need a core too (see link)
-            if case.overheads.step_s:  # every stage runs the loop (fetch, zero_grad, ...)
-                self.last_compute[s] = self.sim.add(f"loop@{s}", f"compute{s}",
-                                                    case.overheads.step_s, (), "overhead")
+        # Every stage runs the training loop's own work each step (fetch, zero_grad, ...:
+        # Overheads.step_s). In the steady state of consecutive steps only the first
+        # stage's is on the critical path, before its first forward: the other stages
+        # finish their step earlier and run the next one's loop while the stages before
+        # them still go backward (see _finish). Put at this step's start, all pp loops
+        # would share the cores at once; with 4 stages on this host's 2 cores that doubled
+        # the first stage's and put model parallelism on 4 ranks at 1.20-1.21 of its
+        # runs in two validations (docs/simulate.md).
+        if case.overheads.step_s:
+            self.last_compute[0] = self.sim.add("loop@0", "compute0", case.overheads.step_s,
+                                                (), "overhead")
 
     def link(self, stage: int, to: int, nbytes: float) -> float:
         dpn = self.case.cluster.devices_per_node
@@ -207,7 +217,8 @@ def simulate_pipeline(case: Case, name: str, pp: int | None = None,
 
 
 def _finish(case: Case, rep: _Replica, pp: int, dp: int) -> list[float]:
-    """Each stage: dp all-reduce of its gradients (after its last backward), optimizer."""
+    """Each stage: dp all-reduce of its gradients (after its last backward), optimizer;
+    then every stage but the first runs the next step's loop."""
     sent = []
     group = case.group(dp, stride=pp)
     for s, (lo, hi) in enumerate(rep.bounds):
@@ -215,8 +226,11 @@ def _finish(case: Case, rep: _Replica, pp: int, dp: int) -> list[float]:
         ar = rep.sim.add(f"ar@{s}", f"link{s}", seconds, (rep.last_compute[s],), "comm")
         params = sum(case.profile.layers[i].params for i in range(lo, hi))
         tensors = sum(case.profile.layers[i].tensors for i in range(lo, hi))
-        rep.sim.add(f"opt@{s}", f"compute{s}", case.optimizer(params, tensors), (ar,),
-                    "optimizer")
+        opt = rep.sim.add(f"opt@{s}", f"compute{s}", case.optimizer(params, tensors),
+                          (ar,), "optimizer")
+        if s and case.overheads.step_s:  # the next step's loop (see _Replica.__init__)
+            rep.sim.add(f"loop@{s}", f"compute{s}", case.overheads.step_s, (opt,),
+                        "overhead")
         sent.append(nbytes)
     return sent
 
