@@ -22,8 +22,8 @@ first task after a receive also pays ``Overheads.stage_wakeup_s`` in proportion 
 long it sat idle before it. A step is simulated as in a run of consecutive steps: the first
 stage runs the training loop's own work (``Overheads.step_s``) before its first forward,
 every other stage after its optimizer, overlapping the stages still going backward. The
-bubble, the idle time at the start and end of the step, comes out of the simulation: with equal stage times and free messages it is
-(p − 1)/(m + p − 1).
+bubble, the idle time at the start and end of the step, comes out of the simulation: with
+equal stage times and free messages it is (p − 1)/(m + p − 1).
 
 Every pipeline replica of a pp × dp grid is the same, so one replica is simulated; after
 its backward each stage all-reduces its gradients with its dp copies (ranks pp apart).
