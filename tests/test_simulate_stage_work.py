@@ -105,9 +105,9 @@ def test_only_the_first_stages_loop_precedes_the_step_the_others_overlap_its_tai
     run of steps the first stage's loop precedes its first forward, the others' follow
     their optimizer while the stages before them still go backward. Model parallelism
     computes on one stage at a time, so the step grows by the loop once, at full speed
-    (until 2026-11-27 the four loops shared the 2 cores at the step's start: 1 s). With 4
-    micro-batches the backward keeps the cores busy, and the four loops' 2 s of work
-    spread over the 2 cores: 1 s either way."""
+    (until the night of 2026-11-26 the four loops shared the 2 cores at the step's start:
+    1 s). With 4 micro-batches the backward keeps the cores busy, and the four loops' 2 s
+    of work spread over the 2 cores: 1 s either way."""
     def step(overheads: Overheads) -> float:
         case = _case(4, overheads, cores=2, pp_size=4, microbatches=m)
         return simulate_pipeline(case, name).step_s
