@@ -66,7 +66,8 @@ class _Replica:
         # Overheads.step_s). In the steady state of consecutive steps only the first
         # stage's is on the critical path, before its first forward: the other stages
         # finish their step earlier and run the next one's loop while the stages before
-        # them still go backward (see _finish). Put at this step's start, all pp loops
+        # them still go backward (see _finish; should one outlast the first stage's tail,
+        # the step ends with it, an upper bound). Put at this step's start, all pp loops
         # would share the cores at once; with 4 stages on this host's 2 cores that doubled
         # the first stage's and put model parallelism on 4 ranks at 1.20-1.21 of its
         # runs in two validations (docs/simulate.md).
