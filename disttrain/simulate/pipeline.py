@@ -72,8 +72,12 @@ class _Replica:
         # the first stage's and put model parallelism on 4 ranks at 1.20-1.21 of its
         # runs in two validations (docs/simulate.md).
         if case.overheads.step_s:
-            self.last_compute[0] = self.sim.add("loop@0", "compute0", case.overheads.step_s,
-                                                (), "overhead")
+            self.last_compute[0] = self.loop(0)
+
+    def loop(self, stage: int, deps: tuple[int, ...] = ()) -> int:
+        """The task of ``stage``'s training-loop work (``Overheads.step_s``) after ``deps``."""
+        return self.sim.add(f"loop@{stage}", f"compute{stage}", self.case.overheads.step_s,
+                            deps, "overhead")
 
     def link(self, stage: int, to: int, nbytes: float) -> float:
         dpn = self.case.cluster.devices_per_node
@@ -230,8 +234,7 @@ def _finish(case: Case, rep: _Replica, pp: int, dp: int) -> list[float]:
         opt = rep.sim.add(f"opt@{s}", f"compute{s}", case.optimizer(params, tensors),
                           (ar,), "optimizer")
         if s and case.overheads.step_s:  # the next step's loop (see _Replica.__init__)
-            rep.sim.add(f"loop@{s}", f"compute{s}", case.overheads.step_s, (opt,),
-                        "overhead")
+            rep.loop(s, (opt,))
         sent.append(nbytes)
     return sent
 
