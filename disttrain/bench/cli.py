@@ -21,6 +21,7 @@ from disttrain.bench.ranks import BenchError
 from disttrain.bench.table import TableWriter, auto_versus_best, format_time
 from disttrain.bench.transports import TRANSPORTS
 from disttrain.bench.units import format_size, parse_sizes
+from disttrain.comm.transports import gloo_threads
 
 
 def _csv(parse: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -112,6 +113,7 @@ def _run_comm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             warmup=args.warmup, budget_s=args.budget, timeout_s=args.timeout,
             shared_buffers=args.shared_buffers, interleave=args.interleave,
             bind_cores=args.bind_cores)
+        gloo_io = gloo_threads.policy_from_env()  # a typo in the variable: said here, once
     except ValueError as exc:
         parser.error(str(exc))
     if args.calibrate:
@@ -122,7 +124,8 @@ def _run_comm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"{','.join(map(str, config.world_sizes))}; transport {config.transport}"
           + ("; shared buffers" if config.shared_buffers else "")
           + ("; algorithms interleaved call by call" if config.interleave else "")
-          + ("; ranks bound to cores" if config.bind_cores else ""), file=out)
+          + ("; ranks bound to cores" if config.bind_cores else "")
+          + f"; Gloo I/O threads {gloo_io}", file=out)
     json_file = args.json.open("w") if args.json else None
     skipped: list[str] = []
     try:

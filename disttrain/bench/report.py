@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from disttrain.bench.units import format_size
+from disttrain.comm.transports import gloo_threads
 
 Row = dict[str, Any]
 COLUMNS = ("strategy", "n", "batch", "samples/s", "speed-up", "eff", "vs torch", "peak mem",
@@ -154,6 +155,7 @@ def environment(config: Any, command: str) -> dict[str, Any]:
             "straggler": dict(getattr(config, "straggler", ())),
             "straggler_every": getattr(config, "straggler_every", None),
             "bind_cores": getattr(config, "bind_cores", False),
+            "gloo_io_threads": gloo_threads.policy_from_env(),
             "warmup_steps": config.warmup_steps,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from disttrain.bench.experiments import DEFAULT_EPOCHS, BenchConfig, Run, experiments, plan
 from disttrain.bench.transports import TRANSPORTS
+from disttrain.comm.transports import gloo_threads
 
 Row = dict[str, Any]
 
@@ -119,6 +120,7 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
     from disttrain.train.cli import straggler_options
 
     check_transport(args.transport)
+    gloo_threads.policy_from_env()  # a typo in DISTTRAIN_GLOO_IO_THREADS: said here, once
     return BenchConfig(strategies=args.strategies, world_sizes=args.world_sizes,
                        model=args.model, dataset=args.dataset, epochs=args.epochs, steps=args.steps,
                        global_batch=args.global_batch, repeat=args.repeat,
@@ -149,7 +151,8 @@ def _run_table(config: BenchConfig, args: argparse.Namespace) -> int:
     rounds = f" × {config.repeat} rounds of the table" if config.repeat > 1 else ""
     print(f"disttrain bench: {len(runs)} runs{rounds} of {config.model} on {config.dataset}, "
           f"{length}, global batch {config.global_batch}, transport {config.transport}"
-          f"{', ranks bound to cores' if config.bind_cores else ''} "
+          f"{', ranks bound to cores' if config.bind_cores else ''}, Gloo I/O threads "
+          f"{gloo_threads.policy_from_env()} "
           f"(Ctrl-C stops and keeps the finished rows)", file=sys.stderr, flush=True)
     started = time.monotonic()
 

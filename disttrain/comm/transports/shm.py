@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm.transport import DoneWork, RawWork, Transport
+from disttrain.comm.transports import gloo_threads
 from disttrain.comm.transports.shm_buffers import SharedBuffers
 from disttrain.comm.transports.shm_collectives import CollectiveArea
 from disttrain.comm.transports.shm_mailbox import Mailboxes
@@ -108,6 +109,7 @@ class SharedMemoryTransport(Transport):
             raise RuntimeError(
                 "torch.distributed is not initialized: the shared-memory transport uses it "
                 "for the rendezvous; call torch.distributed.init_process_group('gloo') first")
+        gloo_threads.tune_io_threads()  # the process's Gloo groups (see gloo_threads.py)
         self._group: Any = group if group is not None else dist.group.WORLD
         members = tuple(dist.get_process_group_ranks(self._group))
         if order is not None and sorted(order) != sorted(members):

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from disttrain.comm.errors import CommError
 from disttrain.comm.transport import RawWork, Transport
+from disttrain.comm.transports import gloo_threads
 
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "closed by peer",
               "connection refused", "eof", "socket closed")
@@ -130,6 +131,7 @@ class TorchTransport(Transport):
         backend = str(dist.get_backend(self._group)).lower()
         self._device_type = "cuda" if "nccl" in backend else "cpu"
         self.timeout_s = timeout_s
+        gloo_threads.tune_io_threads()  # Gloo's I/O threads must not spin on a busy core
 
     @property
     def rank(self) -> int:
