@@ -1,4 +1,4 @@
-"""Gloo's I/O threads go to SCHED_IDLE, SCHED_BATCH or stay, as DISTTRAIN_GLOO_IO_THREADS says."""
+"""Gloo's I/O threads: SCHED_IDLE for collectives, normal for point-to-point, or as set."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import ctypes
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
+import torch
 
 from disttrain.comm.transports import gloo_threads
+from disttrain.parallel.data_parallel import DataParallel
+from tests.dist import init_gloo, run_fresh
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux") or
                                 not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling")
@@ -42,46 +44,72 @@ def named_thread(name: str) -> Iterator[int]:
 
 @linux_only
 @pytest.mark.parametrize("policy,expected", [("idle", "SCHED_IDLE"), ("batch", "SCHED_BATCH")])
-def test_only_threads_named_like_gloos_loop_change_and_only_once(policy: str,
-                                                                  expected: str) -> None:
+def test_only_threads_named_like_gloos_loop_change_and_only_once(
+        monkeypatch: pytest.MonkeyPatch, policy: str, expected: str) -> None:
+    monkeypatch.setenv(gloo_threads.ENV, policy)
     with named_thread("gloo_tcp_loop") as loop, named_thread("not_gloo") as other:
         assert loop in gloo_threads.io_threads() and other not in gloo_threads.io_threads()
-        assert gloo_threads.tune_io_threads(policy) == [loop]
+        assert gloo_threads.tune_io_threads() == [loop]
         assert os.sched_getscheduler(loop) == getattr(os, expected)
         assert os.sched_getscheduler(other) == os.SCHED_OTHER
-        assert gloo_threads.tune_io_threads(policy) == []  # already there: nothing to do
+        assert gloo_threads.tune_io_threads("p2p") == []  # set explicitly: no workload moves it
 
 
 @linux_only
-def test_normal_leaves_the_loop_thread_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(gloo_threads.ENV, "normal")
+def test_auto_waits_for_a_workload_and_leaves_idle_for_good_once_p2p_is_seen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gloo_threads.ENV, raising=False)
+    monkeypatch.setattr(gloo_threads, "_chosen", None)
     with named_thread("gloo_tcp_loop") as loop:
-        assert gloo_threads.tune_io_threads() == []
+        assert gloo_threads.tune_io_threads() == []  # a transport made: nothing to go by yet
         assert os.sched_getscheduler(loop) == os.SCHED_OTHER
+        assert gloo_threads.tune_io_threads("collectives") == [loop]
+        assert os.sched_getscheduler(loop) == os.SCHED_IDLE
+        assert gloo_threads.resolve(None) == "idle"  # a later group's threads follow
+        gloo_threads.tune_io_threads("p2p")
+        assert gloo_threads.resolve("collectives") == "normal"  # p2p wins for good
+        if os.geteuid() == 0:  # leaving SCHED_IDLE needs the right to raise priority
+            assert os.sched_getscheduler(loop) == os.SCHED_OTHER
 
 
 def test_the_environment_chooses_and_a_typo_names_the_variable(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(gloo_threads.ENV, raising=False)
-    assert gloo_threads.policy_from_env() == "idle"
+    assert gloo_threads.policy_from_env() == "auto"
     monkeypatch.setenv(gloo_threads.ENV, " Batch ")
     assert gloo_threads.policy_from_env() == "batch"
+    assert gloo_threads.resolve("p2p") == "batch"
     monkeypatch.setenv(gloo_threads.ENV, "idel")
-    with pytest.raises(ValueError, match=r"DISTTRAIN_GLOO_IO_THREADS='idel'.*idle, batch, normal"):
+    with pytest.raises(ValueError, match=r"DISTTRAIN_GLOO_IO_THREADS='idel'.*auto, idle, batch"):
         gloo_threads.policy_from_env()
-    with pytest.raises(ValueError, match="policy='fifo'"):
-        gloo_threads.tune_io_threads("fifo")
+    monkeypatch.delenv(gloo_threads.ENV)
+    with pytest.raises(ValueError, match="workload='ring'"):
+        gloo_threads.resolve("ring")
 
 
-def io_thread_policies(comm: Any) -> list[int]:
-    return [os.sched_getscheduler(t) for t in gloo_threads.io_threads()]
+def workload_policies(rank: int, world_size: int, store: str) -> list[int]:
+    """On fresh ranks: the loop threads' policy after the communicator, after DDP, after p2p."""
+    comm = init_gloo(rank, world_size, store)
+    seen = [sorted(set(map(os.sched_getscheduler, gloo_threads.io_threads())))]
+    DataParallel(torch.nn.Linear(4, 2), comm)
+    seen.append(sorted(set(map(os.sched_getscheduler, gloo_threads.io_threads()))))
+    x = torch.zeros(3)
+    peer = 1 - comm.rank
+    sent, got = comm.isend(x, peer), comm.irecv(torch.zeros(3), peer)
+    sent.wait()
+    got.wait()
+    seen.append(sorted(set(map(os.sched_getscheduler, gloo_threads.io_threads()))))
+    comm.close()
+    return seen
 
 
 @linux_only
-def test_a_rank_with_a_communicator_has_its_gloo_io_threads_idle(
-        pools: Callable[[int], Any]) -> None:
-    """The pool's ranks made a Communicator over Gloo: Gloo's own loop threads (this torch's
-    names them ``gloo_tcp_loop``) must have been found and moved to SCHED_IDLE."""
-    for rank, policies in enumerate(pools(2).run(io_thread_policies)):
-        assert policies, f"rank {rank}: no thread named gloo_tcp_loop (did Gloo rename it?)"
-        assert set(policies) == {os.SCHED_IDLE}, f"rank {rank}: {policies}"
+def test_ddp_makes_gloos_threads_idle_and_a_send_makes_them_normal_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real Gloo ranks: the threads this torch names ``gloo_tcp_loop`` exist, start normal,
+    go idle when DataParallel is built and normal again at the first point-to-point send."""
+    monkeypatch.delenv(gloo_threads.ENV, raising=False)
+    back = os.SCHED_OTHER if os.geteuid() == 0 else os.SCHED_IDLE
+    for rank, seen in enumerate(run_fresh(workload_policies, 2)):
+        assert seen[0], f"rank {rank}: no thread named gloo_tcp_loop (did Gloo rename it?)"
+        assert seen == [[os.SCHED_OTHER], [os.SCHED_IDLE], [back]], f"rank {rank}: {seen}"

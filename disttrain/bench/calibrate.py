@@ -134,6 +134,7 @@ def _native_times(comm: Communicator, nbytes: int, reps: int) -> list[float]:
 
 def measure(comm: Communicator, emit: Callable[[Any], None], reps: int) -> None:
     """The job on each rank: emit this rank's raw samples."""
+    comm.expect_workload("collectives")  # the prices DDP and ZeRO will pay
     samples: Samples = {}
     for exchange in (False, True):
         kind = "exchange" if exchange else "ping_pong"

@@ -140,6 +140,7 @@ def run_plan(comm: Communicator, emit: Callable[[Any], None],
     buffers and references are built once and its algorithms are timed back to back (one
     block each), or call by call with ``interleave`` (:func:`measure`).
     ``shared``: in-place cases use ``Communicator.shared_zeros`` buffers."""
+    comm.expect_workload("collectives")  # Gloo's native rows alike: the same process
     groups: list[tuple[str, int, list[str]]] = []
     for op, algorithm, nbytes in plan:
         if groups and groups[-1][:2] == (op, nbytes):

@@ -287,6 +287,8 @@ class Communicator:
         self._check_usable()
         t = self._tensor("tensor", tensor)
         peer, tag = checks.p2p_args(kind, peer, tag, self.world_size, self.rank, MAX_USER_TAG)
+        if self._p2p_seq == 0:  # a point-to-point workload: its I/O must not wait (auto)
+            self.transport.tune_io("p2p")
         self._p2p_seq += 1
         # A message that cannot even be posted raises PeerFailedError here at once. Unlike a
         # failed wait it leaves the communicator usable: nothing was posted that could land
@@ -330,6 +332,11 @@ class Communicator:
         self._check_usable()
         dims = checks.shape_arg(shape)
         return self.transport.zeros(math.prod(dims), dtype, only_if_useful).view(dims)
+
+    def expect_workload(self, workload: str) -> None:
+        """Say what this process mostly does: ``"collectives"`` (DDP, ZeRO) or ``"p2p"``
+        (``isend``/``irecv`` say it); the transport schedules its I/O threads for it."""
+        self.transport.tune_io(workload)
 
     # ----------------------------------------------------------------- groups, lifetime
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:

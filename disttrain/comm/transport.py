@@ -68,6 +68,11 @@ class Transport(ABC):
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> RawWork:
         """Start receiving into a contiguous tensor from group rank ``src``."""
 
+    def tune_io(self, workload: str) -> None:
+        """Told what this process's communication mostly is (``"collectives"`` or ``"p2p"``),
+        a transport may schedule its I/O threads for it; by default nothing changes."""
+        return None
+
     @abstractmethod
     def subgroup(self, ranks: Sequence[int]) -> Transport | None:
         """A transport over group ranks ``ranks`` (called by every member, in the same order

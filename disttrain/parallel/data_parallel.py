@@ -88,6 +88,7 @@ class DataParallel(nn.Module):
             raise ValueError(f"comm must be a disttrain Communicator, got {type(comm).__name__}")
         self.module = module
         self.comm = comm
+        comm.expect_workload("collectives")  # Gloo's I/O threads yield to compute (auto)
         self.compressor = _compressor(compression)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:

@@ -132,6 +132,7 @@ def _collective_child(rank: int, ranks: int, store: str, results: Any,
                       transport: str, op: str) -> None:
     try:
         with probe_comm(rank, ranks, store, transport) as comm:
+            comm.expect_workload("collectives")  # as the DDP and ZeRO runs it stands for
             numel = max(1, nbytes // 4)
             if op == "reduce_scatter":  # equal shards
                 numel = max(ranks, numel // ranks * ranks)

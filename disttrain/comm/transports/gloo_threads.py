@@ -1,5 +1,5 @@
-"""Gloo's TCP I/O threads at ``SCHED_IDLE``, so that they never take a core from the thread
-they wait for.
+"""Gloo's TCP I/O threads scheduled for what the process does: at ``SCHED_IDLE`` for
+collectives, so that they never take a core from the thread they wait for.
 
 Gloo (torch.distributed's CPU backend) moves the bytes of every message on one I/O thread
 per device, named ``gloo_tcp_loop``. It sleeps in ``epoll_wait`` until a socket is readable,
@@ -19,21 +19,30 @@ and 5.1-8 ms in the others (docs/benchmarks.md, "Gloo's I/O thread").
 
 ``SCHED_IDLE`` removes the case: an idle-class thread never preempts a normal one, and a
 normal thread that wakes preempts it at once. On a core with nothing else to run it runs as
-soon as it wakes, as before. The price: while every core is busy with normal threads (all
-of them computing), incoming bytes wait for a core to come free, so communication meant to
-overlap computation on a fully busy machine waits for the computation instead.
-``DISTTRAIN_GLOO_IO_THREADS`` chooses:
+soon as it wakes, as before. The price: while every core computes, incoming bytes wait for
+a core to come free. That is what a collective wants, where every rank waits at the same
+points anyway, and what a pipeline does not: a stage's send moves only once its I/O thread
+has read the receiver's "ready" message, so with the thread idle the send waits for the
+stage's next computation to end. Measured on the test machine (docs/benchmarks.md, "Gloo's
+I/O thread"): a step of DDP or ZeRO on 2 and 4 Gloo ranks takes 25-60 % less time at
+SCHED_IDLE, one of GPipe, 1F1B or model parallelism 10-50 % more; SCHED_BATCH (no
+preemption on wake-up, a fair share of a busy core) lands close to idle on both.
 
-    idle     (default) SCHED_IDLE, as above
-    batch    SCHED_BATCH: the I/O thread does not preempt on wake-up but keeps its fair
-             share of a busy core; most of idle's gain on the test machine, no waiting
-             for a free core
-    normal   leave Gloo's threads as they are
+So ``DISTTRAIN_GLOO_IO_THREADS`` chooses:
+
+    auto     (default) by what the process does: SCHED_IDLE once a collective strategy
+             says it runs (``Communicator.expect_workload("collectives")``: DDP, ZeRO,
+             torch's DDP, the collectives benchmark), normal once anything sends
+             point-to-point (``Communicator.isend``/``irecv``: pipelines, parameter
+             servers), for good: a process that does both keeps normal
+    idle     SCHED_IDLE for every process
+    batch    SCHED_BATCH for every process
+    normal   SCHED_OTHER, as Gloo starts them
 
 The setting is per process and covers every Gloo group of the process (torch's own too);
-it is applied whenever a disttrain transport is made, so threads of groups created since
-are covered. Linux only: elsewhere (or without the right to change a thread's policy)
-nothing changes.
+it is applied again whenever a disttrain transport is made, so the threads of groups
+created since are covered. Linux only: elsewhere (or without the right to change a
+thread's policy, such as leaving SCHED_IDLE without root) nothing changes.
 """
 
 from __future__ import annotations
@@ -44,17 +53,39 @@ import os
 log = logging.getLogger(__name__)
 
 ENV = "DISTTRAIN_GLOO_IO_THREADS"
-POLICIES = ("idle", "batch", "normal")
+POLICIES = ("auto", "idle", "batch", "normal")
+WORKLOADS = ("collectives", "p2p")
 THREAD_NAME = "gloo_tcp_loop"  # the name Gloo gives its TCP device's event loop thread
 
 
+_SCHED = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
+_chosen: str | None = None  # what auto chose for this process so far (None: nothing yet)
+
+
 def policy_from_env() -> str:
-    """The policy ``DISTTRAIN_GLOO_IO_THREADS`` names (default ``idle``)."""
-    value = os.environ.get(ENV, "idle").strip().lower() or "idle"
+    """The policy ``DISTTRAIN_GLOO_IO_THREADS`` names (default ``auto``)."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value not in POLICIES:
         raise ValueError(f"{ENV}={os.environ[ENV]!r} is not a policy; set it to one of: "
-                         f"{', '.join(POLICIES)} (or unset it for idle)")
+                         f"{', '.join(POLICIES)} (or unset it for auto)")
     return value
+
+
+def resolve(workload: str | None) -> str | None:
+    """The policy for this process after it announced ``workload`` (None: nothing new, as
+    when a transport is made); None while auto has nothing to go by."""
+    global _chosen
+    if workload is not None and workload not in WORKLOADS:
+        raise ValueError(f"workload={workload!r} is unknown; choose one of: "
+                         f"{', '.join(WORKLOADS)}")
+    policy = policy_from_env()
+    if policy != "auto":
+        return policy
+    if workload == "p2p":
+        _chosen = "normal"  # for good: a pipeline's sends need their I/O thread at once
+    elif workload == "collectives" and _chosen is None:
+        _chosen = "idle"
+    return _chosen
 
 
 def io_threads() -> list[int]:
@@ -74,14 +105,12 @@ def io_threads() -> list[int]:
     return found
 
 
-def tune_io_threads(policy: str | None = None) -> list[int]:
-    """Put this process's Gloo I/O threads under ``policy`` (default: from the environment);
-    returns the ids of the threads changed. ``normal`` changes nothing."""
-    policy = policy_from_env() if policy is None else policy
-    if policy not in POLICIES:
-        raise ValueError(f"policy={policy!r} is unknown; choose one of: {', '.join(POLICIES)}")
-    target = getattr(os, "SCHED_IDLE" if policy == "idle" else "SCHED_BATCH", None)
-    if policy == "normal" or target is None:
+def tune_io_threads(workload: str | None = None) -> list[int]:
+    """Put this process's Gloo I/O threads under the policy for ``workload`` (see
+    :func:`resolve`); returns the ids of the threads changed."""
+    policy = resolve(workload)
+    target = None if policy is None else getattr(os, _SCHED[policy], None)
+    if target is None:
         return []
     changed = []
     for tid in io_threads():
@@ -89,9 +118,10 @@ def tune_io_threads(policy: str | None = None) -> list[int]:
             if os.sched_getscheduler(tid) != target:
                 os.sched_setscheduler(tid, target, os.sched_param(0))
                 changed.append(tid)
-        except OSError as exc:  # gone meanwhile, or not allowed (a seccomp filter): harmless
+        except OSError as exc:  # gone meanwhile, or not allowed: harmless, only slower
             log.debug("left Gloo I/O thread %d as it was: %s", tid, exc)
     return changed
 
 
-__all__ = ["ENV", "POLICIES", "io_threads", "policy_from_env", "tune_io_threads"]
+__all__ = ["ENV", "POLICIES", "WORKLOADS", "io_threads", "policy_from_env", "resolve",
+           "tune_io_threads"]

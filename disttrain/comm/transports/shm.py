@@ -219,6 +219,9 @@ class SharedMemoryTransport(Transport):
             raise ValueError("the shared-memory transport moves contiguous CPU tensors only")
         return tensor.detach().reshape(-1).view(torch.uint8)
 
+    def tune_io(self, workload: str) -> None:
+        gloo_threads.tune_io_threads(workload)  # docs/architecture.md: Gloo's I/O threads
+
     def subgroup(self, ranks: Sequence[int]) -> SharedMemoryTransport | None:
         """A transport with its own segment over ranks ``ranks`` (members only; rank i of
         the new transport is ``ranks[i]`` here). The Gloo group for its rendezvous is made

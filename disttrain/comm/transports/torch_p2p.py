@@ -174,6 +174,9 @@ class TorchTransport(Transport):
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> RawWork:
         return _post(self._group.recv, tensor, src, tag, self._device_type == "cuda")
 
+    def tune_io(self, workload: str) -> None:
+        gloo_threads.tune_io_threads(workload)  # docs/architecture.md: Gloo's I/O threads
+
     def subgroup(self, ranks: Sequence[int]) -> TorchTransport | None:
         """Members only: group rank i is ``ranks[i]`` (torch would sort them otherwise)."""
         if self._rank not in ranks:

@@ -60,6 +60,7 @@ class ZeRO1:
     def __init__(self, model: nn.Module, comm: Communicator, optimizer_factory: OptimizerFactory,
                  config: ZeroConfig | None = None) -> None:
         self.module, self.comm, self.config = model, comm, config or ZeroConfig()
+        comm.expect_workload("collectives")  # Gloo's I/O threads yield to compute (auto)
         named = trainable(model)
         self.names = tuple(n for n, _ in named)
         self._params = [p for _, p in named]

@@ -79,6 +79,7 @@ class ZeRO2:
     def __init__(self, model: nn.Module, comm: Communicator, optimizer_factory: OptimizerFactory,
                  config: ZeroConfig | None = None) -> None:
         self.module, self.comm, self.config = model, comm, config or ZeroConfig()
+        comm.expect_workload("collectives")  # Gloo's I/O threads yield to compute (auto)
         named = trainable(model)[::-1]  # backward produces the last parameters' grads first
         self.param_dtype = common_dtype(named)
         self.reduce_dtype = self.config.reduce_dtype or self.param_dtype

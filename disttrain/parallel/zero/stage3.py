@@ -66,6 +66,7 @@ class ZeRO3(nn.Module):
                  units: list[nn.Module] | None = None) -> None:
         super().__init__()
         self.module, self.comm, self.config = model, comm, config or ZeroConfig()
+        comm.expect_workload("collectives")  # Gloo's I/O threads yield to compute (auto)
         named = trainable(model)
         self.param_dtype = common_dtype(named)
         self.reduce_dtype = self.config.reduce_dtype or self.param_dtype

@@ -43,7 +43,9 @@ def native_group(comm: Communicator, name: str) -> Any:
 
 def torch_ddp(ctx: BuildContext, name: str) -> nn.Module:
     """torch's DistributedDataParallel around the module, with the loop's bucket settings."""
-    group = native_group(ctx.require_comm(name), name)
+    comm = ctx.require_comm(name)
+    group = native_group(comm, name)
+    comm.expect_workload("collectives")  # as disttrain's DDP: the same I/O-thread policy
     opts = ctx.config.parallel
     # torch ≥ 2.13 warns that broadcast_buffers is deprecated; True is its default anyway
     extra: dict[str, Any] = {} if opts.broadcast_buffers else {"broadcast_buffers": False}
