@@ -12,9 +12,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from disttrain.comm import CommConfig, Communicator
 from disttrain.comm.transports import gloo_threads
 from disttrain.parallel.data_parallel import DataParallel
 from tests.dist import init_gloo, run_fresh
+from tests.test_comm_units import _OneRank
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux") or
                                 not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling")
@@ -113,3 +115,24 @@ def test_ddp_makes_gloos_threads_idle_and_a_send_makes_them_normal_again(
     for rank, seen in enumerate(run_fresh(workload_policies, 2)):
         assert seen[0], f"rank {rank}: no thread named gloo_tcp_loop (did Gloo rename it?)"
         assert seen == [[os.SCHED_OTHER], [os.SCHED_IDLE], [back]], f"rank {rank}: {seen}"
+
+
+class _Told(_OneRank):
+    """A one-rank transport that records what it was told about the workload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: list[str] = []
+
+    def tune_io(self, workload: str) -> None:
+        self.told.append(workload)
+
+
+def test_the_communicator_passes_a_known_workload_on_and_names_the_choices() -> None:
+    transport = _Told()
+    comm = Communicator(transport, CommConfig())
+    comm.expect_workload("collectives")
+    with pytest.raises(ValueError, match=r"workload='pipeline'.*collectives, p2p"):
+        comm.expect_workload("pipeline")
+    assert transport.told == ["collectives"]
+    comm.close()

@@ -42,6 +42,9 @@ class DoneWork:
         return True
 
 
+WORKLOADS = ("collectives", "p2p")  # what Transport.tune_io may be told
+
+
 class Transport(ABC):
     """Point-to-point messaging among ``world_size`` ranks; ranks are group-relative."""
 

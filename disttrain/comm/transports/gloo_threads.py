@@ -8,14 +8,14 @@ holds the same mutex while it writes into the socket; if the I/O thread finds it
 returns to ``epoll_wait``, which (level-triggered, the bytes are still unread) reports the
 same socket at once: it spins until the mutex is free.
 
-Where the I/O thread shares a core with the holder, that spin lasts a scheduler tick. The
-holder is runnable but preempted (the I/O thread woke up on its core and took it); the
-spinner never sleeps, so the holder gets the core back only when the scheduler next takes
-it from the spinner, at the tick (4 ms at ``HZ=250``). Seen on this project's 2-core test
-machine (``perf sched`` over a ZeRO-1 run on 2 Gloo ranks: the I/O threads spent 0.85 s of
-a 1.8 s run in ``epoll_wait``, ranks' threads waited 3-4 ms for a core, each wait ending on
-a tick), it made whole runs bimodal: ZeRO-1 on 2 ranks took 11.9 ms a step in most runs
-and 5.1-8 ms in the others (docs/benchmarks.md, "Gloo's I/O thread").
+Where the I/O thread shares a core with the holder, that spin lasts a scheduler tick, as
+far as the traces show: the holder is runnable but preempted (the I/O thread woke up on its
+core and took it), and the spinner never sleeps, so the holder gets the core back only at
+the next tick (4 ms at ``HZ=250``). On this project's 2-core test machine (``perf`` over a
+ZeRO-1 run on 2 Gloo ranks: each rank's I/O thread on a CPU for 0.85 s of the recording,
+91 % of it in ``epoll_wait``; threads waiting 3-4 ms for a core, each wait ending on a
+tick) it made whole runs bimodal: ZeRO-1 on 2 ranks took 11.9 ms a step in most runs and
+5.1-8.2 ms in the others (docs/benchmarks.md, "Gloo's I/O thread").
 
 ``SCHED_IDLE`` removes the case: an idle-class thread never preempts a normal one, and a
 normal thread that wakes preempts it at once. On a core with nothing else to run it runs as
@@ -50,11 +50,12 @@ from __future__ import annotations
 import logging
 import os
 
+from disttrain.comm.transport import WORKLOADS
+
 log = logging.getLogger(__name__)
 
 ENV = "DISTTRAIN_GLOO_IO_THREADS"
 POLICIES = ("auto", "idle", "batch", "normal")
-WORKLOADS = ("collectives", "p2p")
 THREAD_NAME = "gloo_tcp_loop"  # the name Gloo gives its TCP device's event loop thread
 
 
