@@ -76,6 +76,14 @@ def test_auto_waits_for_a_workload_and_leaves_idle_for_good_once_p2p_is_seen(
             assert os.sched_getscheduler(loop) == os.SCHED_OTHER
 
 
+@linux_only
+def test_normal_leaves_the_loop_thread_as_gloo_starts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gloo_threads.ENV, "normal")
+    with named_thread("gloo_tcp_loop") as loop:
+        assert loop not in gloo_threads.tune_io_threads("collectives")
+        assert os.sched_getscheduler(loop) == os.SCHED_OTHER
+
+
 def test_the_environment_chooses_and_a_typo_names_the_variable(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(gloo_threads.ENV, raising=False)
