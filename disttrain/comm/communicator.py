@@ -36,7 +36,7 @@ from disttrain.comm.p2p_work import P2PWork
 from disttrain.comm.selection import AlgorithmChooser
 from disttrain.comm.signature import signature_of, verify_signature
 from disttrain.comm.stats import TrafficStats
-from disttrain.comm.transport import WORKLOADS, Transport
+from disttrain.comm.transport import Transport, check_workload
 from disttrain.comm.work import ProgressThread, Work
 
 log = logging.getLogger(__name__)
@@ -336,10 +336,7 @@ class Communicator:
     def expect_workload(self, workload: str) -> None:
         """Say what this process mostly does: ``"collectives"`` (DDP, ZeRO) or ``"p2p"``
         (``isend``/``irecv`` say it); the transport schedules its I/O threads for it."""
-        if workload not in WORKLOADS:
-            raise ValueError(f"workload={workload!r} is unknown; choose one of: "
-                             f"{', '.join(WORKLOADS)}")
-        self.transport.tune_io(workload)
+        self.transport.tune_io(check_workload(workload))
 
     # ----------------------------------------------------------------- groups, lifetime
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:

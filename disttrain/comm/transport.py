@@ -45,6 +45,14 @@ class DoneWork:
 WORKLOADS = ("collectives", "p2p")  # what Transport.tune_io may be told
 
 
+def check_workload(workload: str) -> str:
+    """``workload`` if it is one of WORKLOADS, else a ValueError naming the choices."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload={workload!r} is unknown; choose one of: "
+                         f"{', '.join(WORKLOADS)}")
+    return workload
+
+
 class Transport(ABC):
     """Point-to-point messaging among ``world_size`` ranks; ranks are group-relative."""
 

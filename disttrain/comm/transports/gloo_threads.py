@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import os
 
-from disttrain.comm.transport import WORKLOADS
+from disttrain.comm.transport import check_workload
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,8 @@ def resolve(workload: str | None) -> str | None:
     """The policy for this process after it announced ``workload`` (None: nothing new, as
     when a transport is made); None while auto has nothing to go by."""
     global _chosen
-    if workload is not None and workload not in WORKLOADS:
-        raise ValueError(f"workload={workload!r} is unknown; choose one of: "
-                         f"{', '.join(WORKLOADS)}")
+    if workload is not None:
+        check_workload(workload)
     policy = policy_from_env()
     if policy != "auto":
         return policy
@@ -124,5 +123,5 @@ def tune_io_threads(workload: str | None = None) -> list[int]:
     return changed
 
 
-__all__ = ["ENV", "POLICIES", "WORKLOADS", "io_threads", "policy_from_env", "resolve",
+__all__ = ["ENV", "POLICIES", "io_threads", "policy_from_env", "resolve",
            "tune_io_threads"]
