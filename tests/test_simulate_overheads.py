@@ -308,6 +308,60 @@ def test_zero3_gathers_queued_behind_each_other_wake_nothing() -> None:
     assert bare.step_s < woken.step_s < every.step_s
 
 
+def test_zero3_collectives_pay_their_probed_in_step_price_instead_of_call_and_wake_up(
+) -> None:
+    """Where ZeRO-3's pattern was probed, each of its collectives (per unit: two gathers
+    and a reduce-scatter) pays the probe's price in place of the call overhead and the
+    wake-up, on shared cores only; the probe with the most ranks not above the step's
+    counts; DDP and ZeRO-1/2 are left alone."""
+    base = Overheads(collective_call_s=0.5, collective_wakeup_s=2.0)
+    probed = replace(base, unit_op_by_ranks={2: 0.25, 8: 9.0})
+    assert [probed.unit_op(p) for p in (2, 4, 8)] == [0.25, 0.25, 9.0]
+    assert base.unit_op(2) is None and probed.unit_op(1) is None
+    assert dict(probed.named())["zero3_op_8ranks_s"] == 9.0
+    assert Overheads.median([probed, replace(probed, unit_op_by_ranks={2: 0.75})]
+                            ).unit_op_by_ranks == {2: 0.5, 8: 9.0}
+    with pytest.raises(ValueError, match="unit_op_by_ranks keys must be rank counts"):
+        Overheads(unit_op_by_ranks={1: 1.0})
+
+    def step(run: Callable[[Case], object], overheads: Overheads, cores: int = 2) -> float:
+        case = Case(_profile(layers=2, overheads=overheads), _cluster(cores=cores),
+                    Workload(global_batch=2, algorithm="ring"), 2)
+        return run(case).step_s  # type: ignore[attr-defined]
+
+    # 2 units × 3 collectives, one after another on the link: each 0.25 instead of 0.5
+    # (the call; nothing after compute wakes: collective_wakeup_after_s is 0, so in full)
+    # plus 2.0 (the wake-up)
+    assert step(simulate_zero3, probed) < step(simulate_zero3, base) - 6 * 2.0
+    assert step(simulate_zero3, replace(probed, unit_op_by_ranks={2: 1.25})) == \
+        pytest.approx(step(simulate_zero3, probed) + 6 * 1.0)
+    assert step(simulate_zero3, probed, cores=0) == pytest.approx(
+        step(simulate_zero3, base, cores=0))  # a device per rank: neither is charged
+    for run in (simulate_ddp, lambda c: simulate_zero12(c, 1), lambda c: simulate_zero12(c, 2)):
+        assert step(run, probed) == pytest.approx(step(run, base))
+
+
+def test_zero3s_probed_price_is_what_its_collectives_add_beyond_the_calibrated_ring(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per collective: what the probe's collectives added to its step, less their
+    calibrated ring times (per unit two all-gathers and a reduce-scatter, (p − 1) α each
+    here), never below 0; 0 when the probe failed or the model has no parameters."""
+    import disttrain.simulate.cluster as cluster_module
+    from disttrain.simulate.contention import unit_ops_in_step
+    from disttrain.simulate.wrappers import _unit_bytes, _unit_ops
+
+    alpha = 1e-3
+    costs = LinkCosts(alpha=alpha, beta=0.0, gamma=0.0, native_alpha=alpha, native_beta=0.0)
+    monkeypatch.setattr(cluster_module, "local", lambda transport: _cluster(costs, 2))
+    assert _unit_ops(30e-3, [64, 64], 2, "shm") == pytest.approx((30e-3 - 6 * alpha) / 6)
+    assert _unit_ops(30e-3, [64, 64], 4, "shm") == pytest.approx((30e-3 - 18 * alpha) / 6)
+    assert _unit_ops(1e-3, [64, 64], 2, "shm") == 0.0  # faster than calibrated: nothing
+    assert _unit_ops(0.0, [64], 2, "shm") == 0.0  # the probe failed
+    assert _unit_ops(1.0, [], 2, "shm") == 0.0 and unit_ops_in_step(lambda: None, []) == 0.0
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    assert _unit_bytes(net) == [(8 * 16 + 16) * 4, (16 * 4 + 4) * 4]  # the ReLU has none
+
+
 def test_ranks_beyond_the_cores_share_them_only_when_they_compute_at_once() -> None:
     plain = simulate_ddp(_case(4, Overheads()))
     shared = simulate_ddp(_case(4, Overheads(), cores=2))  # 4 ranks on 2 cores
@@ -348,6 +402,8 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert 0 < values["ps_served_s"] <= values["ps_pull_s"] + values["ps_push_s"]
     assert sorted(overheads.wakeup_by_ranks) == [4]  # 4 ranks on the 2 cores, as validated
     assert sorted(overheads.scatter_wakeup_by_ranks) == [2, 4]  # ZeRO's reduce-scatter too
+    assert sorted(overheads.unit_op_by_ranks) == [2, 4]  # and ZeRO-3's pattern
+    assert "could not measure ZeRO-3's collectives" not in caplog.text  # its ranks ran
     assert "could not measure a pipeline message" not in caplog.text  # the stages ran
     assert values["stage_message_s"] > 0  # at least the messages' Python
     assert "could not measure a pipeline stage's own work" not in caplog.text

@@ -23,6 +23,12 @@ asynchronously, as ZeRO-2 and ZeRO-3 reduce gradients, mostly pays the fast one,
 probed apart (``op``). A synchronous reduce-scatter (ZeRO-1's) costs what the synchronous
 all-reduce does (4.4-4.6 against 4.6-4.7 ms on Gloo, 0.6 against 0.7 ms on shared memory,
 in a ``/tmp`` variant of this probe), so it is charged the all-reduce's wake-up.
+
+:func:`unit_ops_in_step` measures ZeRO-3's pattern apart: many small collectives, each
+issued asynchronously to the progress thread while the rank computes and waited for
+before the next, which on this host cost more each than the calibration's back-to-back
+calls and the one-rank call overhead together (docs/benchmarks.md, "ZeRO-3's collectives
+in a step").
 """
 
 from __future__ import annotations
@@ -170,3 +176,69 @@ def collective_in_step(work: Callable[[], object], nbytes: int, repeats: int = 1
         log.warning("could not measure the in-step %s wake-up (%s); assuming none", op, exc)
         return 0.0
     return float(statistics.median(times))
+
+
+def compute_slice(seconds: float) -> Callable[[], None]:
+    """Work of about ``seconds`` on one core: a small matrix product repeated (timed here,
+    on the calling thread)."""
+    a = torch.randn(64, 64)
+    one = median_time(lambda: a @ a)
+    reps = max(1, round(seconds / one)) if one > 0 else 1
+
+    def work() -> None:
+        for _ in range(reps):
+            a @ a
+
+    return work
+
+
+def _units_child(rank: int, ranks: int, store: str, results: Any, work: Callable[[], object],
+                 sizes: list[int], repeats: int, transport: str) -> None:
+    try:
+        with probe_comm(rank, ranks, store, transport) as comm:
+            comm.expect_workload("collectives")  # as the ZeRO-3 runs it stands for
+            full = [torch.zeros(max(ranks, n // 4 // ranks * ranks)) for n in sizes]
+            shards = [torch.zeros(f.numel() // ranks) for f in full]
+            with_ops: list[float] = []
+            without: list[float] = []
+            for i in range(2 * repeats + 4):
+                comm.barrier()
+                ops = i % 2 == 1  # alternate: the machine's drift hits both
+                start = time.perf_counter()
+                for backward in (False, True):  # the unit order does not matter here
+                    scatters: list[Any] = []
+                    for f, shard in zip(full, shards, strict=True):
+                        pending = comm.all_gather(f, shard, algorithm="ring",
+                                                  async_op=True) if ops else None
+                        work()
+                        if pending is not None:
+                            pending.wait()
+                            if backward:
+                                scatters.append(comm.reduce_scatter(
+                                    shard, f, algorithm="ring", async_op=True))
+                    for w in scatters:
+                        w.wait()
+                (with_ops if ops else without).append(time.perf_counter() - start)
+        results.put(statistics.median(with_ops[2:]) - statistics.median(without[2:]))
+    except Exception as exc:  # reported to the parent, which falls back to 0
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def unit_ops_in_step(work: Callable[[], object], sizes: list[int], repeats: int = 9,
+                     transport: str = "torch", ranks: int = 2) -> float:
+    """Seconds that ZeRO-3's collectives add to a step of ``ranks`` ranks on
+    ``transport``: per unit of ``sizes`` (its parameter bytes) a ring all-gather issued
+    asynchronously before ``work`` (the unit's computation) and waited for after it, in
+    a forward and a backward pass, and in the backward a ring reduce-scatter issued
+    asynchronously after it, all waited for at the end; the step with them less the same
+    step without, in alternating iterations (the median of each over ``repeats``), the
+    median over ranks. 0 (logged) if the ranks fail."""
+    if not sizes:
+        return 0.0
+    try:
+        added = forked_ranks(_units_child, ranks, work, list(sizes), repeats, transport)
+    except Exception as exc:
+        log.warning("could not measure ZeRO-3's collectives in a step (%s); assuming none",
+                    exc)
+        return 0.0
+    return max(0.0, float(statistics.median(added)))

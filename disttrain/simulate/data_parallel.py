@@ -70,7 +70,7 @@ def _buckets(case: Case) -> list[list[int]]:
 
 
 def _issue(sim: Simulation, case: Case, name: str, seconds: float, deps: tuple[int, ...],
-           probe: str = "all_reduce") -> int:
+           probe: str = "all_reduce", in_step: float | None = None) -> int:
     """A collective on "link": the call's software overhead (measured on one rank; on this
     machine plus the wake-up of a collective issued after compute, in proportion to how
     long the link sat idle before it, in full after the probe's own compute: one queued
@@ -78,8 +78,11 @@ def _issue(sim: Simulation, case: Case, name: str, seconds: float, deps: tuple[i
     time for every rank. ``probe`` names whose wake-up it pays: ``"reduce_scatter"``'s,
     probed issued asynchronously and waited for (ZeRO-2/3's gradients), or, for any other
     name, the all-reduce's, probed as a synchronous call (DDP's last bucket, ZeRO-1's
-    calls, every all-gather)."""
+    calls, every all-gather). ``in_step``, when measured, replaces both: what one such
+    collective costs in a step beyond its α-β-γ time (ZeRO-3's pattern, probed)."""
     call, wake = case.overheads.collective_call_s, case.wakeup_of(probe)
+    if in_step is not None:
+        call, wake = in_step, 0.0
     if call or wake:
         deps = (sim.add(f"call:{name}", "link", call, deps, "overhead", cold_s=wake,
                         cold_after_s=case.overheads.collective_wakeup_after_s),)
@@ -178,13 +181,15 @@ def simulate_zero3(case: Case) -> StepResult:
     sent, algorithms = 0.0, set()
     units = [i for i in range(n) if case.profile.layers[i].params > 0]
     own = case.overheads.zero_s.get(3, 0.0) / (2 * max(1, len(units)))  # gather, free
+    # on this machine each collective in ZeRO-3's pattern costs what the probe measured
+    in_step = case.overheads.unit_op(case.workers) if case.cluster.shared_cores else None
 
     def collective(name: str, op: str, layer: int, deps: tuple[int, ...]) -> int:
         nonlocal sent
         seconds, nbytes, algorithm = case.collective(op, group, case.grad_bytes([layer]))
         sent += nbytes
         algorithms.add(algorithm)
-        return _issue(sim, case, name, seconds, deps, op)
+        return _issue(sim, case, name, seconds, deps, op, in_step)
 
     if case.overheads.step_s:
         sim.add("loop", "compute", case.overheads.step_s, (), "overhead")

@@ -44,6 +44,13 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             less than the all-reduce's wake-up; ZeRO-2/3's reduce-
                             scatters pay it (ZeRO-1's, a synchronous call like the
                             all-reduce probe's, pays the all-reduce's)
+``zero3_op_{p}ranks_s``      ZeRO-3's pattern probed with p ranks (``unit_op_by_ranks``):
+                            per unit an all-gather issued asynchronously before its
+                            computation and waited for after it, forward and backward,
+                            and a reduce-scatter after its backward; what they add to a
+                            step, less their calibrated ring times, per collective.
+                            ZeRO-3's collectives pay it instead of the call overhead and
+                            the wake-up
 ``collective_wakeup_after_s`` the compute both ranks ran before that all-reduce (the
                             model's forward+backward at the profile's small batch): a
                             collective pays the wake-up in proportion to how long its link
@@ -116,6 +123,8 @@ class Overheads:
     wakeup_by_ranks: dict[int, float] = field(default_factory=dict)
     # ranks → the same for a reduce-scatter issued asynchronously (ZeRO's gradients)
     scatter_wakeup_by_ranks: dict[int, float] = field(default_factory=dict)
+    # ranks → per collective of ZeRO-3's pattern, beyond its calibrated time
+    unit_op_by_ranks: dict[int, float] = field(default_factory=dict)
     ps_pull_s: float = 0.0  # this machine only (simulate.parameter_server)
     ps_push_s: float = 0.0
     ps_served_s: float = 0.0  # of that pull and push, served one worker at a time
@@ -125,7 +134,7 @@ class Overheads:
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
 
     def __post_init__(self) -> None:
-        for name in ("wakeup_by_ranks", "scatter_wakeup_by_ranks"):
+        for name in ("wakeup_by_ranks", "scatter_wakeup_by_ranks", "unit_op_by_ranks"):
             keys = list(getattr(self, name))
             if any(isinstance(k, bool) or not isinstance(k, int) or k < 2
                    for k in keys):  # first: named() sorts them
@@ -149,7 +158,8 @@ class Overheads:
         return plain + [(f"zero{k}_s", v) for k, v in sorted(self.zero_s.items())] + [
             (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())
         ] + [(f"scatter_wakeup_{k}ranks_s", v)
-             for k, v in sorted(self.scatter_wakeup_by_ranks.items())]
+             for k, v in sorted(self.scatter_wakeup_by_ranks.items())] + [
+            (f"zero3_op_{k}ranks_s", v) for k, v in sorted(self.unit_op_by_ranks.items())]
 
     @staticmethod
     def median(measured: Sequence[Overheads]) -> Overheads:
@@ -157,7 +167,7 @@ class Overheads:
         moments; a keyed one, such as a rank count's wake-up, over those that have it)."""
         if not measured:
             raise ValueError("Overheads.median needs at least one measurement")
-        keyed = ("zero_s", "wakeup_by_ranks", "scatter_wakeup_by_ranks")
+        keyed = ("zero_s", "wakeup_by_ranks", "scatter_wakeup_by_ranks", "unit_op_by_ranks")
         values: dict[str, Any] = {
             f.name: statistics.median(getattr(o, f.name) for o in measured)
             for f in fields(Overheads) if f.name not in keyed}
@@ -176,6 +186,12 @@ class Overheads:
                 return self.scatter_wakeup_by_ranks[max(fitting)]
         fitting = [k for k in self.wakeup_by_ranks if k <= ranks]
         return self.wakeup_by_ranks[max(fitting)] if fitting else self.collective_wakeup_s
+
+    def unit_op(self, ranks: int) -> float | None:
+        """Per collective of ZeRO-3's pattern with ``ranks`` ranks, beyond its calibrated
+        time: the probe's with the most ranks not above ``ranks``; None when not probed."""
+        fitting = [k for k in self.unit_op_by_ranks if k <= ranks]
+        return self.unit_op_by_ranks[max(fitting)] if fitting else None
 
     @property
     def measured(self) -> bool:

@@ -35,6 +35,7 @@ from disttrain.simulate.overheads import (
     tensor_cost,
 )
 
+STEP_BATCH = 32  # the global batch of disttrain bench's and --validate's runs
 
 class SoloTransport(Transport):
     """A group of one rank: nothing is ever sent (a collective on one rank moves no bytes)."""
@@ -153,6 +154,25 @@ def _wakeup(in_step: float, call: float, nbytes: int, ranks: int, transport: str
     return max(0.0, in_step - call - calibrated)
 
 
+def _unit_ops(added: float, sizes: list[int], ranks: int, transport: str) -> float:
+    """Per collective of ZeRO-3's pattern, what the probe's collectives added to its step
+    (``added``, :func:`~disttrain.simulate.contention.unit_ops_in_step`) beyond their
+    calibrated ring times on this machine: what the simulation charges each besides
+    them, in place of the call overhead and the wake-up. At least 0; 0 when the probe
+    failed."""
+    from disttrain.simulate.cluster import local
+    from disttrain.simulate.collectives import collective_time, group_of
+
+    if added <= 0 or not sizes:
+        return 0.0
+    cluster = local(transport)
+    group = group_of(cluster, ranks)
+    calibrated = sum(2 * collective_time(cluster, "all_gather", "ring", group, n)[0]
+                     + collective_time(cluster, "reduce_scatter", "ring", group, n)[0]
+                     for n in sizes)
+    return max(0.0, (added - calibrated) / (3 * len(sizes)))
+
+
 def _rounds(probes: dict[str, Callable[[], Any]], rounds: int = 3) -> dict[str, list[Any]]:
     """``rounds`` readings of every probe, taken round-robin rather than each probe's in a
     row: this machine has slow spells of tens of seconds, which then slow one reading of
@@ -175,6 +195,28 @@ class _Interference(NamedTuple):
     message: float
     stage_wakeup: float
     stage_work: float
+    unit_ops: dict[int, float]  # ranks → seconds ZeRO-3's collectives add to a step
+
+
+def _unit_bytes(module: nn.Module) -> list[int]:
+    """Parameter bytes of each of ``module``'s layers that has parameters (ZeRO-3's
+    units, as the simulation gathers them)."""
+    sizes = [sum(p.numel() * 4 for p in layer.parameters() if p.requires_grad)
+             for layer in layers_of(module)]
+    return [n for n in sizes if n > 0]
+
+
+def _unit_work(module: nn.Module, x: torch.Tensor, ranks: int,
+               units: int) -> Callable[[], object]:
+    """A rank's computation per collective in ZeRO-3's pattern with ``ranks`` ranks: its
+    forward+backward at its share of the global batch ``disttrain bench`` and
+    ``--validate`` train with (:data:`STEP_BATCH`, ``x``'s rows repeated), divided over
+    the units' two passes."""
+    from disttrain.simulate.contention import compute_slice
+
+    batch = max(len(x), STEP_BATCH // ranks)
+    rows = x.repeat(-(-batch // len(x)), *([1] * (x.dim() - 1)))[:batch]
+    return compute_slice(median_time(_fwd_bwd(module, rows)) / (2 * max(1, units)))
 
 
 def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
@@ -184,7 +226,7 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     parameter-server exchange, a pipeline message and a pipeline stage's own work per
     message on ``transport``: three readings of each, taken round-robin
     (:func:`_rounds`). Nothing with fewer than 2 cores."""
-    from disttrain.simulate.contention import collective_in_step
+    from disttrain.simulate.contention import collective_in_step, unit_ops_in_step
     from disttrain.simulate.ps_probe import ps_exchange
     from disttrain.simulate.stage_probe import stage_message, stage_work
 
@@ -193,6 +235,10 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
         f"{op}:{ranks}": functools.partial(collective_in_step, _fwd_bwd(module, x), nbytes,
                                            transport=transport, ranks=ranks, op=op)
         for op in ("all_reduce", "reduce_scatter") for ranks in probed}
+    units = _unit_bytes(module)
+    probes.update({f"units:{ranks}": functools.partial(
+        unit_ops_in_step, _unit_work(module, x, ranks, len(units)), units,
+        transport=transport, ranks=ranks) for ranks in probed})
     if cores > 1:
         probes["ps"] = functools.partial(ps_exchange, module, _fwd_bwd(module, x), transport)
         probes["stage"] = functools.partial(stage_message, _fwd_bwd(module, x), transport)
@@ -218,7 +264,9 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     return _Interference(in_step, pull, push,
                          min(statistics.median(served), pull + push) if served else 0.0,
                          message, stage_wakeup,
-                         statistics.median(readings.get("stage_work", [0.0])))
+                         statistics.median(readings.get("stage_work", [0.0])),
+                         {ranks: statistics.median(readings[f"units:{ranks}"])
+                          for ranks in probed})
 
 
 def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
@@ -282,6 +330,8 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                   for (op, ranks), took in shared.in_step.items() if op == "all_reduce"}
         scatter = {ranks: _wakeup(took, call, nbytes, ranks, transport, op)
                    for (op, ranks), took in shared.in_step.items() if op == "reduce_scatter"}
+        units = {ranks: _unit_ops(took, _unit_bytes(module), ranks, transport)
+                 for ranks, took in shared.unit_ops.items()}
         hook = ddp_hook(module, x, comm, call)
         zero = {k: zero_work(k, module, x, comm, call, sgd) for k in (1, 2, 3)}
     finally:
@@ -294,6 +344,7 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      backward_call_s=backward_call(), zero_s=zero,
                      collective_wakeup_s=wakeup.pop(2, 0.0), collective_wakeup_after_s=after,
                      wakeup_by_ranks=wakeup, scatter_wakeup_by_ranks=scatter,
+                     unit_op_by_ranks=units,
                      ps_pull_s=shared.pull, ps_push_s=shared.push, ps_served_s=shared.served,
                      stage_message_s=shared.message, stage_wakeup_s=shared.stage_wakeup,
                      stage_work_s=shared.stage_work,
