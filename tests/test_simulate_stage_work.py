@@ -36,11 +36,13 @@ def test_one_message_at_a_time_pays_its_probed_price_however_the_stages_share_it
     """Model parallelism on 2 stages sends an activation and a gradient one after the other,
     each into a stage that sat idle (woken in full). A message's price is the probe (1 s):
     with 0.3 s of it on each stage's own thread, the link keeps 0.4 s and the step is the
-    same; stages that need 0.7 s each leave the link nothing and the message costs 1.4 s."""
+    same; where the runtime's probe says the stages need 0.7 s each, more than the whole
+    message the probe timed, each pays half the probe and the message still costs 1 s
+    (until 2026-11-27 it cost 1.4 s, and model parallelism on 4 ranks read 1.16-1.30)."""
     probed = Overheads(stage_message_s=1.0, stage_wakeup_s=0.5, collective_wakeup_after_s=1.0)
     assert _extra(2, probed) == pytest.approx(2 * (1.0 + 0.5))
     assert _extra(2, replace(probed, stage_work_s=0.3)) == pytest.approx(2 * (1.0 + 0.5))
-    assert _extra(2, replace(probed, stage_work_s=0.7)) == pytest.approx(2 * (1.4 + 0.5))
+    assert _extra(2, replace(probed, stage_work_s=0.7)) == pytest.approx(2 * (1.0 + 0.5))
     assert dict(replace(probed, stage_work_s=0.7).named())["stage_work_s"] == 0.7
 
 

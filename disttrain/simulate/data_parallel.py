@@ -25,6 +25,9 @@ The profile's measured :class:`~disttrain.simulate.overheads.Overheads` are task
 loop's own work before the first forward, DDP's hooks in each layer's backward, one
 collective call before every collective on the link, ZeRO's own work (stages 1, 2: after
 the all-gather; stage 3: spread over every layer), and the optimizer at its measured cost.
+On this machine ZeRO-3's collectives pay the probe of its own pattern (``zero3_op_*``:
+small collectives issued asynchronously between the units' computations) instead of the
+call and the wake-up.
 On this machine the representative's compute resource carries a load of p ranks, so the
 engine slows it when p exceeds the cores.
 """

@@ -117,8 +117,18 @@ class _Replica:
 
     def work(self, stage: int, to: int) -> float:
         """What a stage spends on its own thread to send a message from ``stage`` to ``to``
-        or to take one in (``Overheads.stage_work_s``, probed on this machine's runtime)."""
-        return self.case.overheads.stage_work_s if self.on_host(stage, to) else 0.0
+        or to take one in (``Overheads.stage_work_s``, probed on this machine's runtime).
+        In model parallelism the probe is the whole message's price, so each end's share
+        is at most half of it (stage_work_s, probed on GPipe's runtime, read 0.26-0.47 ms
+        against probes of 0.28-0.42 ms in seven validations, and twice it per message
+        put model parallelism on 4 ranks at 1.16-1.30 of its runs: docs/benchmarks.md,
+        "ZeRO-3's collectives in a step")."""
+        ov = self.case.overheads
+        if not self.on_host(stage, to):
+            return 0.0
+        if self.schedule.num_microbatches == 1:
+            return min(ov.stage_work_s, ov.stage_message_s / 2)
+        return ov.stage_work_s
 
     def stage_time(self, stage: int, backward: bool) -> float:
         lo, hi = self.bounds[stage]
