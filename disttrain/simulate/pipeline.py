@@ -119,7 +119,7 @@ class _Replica:
         """What a stage spends on its own thread to send a message from ``stage`` to ``to``
         or to take one in (``Overheads.stage_work_s``, probed on this machine's runtime).
         In model parallelism the probe is the whole message's price, so each end's share
-        is at most half of it (stage_work_s, probed on GPipe's runtime, read 0.26-0.47 ms
+        is at most half of it (stage_work_s, probed on GPipe's runtime, read 0.24-0.47 ms
         against probes of 0.28-0.42 ms in seven validations, and twice it per message
         put model parallelism on 4 ranks at 1.16-1.30 of its runs: docs/benchmarks.md,
         "ZeRO-3's collectives in a step")."""

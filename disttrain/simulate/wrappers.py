@@ -37,6 +37,7 @@ from disttrain.simulate.overheads import (
 
 STEP_BATCH = 32  # the global batch of disttrain bench's and --validate's runs
 
+
 class SoloTransport(Transport):
     """A group of one rank: nothing is ever sent (a collective on one rank moves no bytes)."""
 
