@@ -58,6 +58,9 @@ def test_with_micro_batches_in_flight_the_stages_own_work_is_not_hidden_by_the_l
     assert _extra(2, below, "gpipe", 2) == pytest.approx(2 * ALPHA)
     assert _extra(2, replace(below, stage_work_s=0.05), "gpipe", 2) == pytest.approx(
         2 * ALPHA + 2 * 0.05)
+    # and in full beyond half the probe: model parallelism's cap is not applied here
+    assert _extra(2, replace(below, stage_work_s=0.3), "gpipe", 2) > \
+        _extra(2, replace(below, stage_work_s=0.05), "gpipe", 2) + 2 * (0.3 - 0.05)
     # on a cluster (a device per rank) the host's probes say nothing: α alone
     assert _extra(2, replace(below, stage_work_s=0.05), "gpipe", 2, cores=0) == \
         pytest.approx(2 * ALPHA)
