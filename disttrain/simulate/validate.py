@@ -48,11 +48,10 @@ from disttrain.simulate.cluster import local
 from disttrain.simulate.profile import LayerRounds, ModelProfile, registered_rounds
 from disttrain.simulate.strategies import simulate
 from disttrain.simulate.workload import Workload
-from disttrain.simulate.wrappers import STEP_BATCH
 from disttrain.train.strategies import STRATEGIES as RUNNABLE
 from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
 
-GLOBAL_BATCH = STEP_BATCH  # the profile's ZeRO-3 probe computes a rank's share of it
+GLOBAL_BATCH = BenchConfig().global_batch  # the ZeRO-3 probe computes a rank's share of it
 
 
 def _plan(names: tuple[str, ...]) -> tuple[list[str], list[str]]:

@@ -35,8 +35,6 @@ from disttrain.simulate.overheads import (
     tensor_cost,
 )
 
-STEP_BATCH = 32  # the global batch of disttrain bench's and --validate's runs
-
 
 class SoloTransport(Transport):
     """A group of one rank: nothing is ever sent (a collective on one rank moves no bytes)."""
@@ -211,11 +209,12 @@ def _unit_work(module: nn.Module, x: torch.Tensor, ranks: int,
                units: int) -> Callable[[], object]:
     """A rank's computation per collective in ZeRO-3's pattern with ``ranks`` ranks: its
     forward+backward at its share of the global batch ``disttrain bench`` and
-    ``--validate`` train with (:data:`STEP_BATCH`, ``x``'s rows repeated), divided over
-    the units' two passes."""
+    ``--validate`` train with by default (``BenchConfig.global_batch``, ``x``'s rows
+    repeated), divided over the units' two passes."""
+    from disttrain.bench.experiments import BenchConfig
     from disttrain.simulate.contention import compute_slice
 
-    batch = max(len(x), STEP_BATCH // ranks)
+    batch = max(len(x), BenchConfig().global_batch // ranks)
     rows = x.repeat(-(-batch // len(x)), *([1] * (x.dim() - 1)))[:batch]
     return compute_slice(median_time(_fwd_bwd(module, rows)) / (2 * max(1, units)))
 
