@@ -254,8 +254,10 @@ def test_a_step_pays_the_wake_up_measured_with_the_most_ranks_not_above_its_own(
     for keys in ({1: 1.0}, {"4": 1.0, 2: 1.0}):
         with pytest.raises(ValueError, match="wakeup_by_ranks keys must be rank counts"):
             Overheads(wakeup_by_ranks=keys)  # type: ignore[dict-item]
-        with pytest.raises(ValueError, match="scatter_wakeup_by_ranks keys must be rank"):
-            Overheads(scatter_wakeup_by_ranks=keys)  # type: ignore[dict-item]
+        for name in ("scatter_wakeup_by_ranks", "unit_op_by_ranks", "stage_work_by_ranks",
+                     "crossing_by_ranks"):
+            with pytest.raises(ValueError, match=f"{name} keys must be rank counts"):
+                Overheads(**{name: keys})  # type: ignore[arg-type]
 
 
 def test_a_reduce_scatter_pays_its_own_probed_wake_up_where_it_was_probed() -> None:
@@ -408,6 +410,8 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert values["stage_message_s"] > 0  # at least the messages' Python
     assert "could not measure a pipeline stage's own work" not in caplog.text
     assert values["stage_work_s"] > 0  # the runtime's two stages ran
+    # both schedules on 2 stages; none on 4: the model has 3 layers
+    assert sorted(overheads.crossing_by_ranks) == [2] and overheads.stage_work_by_ranks == {}
     assert "could not measure the in-step" not in caplog.text  # two gloo ranks ran
     assert overheads.concurrent_slowdown >= 1  # two forked processes ran the model
     assert all(p.grad is None for p in net.parameters())  # the model is left as it was

@@ -73,15 +73,16 @@ def _net() -> nn.Module:
 
 def test_the_stage_work_probe_reads_work_added_to_each_send(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each stage sends one message and receives one per micro-batch. With 4 ms of extra
-    work in every send (a sleep: not a wait for the other stage), the probe reads about
-    2 ms more per message: the stages' sends are half the messages they handle."""
+    """Each stage sends one message and receives one per micro-batch, in GPipe and in
+    1F1B alike. With 4 ms of extra work in every send (a sleep: not a wait for the other
+    stage), the probe reads about 2 ms more per message in both schedules: the stages'
+    sends are half the messages they handle."""
     from disttrain.parallel.pipeline.link import StageLink
     from disttrain.simulate.stage_probe import stage_work
 
     net, x = _net(), torch.randn(4, 8)
     plain = stage_work(net, x)
-    assert plain > 0
+    assert sorted(plain) == ["1f1b", "gpipe"] and all(v > 0 for v in plain.values())
     send = StageLink.send
 
     def slow_send(self: StageLink, *args: object, **kwargs: object) -> object:
@@ -90,7 +91,53 @@ def test_the_stage_work_probe_reads_work_added_to_each_send(
 
     monkeypatch.setattr(StageLink, "send", slow_send)  # the forked stages inherit it
     slowed = stage_work(net, x)
-    assert 0.0015 < slowed - plain < 0.0035
+    for name in ("gpipe", "1f1b"):
+        assert 0.0015 < slowed[name] - plain[name] < 0.0035, name
+
+
+def test_a_middle_stage_handles_twice_the_messages_of_an_end() -> None:
+    """The probe divides the stages' own work by the messages they handle: 2·m at either
+    end of the pipeline (one direction each way), 4·m in the middle."""
+    from disttrain.simulate.stage_probe import MICROBATCHES, _message_ends
+
+    m = MICROBATCHES
+    assert [_message_ends(r, 2) for r in range(2)] == [2 * m, 2 * m]
+    assert [_message_ends(r, 4) for r in range(4)] == [2 * m, 4 * m, 4 * m, 2 * m]
+
+
+def test_1f1b_stages_pay_their_crossing_messages_and_gpipes_do_not() -> None:
+    """1F1B's stages pay ``crossing`` per message on top of their own work, probed with
+    the most stages not above the step's (here the 4-stage probe on 4 workers, the 2-stage
+    one on 3), and so does nothing else: GPipe's step is the same with or without it, and
+    on a cluster (a device per rank) neither is charged."""
+    base = Overheads(stage_message_s=0.1, stage_work_s=0.05)
+    crossing = replace(base, crossing_by_ranks={2: 0.01, 4: 0.2})
+    assert crossing.crossing(3) == 0.01 and crossing.crossing(4) == 0.2
+    assert crossing.crossing(8) == 0.2 and Overheads().crossing(4) == 0.0
+    assert dict(crossing.named())["stage_crossing_4ranks_s"] == 0.2
+    assert Overheads.median([crossing, replace(crossing, crossing_by_ranks={4: 0.4})]
+                            ).crossing_by_ranks == {2: 0.01, 4: pytest.approx(0.3)}
+    for workers in (2, 4):  # as many micro-batches as workers: one sample each
+        assert _extra(workers, crossing, "gpipe", workers) == pytest.approx(
+            _extra(workers, base, "gpipe", workers))
+        assert _extra(workers, crossing, "1f1b", workers, cores=0) == pytest.approx(
+            _extra(workers, base, "1f1b", workers, cores=0))
+    # on 4 stages the excess is 0.2 s a message and a middle stage handles 16 of them:
+    # 3.2 s of work on each of two stages, 1.6 s each on the ends, sharing 2 cores
+    assert _extra(4, crossing, "1f1b", 4) > _extra(4, base, "1f1b", 4) + 3.0
+
+
+def test_a_pipeline_pays_the_stage_work_probed_on_its_own_stage_count() -> None:
+    """``stage_work_by_ranks`` holds the probe on more stages than 2: a 4-stage pipeline
+    pays it, a 2- or 3-stage one the 2-stage ``stage_work_s``."""
+    two = Overheads(stage_message_s=0.1, stage_work_s=0.05)
+    four = replace(two, stage_work_by_ranks={4: 0.1})
+    assert four.stage_work(2) == four.stage_work(3) == 0.05 and four.stage_work(4) == 0.1
+    assert dict(four.named())["stage_work_4ranks_s"] == 0.1
+    for name in ("gpipe", "1f1b"):
+        assert _extra(2, four, name, 2) == pytest.approx(_extra(2, two, name, 2))
+        assert _extra(4, four, name, 4) == pytest.approx(
+            _extra(4, replace(two, stage_work_s=0.1), name, 4))
 
 
 def test_a_model_without_two_stages_is_reported_and_charges_nothing(
@@ -98,7 +145,7 @@ def test_a_model_without_two_stages_is_reported_and_charges_nothing(
     from disttrain.simulate.stage_probe import stage_work
 
     with caplog.at_level(logging.WARNING):
-        assert stage_work(nn.Linear(8, 4), torch.randn(4, 8)) == 0.0
+        assert stage_work(nn.Linear(8, 4), torch.randn(4, 8)) == {}
     assert "could not measure a pipeline stage's own work" in caplog.text
 
 

@@ -74,6 +74,14 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             schedule's Python per micro-batch): the real runtime's GPipe
                             on two stages, its steps less layers and waits
                             (:func:`~disttrain.simulate.stage_probe.stage_work`)
+``stage_work_{p}ranks_s``   the same on p > 2 stages (``stage_work_by_ranks``): a pipeline of
+                            more stages than 2 pays the probe with the most stages not above
+                            its own
+``stage_crossing_{p}ranks_s`` what a 1F1B stage spends on its own thread per message beyond
+                            GPipe's, the two schedules run alternately on p stages of the
+                            same runtime (``crossing_by_ranks``): in 1F1B's steady state
+                            messages cross each connection both ways at once. 1F1B's
+                            stages pay it on top of ``stage_work_s``
 ``concurrent_slowdown``     how much slower the model's forward+backward runs in each of
                             this machine's cores at once than alone (a ratio ≥ 1;
                             :mod:`~disttrain.simulate.contention`)
@@ -99,6 +107,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 REPEATS = 15
+# the quantities kept by rank count (keys ≥ 2)
+RANK_KEYED = ("wakeup_by_ranks", "scatter_wakeup_by_ranks", "unit_op_by_ranks",
+              "stage_work_by_ranks", "crossing_by_ranks")
 
 
 @dataclass(frozen=True)
@@ -131,10 +142,14 @@ class Overheads:
     stage_message_s: float = 0.0  # this machine only (simulate.pipeline)
     stage_wakeup_s: float = 0.0
     stage_work_s: float = 0.0
+    # ranks → stage_work_s probed on that many stages (> 2)
+    stage_work_by_ranks: dict[int, float] = field(default_factory=dict)
+    # ranks → a 1F1B stage's own work per message beyond GPipe's, both probed on p stages
+    crossing_by_ranks: dict[int, float] = field(default_factory=dict)
     concurrent_slowdown: float = 1.0  # a ratio, not seconds: not in named()
 
     def __post_init__(self) -> None:
-        for name in ("wakeup_by_ranks", "scatter_wakeup_by_ranks", "unit_op_by_ranks"):
+        for name in RANK_KEYED:
             keys = list(getattr(self, name))
             if any(isinstance(k, bool) or not isinstance(k, int) or k < 2
                    for k in keys):  # first: named() sorts them
@@ -159,7 +174,10 @@ class Overheads:
             (f"collective_wakeup_{k}ranks_s", v) for k, v in sorted(self.wakeup_by_ranks.items())
         ] + [(f"scatter_wakeup_{k}ranks_s", v)
              for k, v in sorted(self.scatter_wakeup_by_ranks.items())] + [
-            (f"zero3_op_{k}ranks_s", v) for k, v in sorted(self.unit_op_by_ranks.items())]
+            (f"zero3_op_{k}ranks_s", v) for k, v in sorted(self.unit_op_by_ranks.items())] + [
+            (f"stage_work_{k}ranks_s", v) for k, v in sorted(self.stage_work_by_ranks.items())
+        ] + [(f"stage_crossing_{k}ranks_s", v)
+             for k, v in sorted(self.crossing_by_ranks.items())]
 
     @staticmethod
     def median(measured: Sequence[Overheads]) -> Overheads:
@@ -167,7 +185,7 @@ class Overheads:
         moments; a keyed one, such as a rank count's wake-up, over those that have it)."""
         if not measured:
             raise ValueError("Overheads.median needs at least one measurement")
-        keyed = ("zero_s", "wakeup_by_ranks", "scatter_wakeup_by_ranks", "unit_op_by_ranks")
+        keyed = ("zero_s", *RANK_KEYED)
         values: dict[str, Any] = {
             f.name: statistics.median(getattr(o, f.name) for o in measured)
             for f in fields(Overheads) if f.name not in keyed}
@@ -192,6 +210,18 @@ class Overheads:
         time: the probe's with the most ranks not above ``ranks``; None when not probed."""
         fitting = [k for k in self.unit_op_by_ranks if k <= ranks]
         return self.unit_op_by_ranks[max(fitting)] if fitting else None
+
+    def stage_work(self, ranks: int) -> float:
+        """A pipeline stage's own work per message with ``ranks`` stages: the probe's with
+        the most stages not above ``ranks`` (``stage_work_s``: 2)."""
+        fitting = [k for k in self.stage_work_by_ranks if k <= ranks]
+        return self.stage_work_by_ranks[max(fitting)] if fitting else self.stage_work_s
+
+    def crossing(self, ranks: int) -> float:
+        """A 1F1B stage's own work per message beyond GPipe's with ``ranks`` stages: the
+        probe's with the most stages not above ``ranks``; 0 when not probed."""
+        fitting = [k for k in self.crossing_by_ranks if k <= ranks]
+        return self.crossing_by_ranks[max(fitting)] if fitting else 0.0
 
     @property
     def measured(self) -> bool:

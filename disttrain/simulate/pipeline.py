@@ -107,7 +107,7 @@ class _Replica:
         probed = self.case.overheads.stage_message_s if self.on_host(stage, to) else 0.0
         price = probed if probed and self.schedule.num_microbatches == 1 else \
             max(costs.alpha, probed)
-        return max(0.0, price - 2 * self.work(stage, to)) + nbytes * costs.beta
+        return max(0.0, price - 2 * self.own(stage, to)) + nbytes * costs.beta
 
     def on_host(self, stage: int, to: int) -> bool:
         """Both stages are processes on this machine's shared cores, where the profile's
@@ -117,18 +117,31 @@ class _Replica:
 
     def work(self, stage: int, to: int) -> float:
         """What a stage spends on its own thread to send a message from ``stage`` to ``to``
-        or to take one in (``Overheads.stage_work_s``, probed on this machine's runtime).
-        In model parallelism the probe is the whole message's price, so each end's share
-        is at most half of it (stage_work_s, probed on GPipe's runtime, read 0.24-0.47 ms
-        against probes of 0.28-0.42 ms in seven validations, and twice it per message
-        put model parallelism on 4 ranks at 1.16-1.30 of its runs: docs/benchmarks.md,
-        "ZeRO-3's collectives in a step")."""
+        or to take one in: its share of the message (:meth:`own`) and, in 1F1B, what its
+        messages crossing the connections both ways cost it more
+        (``Overheads.crossing``, probed with the same number of stages on this machine's
+        runtime: on 4 Gloo ranks its runs took 5-23 % longer than GPipe's where the
+        simulation put both at about the same step; docs/benchmarks.md, "1F1B's crossing
+        messages")."""
+        own = self.own(stage, to)
+        if own and self.schedule.name == "1f1b":
+            return own + self.case.overheads.crossing(self.case.workers)
+        return own
+
+    def own(self, stage: int, to: int) -> float:
+        """A stage's own work for one message that is part of the message's probed price
+        (``Overheads.stage_work``: probed on this machine's runtime with GPipe, on the most
+        stages not above the step's ranks; on 4 Gloo ranks here 0.16-0.18 ms against
+        0.13-0.14 ms on 2). In model parallelism the probe is the whole message's price,
+        so each end's share is at most half of it (stage_work_s, probed on GPipe's runtime,
+        read 0.24-0.47 ms against probes of 0.28-0.42 ms in seven validations, and twice it
+        per message put model parallelism on 4 ranks at 1.16-1.30 of its runs:
+        docs/benchmarks.md, "ZeRO-3's collectives in a step")."""
         ov = self.case.overheads
         if not self.on_host(stage, to):
             return 0.0
-        if self.schedule.num_microbatches == 1:
-            return min(ov.stage_work_s, ov.stage_message_s / 2)
-        return ov.stage_work_s
+        own = ov.stage_work(self.case.workers)
+        return min(own, ov.stage_message_s / 2) if self.schedule.num_microbatches == 1 else own
 
     def stage_time(self, stage: int, backward: bool) -> float:
         lo, hi = self.bounds[stage]

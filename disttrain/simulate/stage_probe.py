@@ -113,6 +113,7 @@ def stage_message(work: Callable[[], object], transport: str = "torch",
 
 MICROBATCHES = 8  # as disttrain bench runs its pipelines
 STEPS = 20
+SCHEDULES = ("gpipe", "1f1b")
 
 
 def _work_child(rank: int, ranks: int, store: str, results: Any, module: torch.nn.Module,
@@ -125,36 +126,54 @@ def _work_child(rank: int, ranks: int, store: str, results: Any, module: torch.n
     logging.getLogger("disttrain.parallel.pipeline").setLevel(logging.WARNING)  # its plan
     try:
         with probe_comm(rank, ranks, store, transport) as comm:
-            pipe = build_pipeline(module, comm, schedule="gpipe", microbatches=MICROBATCHES)
+            pipes = {name: build_pipeline(module, comm, schedule=name,
+                                          microbatches=MICROBATCHES) for name in SCHEDULES}
             batch = torch.cat([x] * MICROBATCHES)
             targets = torch.zeros(len(batch))
-            own = []
+            own: dict[str, list[float]] = {name: [] for name in SCHEDULES}
             for _ in range(WARM_UP + STEPS):
-                for param in pipe.parameters():
-                    param.grad = None
-                pipe.train_step(batch if pipe.is_first else None,
-                                targets if pipe.is_last else None, loss)
-                step = pipe.last_step
-                assert step is not None
-                own.append(step.wall_s - step.busy_s - step.wait_s)
-        results.put((rank, own[WARM_UP:]))
+                for name, pipe in pipes.items():  # alternately: the machine's drift hits both
+                    for param in pipe.parameters():
+                        param.grad = None
+                    pipe.train_step(batch if pipe.is_first else None,
+                                    targets if pipe.is_last else None, loss)
+                    step = pipe.last_step
+                    assert step is not None
+                    own[name].append(step.wall_s - step.busy_s - step.wait_s)
+        results.put((rank, {name: steps[WARM_UP:] for name, steps in own.items()}))
     except Exception as exc:  # reported to the parent, which falls back to 0
         results.put(f"{type(exc).__name__}: {exc}")
 
 
-def stage_work(module: torch.nn.Module, x: torch.Tensor, transport: str = "torch") -> float:
-    """Seconds a pipeline stage works on its own thread per message it sends or receives
-    (``Overheads.stage_work_s``): ``module`` split into two stages by disttrain's pipeline
-    runtime in two forked processes, GPipe over :data:`MICROBATCHES` micro-batches of
-    ``x``; each stage's step less its layers and loss (the stage's busy time) and less its
-    waits for the other, the median of :data:`STEPS` steps, is what it spends packing,
-    posting, taking in and dispatching messages and micro-batches. Each stage sends and
-    receives one message per micro-batch: the two stages' mean over 2·m messages. 0,
-    logged, if the processes fail (a model of one layer has no two stages)."""
+def _message_ends(rank: int, ranks: int) -> int:
+    """Messages a stage sends or takes in per step: an activation and a gradient each way
+    per micro-batch, one way only at either end of the pipeline."""
+    return 2 * MICROBATCHES * (1 if rank in (0, ranks - 1) else 2)
+
+
+def stage_work(module: torch.nn.Module, x: torch.Tensor, transport: str = "torch",
+               ranks: int = 2) -> dict[str, float]:
+    """Seconds a pipeline stage works on its own thread per message it sends or receives,
+    by schedule (``{"gpipe": …, "1f1b": …}``; ``Overheads.stage_work_s`` is GPipe's on 2
+    stages, ``Overheads.crossing_by_ranks`` 1F1B's excess): ``module`` split into
+    ``ranks`` stages by disttrain's pipeline runtime in as many forked processes, GPipe and
+    1F1B over :data:`MICROBATCHES` micro-batches of ``x`` in alternating steps; each stage's
+    step less its layers and loss (the stage's busy time) and less its waits for the
+    others, the median of :data:`STEPS` steps, is what it spends packing, posting, taking
+    in and dispatching messages and micro-batches. Summed over the stages and divided by
+    the messages they handle (:func:`_message_ends`). ``{}``, logged, if the processes
+    fail (a model of fewer layers than ``ranks`` has no such pipeline).
+
+    In 1F1B's steady state a stage alternates forwards and backwards, so its connections
+    carry activations one way and gradients the other at once, where GPipe's flow one way
+    at a time; on 4 Gloo ranks of this project's 2-vCPU hosts that costs 1F1B's stages
+    more of their own time (docs/benchmarks.md, "1F1B's crossing messages")."""
     try:
-        per_rank = forked_ranks(_work_child, 2, module, x, transport)
+        per_rank = forked_ranks(_work_child, ranks, module, x, transport)
     except Exception as exc:
-        log.warning("could not measure a pipeline stage's own work (%s); charging none", exc)
-        return 0.0
-    own = statistics.mean(statistics.median(steps) for _, steps in per_rank)
-    return max(0.0, own / (2 * MICROBATCHES))
+        log.warning("could not measure a pipeline stage's own work on %d stages (%s); "
+                    "charging none", ranks, exc)
+        return {}
+    ends = sum(_message_ends(rank, ranks) for rank, _ in per_rank)
+    return {name: max(0.0, sum(statistics.median(steps[name]) for _, steps in per_rank) / ends)
+            for name in SCHEDULES}

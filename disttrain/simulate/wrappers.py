@@ -193,8 +193,9 @@ class _Interference(NamedTuple):
     served: float
     message: float
     stage_wakeup: float
-    stage_work: float
     unit_ops: dict[int, float]  # ranks → seconds ZeRO-3's collectives add to a step
+    stage_works: dict[int, float]  # ranks → a GPipe stage's own work per message
+    crossing: dict[int, float]  # ranks → a 1F1B stage's own work per message beyond GPipe's
 
 
 def _unit_bytes(module: nn.Module) -> list[int]:
@@ -242,7 +243,11 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     if cores > 1:
         probes["ps"] = functools.partial(ps_exchange, module, _fwd_bwd(module, x), transport)
         probes["stage"] = functools.partial(stage_message, _fwd_bwd(module, x), transport)
-        probes["stage_work"] = functools.partial(stage_work, module, x, transport)
+        # both schedules on 2 stages, and on as many as validated where the model has the
+        # layers for them
+        probes.update({f"stage_work:{ranks}": functools.partial(
+            stage_work, module, x, transport, ranks) for ranks in sorted({2, *probed})
+            if ranks == 2 or ranks <= len(layers_of(module))})
     readings = _rounds(probes)
     # The collectives: the median of three. One measurement moves by milliseconds within
     # minutes (where the kernel places the ranks). Not the least, as for compute: this is
@@ -260,13 +265,19 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     # a pipeline message, busy and after idling: the median of three, as the collectives
     messages = readings.get("stage", [(0.0, 0.0)])
     message, stage_wakeup = (statistics.median(m[i] for m in messages) for i in (0, 1))
-    # and a stage's own work per message: the median of three likewise
+    # and a stage's own work per message, GPipe's and 1F1B's excess over it in the same
+    # processes, by stage count: the median of three likewise (a failed probe reads {})
+    own = {int(key.split(":")[1]): [r for r in values if r]
+           for key, values in readings.items() if key.startswith("stage_work:") and any(values)}
     return _Interference(in_step, pull, push,
                          min(statistics.median(served), pull + push) if served else 0.0,
                          message, stage_wakeup,
-                         statistics.median(readings.get("stage_work", [0.0])),
                          {ranks: statistics.median(readings[f"units:{ranks}"])
-                          for ranks in probed})
+                          for ranks in probed},
+                         {ranks: statistics.median(r["gpipe"] for r in rs)
+                          for ranks, rs in own.items()},
+                         {ranks: statistics.median(max(0.0, r["1f1b"] - r["gpipe"]) for r in rs)
+                          for ranks, rs in own.items()})
 
 
 def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
@@ -347,5 +358,6 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                      unit_op_by_ranks=units,
                      ps_pull_s=shared.pull, ps_push_s=shared.push, ps_served_s=shared.served,
                      stage_message_s=shared.message, stage_wakeup_s=shared.stage_wakeup,
-                     stage_work_s=shared.stage_work,
+                     stage_work_s=shared.stage_works.pop(2, 0.0),
+                     stage_work_by_ranks=shared.stage_works, crossing_by_ranks=shared.crossing,
                      concurrent_slowdown=slowdown)
