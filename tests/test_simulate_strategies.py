@@ -208,6 +208,20 @@ def test_validate_predicts_every_locally_runnable_strategy(world_size: int) -> N
         assert 0 < bare < predicted(paying, name, world_size, 32, 8), name
 
 
+@pytest.mark.parametrize(("args", "bound"), [([], True), (["--no-bind-cores"], False),
+                                             (["--bind-cores"], True)])
+def test_validate_binds_ranks_to_cores_unless_told_not_to(
+        args: list[str], bound: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the validation's runs give each rank a core of its own where there are
+    enough, as the model assumes; the kernel's own placement is one option away."""
+    import disttrain.simulate.validate as validate
+
+    seen: list[bool] = []
+    monkeypatch.setattr(validate, "run_validation", lambda a: seen.append(a.bind_cores) or 0)
+    assert main(["simulate", "--validate", "-n", "2", *args]) == 0
+    assert seen == [bound]
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--repeat", "0"], "--repeat must be an integer ≥ 1"),
     (["--partition", "time"], "--partition time cannot be validated"),
@@ -268,7 +282,8 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(validate, "run_table", lambda config, **k: ran.append(config))
     args = argparse.Namespace(strategies=["ddp", "gpipe"], dataset=None, model="lenet",
                               transport="torch", world_sizes=[2, 4], steps=5,
-                              global_batch=None, repeat=1, microbatches=8)
+                              global_batch=None, repeat=1, microbatches=8,
+                              bind_cores=True)
 
     def broken(_profile: object, name: str, *rest: object) -> float:
         if name == "gpipe":
@@ -292,7 +307,10 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
     rows = [{"strategy": "ddp", "world_size": 2, "step_time_s": 0.25, "error": None},
             {"strategy": "gpipe", "world_size": 4, "step_time_s": 0.5, "error": None}]
 
+    bound: list[bool] = []
+
     def table(config: Any, on_start: Any) -> SimpleNamespace:
+        bound.append(config.bind_cores)
         runs = rows * config.repeat  # the table goes round
         for i, row in enumerate(runs):
             on_start(i, len(runs), SimpleNamespace(label=row["strategy"]))
@@ -311,8 +329,9 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
 
     rounds = _Rounds(later)  # three rounds of the table: the overheads before the 2nd, 3rd
     monkeypatch.setattr(validate, "registered_rounds", lambda *a, **k: (profile, rounds))
-    validate.rows_for(argparse.Namespace(**{**vars(args), "repeat": 3}))
+    validate.rows_for(argparse.Namespace(**{**vars(args), "repeat": 3, "bind_cores": False}))
     assert rounds.overheads == [2, 4, 7] and rounds.closed
+    assert bound == [True, False]  # the runs are placed as --[no-]bind-cores says
 
 
 def test_validate_compares_the_median_fresh_run() -> None:

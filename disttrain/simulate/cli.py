@@ -76,9 +76,14 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="--validate: world sizes (default 2,4)")
     p.add_argument("--steps", type=int, default=30, help="--validate: steps per run")
     p.add_argument("--repeat", type=int, default=3,
-                   help="--validate: fresh runs of each strategy and world size; the fastest "
-                   "is compared (default 3: a run's step time moves 20-35%% from run to run "
-                   "on a shared machine)")
+                   help="--validate: fresh runs of each strategy and world size; the median "
+                   "run is compared (default 3: a run's step time moves 20-35%% from run to "
+                   "run on a shared machine)")
+    p.add_argument("--bind-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="--validate: pin each rank of a run to a core of its own when there "
+                   "are as many cores as ranks, as the model assumes (default); "
+                   "--no-bind-cores leaves the placement to the kernel, which may keep two "
+                   "ranks on one core for a whole run")
     p.set_defaults(func=lambda args: run(args, p))
 
 

@@ -17,7 +17,10 @@ parallelism, one message at a time as in the probe, pays the probe alone),
 and every receive a dependency on the matching send. On this machine a stage also works
 ``Overheads.stage_work_s`` on its own compute stream per message it sends (before the
 send) and per message it takes in (before the computation that follows; probed on the
-real runtime), and the link keeps the message's price less both of those; the stage's
+real runtime on 2 stages and on as many as ``--validate`` runs, the probe with the most
+stages not above the step's; a 1F1B stage more, ``Overheads.crossing``, its messages
+crossing each connection both ways at once), and the link keeps the message's price less
+both ends' share; the stage's
 first task after a receive also pays ``Overheads.stage_wakeup_s`` in proportion to how
 long it sat idle before it. A step is simulated as in a run of consecutive steps: the first
 stage runs the training loop's own work (``Overheads.step_s``) before its first forward,

@@ -22,7 +22,12 @@ not have is skipped, saying so) and each world size, it
    the slowest rank after warm-up), ``--repeat`` times (default 3; the table goes round
    that many times, so the runs of a row are minutes apart), and takes the median run
    (one run's step time moves by 20-35 % from run to run on this machine: the single
-   process measured 2.35 and 3.13 ms back to back; see :func:`measured_step`),
+   process measured 2.35 and 3.13 ms back to back; see :func:`measured_step`), each rank
+   bound to a core of its own where there are as many cores as ranks (``--bind-cores``,
+   the default: the model shares cores evenly, while the kernel may keep two ranks on one
+   core for a whole run; DDP on 2 Gloo ranks measured 2.27-2.34 ms bound in four runs,
+   2.53-3.95 ms unbound, fast and slow runs alternating; docs/benchmarks.md, "1F1B's
+   crossing messages"),
 
 and prints both with their ratio. The single-process reference the benchmark runs anyway
 is printed as a check of the profile alone (no communication, no sharing). ``--json FILE``
@@ -144,7 +149,8 @@ def _validate(args: argparse.Namespace, names: list[str], dataset: str,
                          transport=args.transport,
                          model=args.model, dataset=dataset, steps=args.steps,
                          global_batch=args.global_batch or GLOBAL_BATCH, algorithm="ring",
-                         eval_every=10**6, repeat=args.repeat)
+                         eval_every=10**6, repeat=args.repeat,
+                         bind_cores=args.bind_cores)
 
     def predict(name: str, world_size: int, prof: ModelProfile = profile) -> float:
         return predicted(prof, name, world_size, config.global_batch, args.microbatches,
