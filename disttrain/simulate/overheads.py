@@ -81,7 +81,7 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             GPipe's, the two schedules run alternately on p stages of the
                             same runtime (``crossing_by_ranks``): in 1F1B's steady state
                             messages cross each connection both ways at once. 1F1B's
-                            stages pay it on top of ``stage_work_s``
+                            stages pay it on top of their stage work
 ``concurrent_slowdown``     how much slower the model's forward+backward runs in each of
                             this machine's cores at once than alone (a ratio ≥ 1;
                             :mod:`~disttrain.simulate.contention`)

@@ -225,7 +225,8 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     """The gradients' all-reduce (and ZeRO's reduce-scatter) in a step, with 2 ranks and
     with twice as many ranks as cores (4 on this project's 2, as --validate runs them), a
     parameter-server exchange, a pipeline message and a pipeline stage's own work per
-    message on ``transport``: three readings of each, taken round-robin
+    message in GPipe and 1F1B (on 2 stages and, where the model has the layers, on as many
+    as those ranks) on ``transport``: three readings of each, taken round-robin
     (:func:`_rounds`). Nothing with fewer than 2 cores."""
     from disttrain.simulate.contention import collective_in_step, unit_ops_in_step
     from disttrain.simulate.ps_probe import ps_exchange
