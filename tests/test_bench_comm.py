@@ -420,7 +420,11 @@ def test_bound_ranks_each_run_on_their_own_core():
         assert cores[0] == cores[1] == sorted(os.sched_getaffinity(0))
     else:
         assert cores == [[plan[0]], [plan[1]]] and plan[0] != plan[1]
-    assert bind_plan(10_000) is None  # more ranks than cores: the kernel shares them
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) > 1:  # a whole multiple of the cores: as many ranks on each, in turn
+        n = 3 * len(usable)
+        assert bind_plan(n) == [usable[r % len(usable)] for r in range(n)]
+    assert bind_plan(3 * len(usable) + 1) is None  # otherwise the kernel shares them
 
 
 def test_a_size_whose_algorithms_all_refuse_is_skipped_interleaved_or_not():

@@ -84,7 +84,8 @@ def _add_comm_parser(inner: argparse._SubParsersAction) -> None:  # type: ignore
                         "order instead of one block each, so that all see the same load "
                         "(fairer ratios on a busy or oversubscribed machine)")
     parser.add_argument("--bind-cores", action="store_true",
-                        help="pin each rank to a core of its own when there are enough cores")
+                        help="pin each rank to a core of its own when there are enough cores "
+                        "(as many ranks on every core when the ranks are a multiple of them)")
     parser.add_argument("--calibrate", action="store_true",
                         help="instead of benchmarking, measure this machine's α, β, γ and "
                         "native costs at each world size of -n and store them for the cost "

@@ -76,12 +76,19 @@ def _ctrl_c_deferred() -> Iterator[None]:
 
 def bind_plan(world_size: int) -> list[int] | None:
     """The core each rank is bound to with ``bind_cores``: rank r on the r-th core this
-    process may use, when there are enough cores; None when there are fewer cores than ranks
-    (then the ranks share them as the kernel likes) or binding is unsupported."""
+    process may use, when there are enough cores; when the ranks are a whole multiple of
+    several cores (4 ranks on 2), rank r on core r mod cores, every core carrying as many
+    ranks (left to the kernel, DDP on 4 Gloo ranks of 2 cores ran 5.5-7.7 ms a step, bound
+    so 5.0-5.3: docs/benchmarks.md, "1F1B's crossing messages"); None otherwise (the ranks
+    share the cores as the kernel likes) or where binding is unsupported."""
     if not hasattr(os, "sched_getaffinity") or not hasattr(os, "sched_setaffinity"):
         return None
     cores = sorted(os.sched_getaffinity(0))
-    return cores[:world_size] if world_size <= len(cores) else None
+    if world_size <= len(cores):
+        return cores[:world_size]
+    if len(cores) > 1 and world_size % len(cores) == 0:
+        return [cores[r % len(cores)] for r in range(world_size)]
+    return None
 
 
 def _rank_main(out: Any, control: Any, env: dict[str, str], rank: int, world_size: int,

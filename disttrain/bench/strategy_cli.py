@@ -76,9 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="collective algorithm of ddp and zero (default ring: its bytes "
                         "are counted and compared with theory; 'auto' lets the cost model pick)")
     parser.add_argument("--bind-cores", action="store_true",
-                        help="pin each rank to a core of its own when there are enough cores "
-                        "(every row alike, like DeepSpeed's --bind_cores_to_rank): otherwise "
-                        "the kernel may keep two ranks on one core for a whole run")
+                        help="pin each rank to a core of its own when there are enough cores, "
+                        "or the same number of ranks to every core when the ranks are a "
+                        "multiple of the cores (every row alike, like DeepSpeed's "
+                        "--bind_cores_to_rank): otherwise the kernel may keep two ranks on "
+                        "one core for a whole run")
     parser.add_argument("--eval-every", type=int, default=d.eval_every,
                         help="steps between evaluations, the accuracy curves (default "
                         "%(default)s; 0: only at the end, so nothing makes parameter-server "

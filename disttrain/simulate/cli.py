@@ -81,9 +81,10 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
                    "run on a shared machine)")
     p.add_argument("--bind-cores", action=argparse.BooleanOptionalAction, default=True,
                    help="--validate: pin each rank of a run to a core of its own when there "
-                   "are as many cores as ranks, as the model assumes (default); "
-                   "--no-bind-cores leaves the placement to the kernel, which may keep two "
-                   "ranks on one core for a whole run")
+                   "are enough, or as many ranks to every core when the ranks are a multiple "
+                   "of the cores, as the model shares them (default); --no-bind-cores leaves "
+                   "the placement to the kernel, which may keep two ranks on one core for a "
+                   "whole run")
     p.set_defaults(func=lambda args: run(args, p))
 
 

@@ -23,11 +23,13 @@ not have is skipped, saying so) and each world size, it
    that many times, so the runs of a row are minutes apart), and takes the median run
    (one run's step time moves by 20-35 % from run to run on this machine: the single
    process measured 2.35 and 3.13 ms back to back; see :func:`measured_step`), each rank
-   bound to a core of its own where there are as many cores as ranks (``--bind-cores``,
-   the default: the model shares cores evenly, while the kernel may keep two ranks on one
-   core for a whole run; DDP on 2 Gloo ranks measured 2.27-2.34 ms bound in four runs,
-   2.53-3.95 ms unbound, fast and slow runs alternating; docs/benchmarks.md, "1F1B's
-   crossing messages"),
+   bound to a core of its own where there are enough cores, and as many ranks to every
+   core where the ranks are a multiple of the cores (``--bind-cores``, the default: the
+   model shares cores evenly, while the kernel may keep two ranks on one core for a whole
+   run; DDP on 2 Gloo ranks measured 2.27-2.34 ms bound in four runs, 2.53-3.95 ms
+   unbound, fast and slow runs alternating, and 4 ranks 5.0-5.3 ms bound two to a core
+   against 5.5-7.7 ms; docs/benchmarks.md, "1F1B's crossing messages"; the parameter
+   servers' 3 and 5 processes stay unbound),
 
 and prints both with their ratio. The single-process reference the benchmark runs anyway
 is printed as a check of the profile alone (no communication, no sharing). ``--json FILE``
