@@ -123,7 +123,7 @@ class _Replica:
         or to take one in: its share of the message (:meth:`own`) and, in 1F1B, what its
         messages crossing the connections both ways cost it more
         (``Overheads.crossing``, probed with the same number of stages on this machine's
-        runtime: on 4 Gloo ranks its runs took 5-23 % longer than GPipe's where the
+        runtime: on 4 Gloo ranks its runs took 5-40 % longer than GPipe's where the
         simulation put both at about the same step; docs/benchmarks.md, "1F1B's crossing
         messages")."""
         own = self.own(stage, to)

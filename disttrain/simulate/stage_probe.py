@@ -30,7 +30,7 @@ stage of a 2-stage GPipe spent 0.37-0.52 ms per micro-batch so, on Gloo and on s
 memory alike; until 2026-11-26 the simulation put all of a message on a link that overlaps
 the sender's computation, and GPipe and 1F1B on shared memory, whose α is small, came out
 at 0.73-0.84 of their runs. It runs GPipe and 1F1B in alternating steps, on 2 stages and
-on 4 (the validation's rank counts): on 4 Gloo ranks of 2 cores 1F1B's runs took 5-23 %
+on 4 (the validation's rank counts): on 4 Gloo ranks of 2 cores 1F1B's runs took 5-40 %
 longer than GPipe's, which a simulation charging both schedules the same work per message
 could not show; its stages spend 20-24 µs more of their own time per message than GPipe's
 on 2 stages and 54-66 µs more on 4 (2026-11-27, an Intel host), and GPipe's own 0.16-0.18
