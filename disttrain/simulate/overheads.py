@@ -112,6 +112,14 @@ RANK_KEYED = ("wakeup_by_ranks", "scatter_wakeup_by_ranks", "unit_op_by_ranks",
               "stage_work_by_ranks", "crossing_by_ranks")
 
 
+
+def probed_at(by_ranks: dict[int, float], ranks: int) -> float | None:
+    """Of a quantity probed at several rank counts, the value probed with the most ranks
+    not above ``ranks``; None when none was."""
+    fitting = [k for k in by_ranks if k <= ranks]
+    return by_ranks[max(fitting)] if fitting else None
+
+
 @dataclass(frozen=True)
 class Overheads:
     """Measured per-step costs besides the layers (seconds; see the module docstring).
@@ -198,30 +206,28 @@ class Overheads:
     def wakeup(self, ranks: int, op: str = "all_reduce") -> float:
         """The wake-up measured with the most ranks not above ``ranks`` (2: the plain one);
         for a ``reduce_scatter`` its own when it was probed at such a rank count."""
-        if op == "reduce_scatter":
-            fitting = [k for k in self.scatter_wakeup_by_ranks if k <= ranks]
-            if fitting:
-                return self.scatter_wakeup_by_ranks[max(fitting)]
-        fitting = [k for k in self.wakeup_by_ranks if k <= ranks]
-        return self.wakeup_by_ranks[max(fitting)] if fitting else self.collective_wakeup_s
+        scatter = probed_at(self.scatter_wakeup_by_ranks, ranks)
+        if op == "reduce_scatter" and scatter is not None:
+            return scatter
+        found = probed_at(self.wakeup_by_ranks, ranks)
+        return self.collective_wakeup_s if found is None else found
 
     def unit_op(self, ranks: int) -> float | None:
         """Per collective of ZeRO-3's pattern with ``ranks`` ranks, beyond its calibrated
         time: the probe's with the most ranks not above ``ranks``; None when not probed."""
-        fitting = [k for k in self.unit_op_by_ranks if k <= ranks]
-        return self.unit_op_by_ranks[max(fitting)] if fitting else None
+        return probed_at(self.unit_op_by_ranks, ranks)
 
     def stage_work(self, ranks: int) -> float:
         """A pipeline stage's own work per message with ``ranks`` stages: the probe's with
         the most stages not above ``ranks`` (``stage_work_s``: 2)."""
-        fitting = [k for k in self.stage_work_by_ranks if k <= ranks]
-        return self.stage_work_by_ranks[max(fitting)] if fitting else self.stage_work_s
+        found = probed_at(self.stage_work_by_ranks, ranks)
+        return self.stage_work_s if found is None else found
 
     def crossing(self, ranks: int) -> float:
         """A 1F1B stage's own work per message beyond GPipe's with ``ranks`` stages: the
         probe's with the most stages not above ``ranks``; 0 when not probed."""
-        fitting = [k for k in self.crossing_by_ranks if k <= ranks]
-        return self.crossing_by_ranks[max(fitting)] if fitting else 0.0
+        found = probed_at(self.crossing_by_ranks, ranks)
+        return 0.0 if found is None else found
 
     @property
     def measured(self) -> bool:
