@@ -5,9 +5,11 @@ plus one run of the real measurement on a tiny model (values only checked for sa
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -472,6 +474,58 @@ def test_the_least_disturbed_ps_probe_counts_and_a_failed_one_is_no_reading(
     overheads = measure_overheads(net, torch.randn(4, 8), cores=2)
     assert (overheads.ps_pull_s, overheads.ps_push_s) == (1e-3, 3e-3)
     assert overheads.ps_served_s == pytest.approx(1.75e-3)
+
+
+@pytest.mark.parametrize("bind_cores", [True, False])
+def test_probes_of_more_ranks_than_cores_are_bound_as_bound_runs_are(
+        monkeypatch: pytest.MonkeyPatch, bind_cores: bool) -> None:
+    """For bound runs (``bind_cores``) the probes of 4 ranks on 2 cores bind theirs, two to
+    a core as the runs do; the 2-rank probes and the parameter server's (3 processes) stay
+    unbound. For unbound runs nothing is bound."""
+    import disttrain.simulate.contention as contention
+    import disttrain.simulate.ps_probe as ps_probe
+    import disttrain.simulate.stage_probe as stage_probe
+    from disttrain.simulate.wrappers import measure_overheads
+
+    seen: dict[tuple[str, int], bool] = {}
+
+    def probe(name: str, value: object) -> Callable[..., object]:
+        def run(*args: object, ranks: int = 2, bind: bool = False, **kwargs: object) -> object:
+            seen[(name, ranks)] = bind
+            return value
+        return run
+
+    monkeypatch.setattr(contention, "collective_in_step", probe("collective", 0.0))
+    monkeypatch.setattr(contention, "unit_ops_in_step", probe("units", 0.0))
+    monkeypatch.setattr(contention, "concurrent_slowdown", lambda *a, **k: 1.0)
+    monkeypatch.setattr(ps_probe, "ps_exchange", lambda *a, **k: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(stage_probe, "stage_message", lambda *a, **k: (0.0, 0.0))
+
+    def stage_work(module: object, x: object, transport: str, ranks: int,
+                   bind: bool = False) -> dict[str, float]:
+        seen[("stage_work", ranks)] = bind
+        return {}
+
+    monkeypatch.setattr(stage_probe, "stage_work", stage_work)
+    net = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    measure_overheads(net, torch.randn(4, 8), cores=2, bind_cores=bind_cores)
+    assert seen == {(name, ranks): bind_cores and ranks == 4
+                    for name in ("collective", "units", "stage_work") for ranks in (2, 4)}
+
+
+def test_bound_probe_ranks_each_run_on_the_core_a_bound_run_gives_them() -> None:
+    from disttrain.bench.ranks import bind_plan
+    from disttrain.simulate.contention import forked_ranks
+
+    usable, plan = sorted(os.sched_getaffinity(0)), bind_plan(2)
+    bound = sorted(forked_ranks(_report_cores, 2, bind=True))
+    assert bound == ([(r, [core]) for r, core in enumerate(plan)] if plan  # one core each
+                     else [(0, usable), (1, usable)])  # (a 1-core machine: no plan)
+    assert sorted(forked_ranks(_report_cores, 2)) == [(0, usable), (1, usable)]
+
+
+def _report_cores(rank: int, ranks: int, store: str, results: Any) -> None:
+    results.put((rank, sorted(os.sched_getaffinity(0))))
 
 
 def test_probes_are_read_round_robin_so_a_slow_spell_hits_one_reading_of_each() -> None:

@@ -277,7 +277,9 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
     profile = _profile(4, fwd=1e-4, bwd=2e-4, params=1000, out_bytes=400.0)
     later = _profile(4, fwd=3e-4, bwd=2e-4, params=1000, out_bytes=400.0)
     rounds = _Rounds(later)
-    monkeypatch.setattr(validate, "registered_rounds", lambda *a, **k: (profile, rounds))
+    profiled: list[object] = []  # probes placed for bound runs or not
+    monkeypatch.setattr(validate, "registered_rounds",
+                        lambda *a, **k: profiled.append(k.get("bind_cores")) or (profile, rounds))
     ran: list[object] = []
     monkeypatch.setattr(validate, "run_table", lambda config, **k: ran.append(config))
     args = argparse.Namespace(strategies=["ddp", "gpipe"], dataset=None, model="lenet",
@@ -328,10 +330,12 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
     assert out[1]["ratio"] == 1.5
 
     rounds = _Rounds(later)  # three rounds of the table: the overheads before the 2nd, 3rd
-    monkeypatch.setattr(validate, "registered_rounds", lambda *a, **k: (profile, rounds))
+    monkeypatch.setattr(validate, "registered_rounds",
+                        lambda *a, **k: profiled.append(k.get("bind_cores")) or (profile, rounds))
     validate.rows_for(argparse.Namespace(**{**vars(args), "repeat": 3, "bind_cores": False}))
     assert rounds.overheads == [2, 4, 7] and rounds.closed
     assert bound == [True, False]  # the runs are placed as --[no-]bind-cores says
+    assert profiled == [True, True, False]  # and so are the probes for them
 
 
 def test_validate_compares_the_median_fresh_run() -> None:

@@ -98,20 +98,34 @@ def _gather(children: list[Any], results: Any) -> list[Any]:
                 child.kill()
 
 
-def forked_ranks(child: Callable[..., None], ranks: int, *args: Any) -> list[Any]:
+def forked_ranks(child: Callable[..., None], ranks: int, *args: Any,
+                 bind: bool = False) -> list[Any]:
     """Run ``child(rank, ranks, store_path, results, *args)`` in ``ranks`` forked
     processes (the probes' work and modules are closures: not picklable) and return the
-    one value each put on ``results``, in arrival order. Raises if fork is unavailable or a
-    rank reports an error (a str) or is silent for TIMEOUT_S; always reaps the ranks."""
+    one value each put on ``results``, in arrival order. ``bind``: each rank pinned to the
+    core ``disttrain bench --bind-cores`` pins a rank of ``ranks`` to
+    (:func:`~disttrain.bench.ranks.bind_plan`; unbound where it has no plan). Raises if
+    fork is unavailable or a rank reports an error (a str) or is silent for TIMEOUT_S;
+    always reaps the ranks."""
+    from disttrain.bench.ranks import bind_plan
+
     if "fork" not in multiprocessing.get_all_start_methods():
         raise RuntimeError("this platform cannot fork processes")
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
+    plan = bind_plan(ranks) if bind else None
+    cores: list[int | None] = list(plan) if plan else [None] * ranks
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        return _gather([ctx.Process(target=child, daemon=True,
-                                    args=(r, ranks, store, results, *args))
+        return _gather([ctx.Process(target=_pinned, daemon=True,
+                                    args=(cores[r], child, r, ranks, store, results, *args))
                         for r in range(ranks)], results)
+
+
+def _pinned(core: int | None, child: Callable[..., None], *args: Any) -> None:
+    if core is not None:  # first, so every thread the rank starts (Gloo's too) inherits it
+        os.sched_setaffinity(0, {core})
+    child(*args)
 
 
 @contextlib.contextmanager
@@ -162,16 +176,18 @@ def _collective_child(rank: int, ranks: int, store: str, results: Any,
 
 def collective_in_step(work: Callable[[], object], nbytes: int, repeats: int = 15,
                        transport: str = "torch", ranks: int = 2,
-                       op: str = "all_reduce") -> float:
+                       op: str = "all_reduce", bind: bool = False) -> float:
     """Seconds of a ``ranks``-rank ring ``op`` (``all_reduce``, called synchronously as
     DDP's last bucket, or ``reduce_scatter``, issued asynchronously and waited for as
     ZeRO-2 and ZeRO-3 reduce gradients) of ``nbytes`` on ``transport``, issued right after
     every rank ran ``work`` (as in a training step): the median over ranks of each rank's
-    median over ``repeats`` calls. 0 (logged) if the ranks fail."""
+    median over ``repeats`` calls; ``bind`` as :func:`forked_ranks`. 0 (logged) if the
+    ranks fail."""
     if op not in ("all_reduce", "reduce_scatter"):
         raise ValueError(f"op must be 'all_reduce' or 'reduce_scatter', got {op!r}")
     try:
-        times = forked_ranks(_collective_child, ranks, work, nbytes, repeats, transport, op)
+        times = forked_ranks(_collective_child, ranks, work, nbytes, repeats, transport, op,
+                             bind=bind)
     except Exception as exc:
         log.warning("could not measure the in-step %s wake-up (%s); assuming none", op, exc)
         return 0.0
@@ -225,18 +241,19 @@ def _units_child(rank: int, ranks: int, store: str, results: Any, work: Callable
 
 
 def unit_ops_in_step(work: Callable[[], object], sizes: list[int], repeats: int = 9,
-                     transport: str = "torch", ranks: int = 2) -> float:
+                     transport: str = "torch", ranks: int = 2, bind: bool = False) -> float:
     """Seconds that ZeRO-3's collectives add to a step of ``ranks`` ranks on
     ``transport``: per unit of ``sizes`` (its parameter bytes) a ring all-gather issued
     asynchronously before ``work`` (the unit's computation) and waited for after it, in
     a forward and a backward pass, and in the backward a ring reduce-scatter issued
     asynchronously after it, all waited for at the end; the step with them less the same
     step without, in alternating iterations (the median of each over ``repeats``), the
-    median over ranks. 0 (logged) if the ranks fail."""
+    median over ranks; ``bind`` as :func:`forked_ranks`. 0 (logged) if the ranks fail."""
     if not sizes:
         return 0.0
     try:
-        added = forked_ranks(_units_child, ranks, work, list(sizes), repeats, transport)
+        added = forked_ranks(_units_child, ranks, work, list(sizes), repeats, transport,
+                             bind=bind)
     except Exception as exc:
         log.warning("could not measure ZeRO-3's collectives in a step (%s); assuming none",
                     exc)

@@ -239,10 +239,12 @@ def measure(name: str, model: nn.Module, make_input: Callable[[int], torch.Tenso
 
 def measure_rounds(name: str, model: nn.Module, make_input: Callable[[int], torch.Tensor],
                    batches: tuple[int, int] = PROFILE_BATCHES, threads: int = 1,
-                   loop: Callable[[], object] | None = None, transport: str = "torch"
-                   ) -> tuple[ModelProfile, LayerRounds]:
+                   loop: Callable[[], object] | None = None, transport: str = "torch",
+                   bind_cores: bool = False) -> tuple[ModelProfile, LayerRounds]:
     """:func:`measure`, and its :class:`LayerRounds` (to take more rounds later and
-    :meth:`LayerRounds.profile` them; ``loop`` must keep working until then)."""
+    :meth:`LayerRounds.profile` them; ``loop`` must keep working until then).
+    ``bind_cores``: the overheads are for runs bound to cores
+    (:func:`~disttrain.simulate.wrappers.measure_overheads`)."""
     from disttrain.simulate.cluster import usable_cores
     from disttrain.simulate.wrappers import measure_overheads
 
@@ -257,7 +259,8 @@ def measure_rounds(name: str, model: nn.Module, make_input: Callable[[int], torc
             inputs = make_input(b1), make_input(b2)
 
             def overheads_now() -> Overheads:
-                return measure_overheads(model, inputs[0], loop, usable_cores(), transport)
+                return measure_overheads(model, inputs[0], loop, usable_cores(), transport,
+                                         bind_cores)
             rounds = LayerRounds(model, inputs, threads, overheads_now)
             rounds.sample()
             opt = _optimizer_rate([p for p in model.parameters() if p.requires_grad])
@@ -283,9 +286,10 @@ def measure_registered(model: str, dataset: str = "digits", seed: int = 0,
 
 
 def registered_rounds(model: str, dataset: str = "digits", seed: int = 0,
-                      transport: str = "torch") -> tuple[ModelProfile, LayerRounds]:
+                      transport: str = "torch", bind_cores: bool = False
+                      ) -> tuple[ModelProfile, LayerRounds]:
     """:func:`measure_registered`, and its :class:`LayerRounds`, open until their
-    :meth:`~LayerRounds.close`."""
+    :meth:`~LayerRounds.close`; ``bind_cores`` as :func:`measure_rounds`."""
     from disttrain.train.config import TrainConfig
     from disttrain.train.data import build_dataset
     from disttrain.train.loop import single_steps
@@ -307,6 +311,6 @@ def registered_rounds(model: str, dataset: str = "digits", seed: int = 0,
     with contextlib.ExitStack() as stack:
         step = stack.enter_context(single_steps(config))
         profile, rounds = measure_rounds(model, net, make_input, loop=step,
-                                         transport=transport)
+                                         transport=transport, bind_cores=bind_cores)
         rounds.closing.append(stack.pop_all().close)
     return profile, rounds

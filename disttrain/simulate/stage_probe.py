@@ -157,7 +157,7 @@ def _message_ends(rank: int, ranks: int) -> int:
 
 
 def stage_work(module: torch.nn.Module, x: torch.Tensor, transport: str = "torch",
-               ranks: int = 2) -> dict[str, float]:
+               ranks: int = 2, bind: bool = False) -> dict[str, float]:
     """Seconds a pipeline stage works on its own thread per message it sends or receives,
     by schedule (``{"gpipe": …, "1f1b": …}``; ``Overheads.stage_work_s`` is GPipe's on 2
     stages, ``Overheads.crossing_by_ranks`` 1F1B's excess): ``module`` split into
@@ -166,7 +166,8 @@ def stage_work(module: torch.nn.Module, x: torch.Tensor, transport: str = "torch
     step less its layers and loss (the stage's busy time) and less its waits for the
     others, the median of :data:`STEPS` steps, is what it spends packing, posting, taking
     in and dispatching messages and micro-batches. Summed over the stages and divided by
-    the messages they handle (:func:`_message_ends`). ``{}``, logged, if the processes
+    the messages they handle (:func:`_message_ends`); ``bind`` as
+    :func:`~disttrain.simulate.contention.forked_ranks`. ``{}``, logged, if the processes
     fail (a model of fewer layers than ``ranks`` has no such pipeline).
 
     In 1F1B's steady state a stage alternates forwards and backwards, so its connections
@@ -174,7 +175,7 @@ def stage_work(module: torch.nn.Module, x: torch.Tensor, transport: str = "torch
     at a time; on 4 Gloo ranks of this project's 2-vCPU hosts that costs 1F1B's stages
     more of their own time (docs/benchmarks.md, "1F1B's crossing messages")."""
     try:
-        per_rank = forked_ranks(_work_child, ranks, module, x, transport)
+        per_rank = forked_ranks(_work_child, ranks, module, x, transport, bind=bind)
     except Exception as exc:
         log.warning("could not measure a pipeline stage's own work on %d stages (%s); "
                     "charging none", ranks, exc)

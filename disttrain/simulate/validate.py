@@ -138,7 +138,8 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
               f"default costs; run disttrain bench comm --calibrate --transport "
               f"{args.transport} -n {','.join(map(str, args.world_sizes))} first",
               file=sys.stderr)
-    profile, rounds = registered_rounds(args.model, dataset, transport=args.transport)
+    profile, rounds = registered_rounds(args.model, dataset, transport=args.transport,
+                                        bind_cores=args.bind_cores)
     try:
         return _validate(args, names, dataset, profile, rounds)
     finally:

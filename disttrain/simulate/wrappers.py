@@ -221,13 +221,17 @@ def _unit_work(module: nn.Module, x: torch.Tensor, ranks: int,
 
 
 def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
-                  transport: str) -> _Interference:
+                  transport: str, bind_cores: bool = False) -> _Interference:
     """The gradients' all-reduce (and ZeRO's reduce-scatter) in a step, with 2 ranks and
     with twice as many ranks as cores (4 on this project's 2, as --validate runs them), a
     parameter-server exchange, a pipeline message and a pipeline stage's own work per
     message in GPipe and 1F1B (on 2 stages and, where the model has the layers, on as many
     as those ranks) on ``transport``: three readings of each, taken round-robin
-    (:func:`_rounds`). Nothing with fewer than 2 cores."""
+    (:func:`_rounds`). Nothing with fewer than 2 cores.
+
+    ``bind_cores`` (the runs to predict are bound, ``disttrain bench --bind-cores``): the
+    probes with more ranks than cores bind theirs as those runs do, two ranks to a core
+    (:func:`_bound`)."""
     from disttrain.simulate.contention import collective_in_step, unit_ops_in_step
     from disttrain.simulate.ps_probe import ps_exchange
     from disttrain.simulate.stage_probe import stage_message, stage_work
@@ -235,20 +239,22 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     probed = [] if cores < 2 else [2, 2 * cores] if cores <= 4 else [2]
     probes: dict[str, Callable[[], Any]] = {
         f"{op}:{ranks}": functools.partial(collective_in_step, _fwd_bwd(module, x), nbytes,
-                                           transport=transport, ranks=ranks, op=op)
+                                           transport=transport, ranks=ranks, op=op,
+                                           bind=_bound(bind_cores, ranks, cores))
         for op in ("all_reduce", "reduce_scatter") for ranks in probed}
     units = _unit_bytes(module)
     probes.update({f"units:{ranks}": functools.partial(
         unit_ops_in_step, _unit_work(module, x, ranks, len(units)), units,
-        transport=transport, ranks=ranks) for ranks in probed})
+        transport=transport, ranks=ranks, bind=_bound(bind_cores, ranks, cores))
+        for ranks in probed})
     if cores > 1:
         probes["ps"] = functools.partial(ps_exchange, module, _fwd_bwd(module, x), transport)
         probes["stage"] = functools.partial(stage_message, _fwd_bwd(module, x), transport)
         # both schedules on 2 stages, and on as many as validated where the model has the
         # layers for them
         probes.update({f"stage_work:{ranks}": functools.partial(
-            stage_work, module, x, transport, ranks) for ranks in sorted({2, *probed})
-            if ranks == 2 or ranks <= len(layers_of(module))})
+            stage_work, module, x, transport, ranks, bind=_bound(bind_cores, ranks, cores))
+            for ranks in sorted({2, *probed}) if ranks == 2 or ranks <= len(layers_of(module))})
     readings = _rounds(probes)
     # The collectives: the median of three. One measurement moves by milliseconds within
     # minutes (where the kernel places the ranks). Not the least, as for compute: this is
@@ -279,6 +285,19 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
                           for ranks, rs in own.items()},
                          {ranks: statistics.median(max(0.0, r["1f1b"] - r["gpipe"]) for r in rs)
                           for ranks, rs in own.items()})
+
+
+def _bound(bind_cores: bool, ranks: int, cores: int) -> bool:
+    """Whether a probe of ``ranks`` ranks binds them: only where the runs it predicts are
+    bound and have more ranks than cores. There binding decides which ranks share a core,
+    and with it what waking a rank costs: on the Intel host of 2026-11-27 the 4-rank
+    reduce-scatter probed unbound charged ZeRO-2 and ZeRO-3 on 4 bound Gloo ranks 1.14-1.24
+    times their runs, probed two to a core 0.98-1.1. With no more ranks than cores, each
+    has a core either way; probed bound, ZeRO-3's pattern on 2 Gloo ranks read nothing and
+    predicted its runs at 0.78, unbound within 20 % in every run (docs/benchmarks.md,
+    "Probes placed as their runs"). The parameter-server probe (a server and 2 workers: 3
+    processes on 2 cores) stays unbound as its runs do (no plan binds them)."""
+    return bind_cores and ranks > cores
 
 
 def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
@@ -313,13 +332,14 @@ def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
 
 def measure_overheads(module: nn.Module, x: torch.Tensor,
                       loop: Callable[[], object] | None = None, cores: int = 1,
-                      transport: str = "torch") -> Overheads:
+                      transport: str = "torch", bind_cores: bool = False) -> Overheads:
     """Every :class:`Overheads` quantity for ``module`` on input ``x`` (one thread is the
     caller's business). ``loop`` runs one whole step of the training loop on a batch of
     ``x``'s size (:func:`loop_cost` makes ``step_s`` of it); ``cores`` > 1
     measures ``concurrent_slowdown`` with that many processes, the wake-up of a
     collective, a parameter-server pull and push, a pipeline message and a stage's own
-    work per message on ``transport``."""
+    work per message on ``transport``, for runs bound to cores or not (``bind_cores``, as
+    ``disttrain bench --bind-cores``; see :func:`_bound`)."""
     from disttrain.simulate.contention import concurrent_slowdown
 
     sgd = optimizer_costs(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
@@ -329,7 +349,7 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     # needs a free core to hurt one process, two to hurt the pair, and inflates the ratio
     slowdown = min(concurrent_slowdown(_fwd_bwd(module, x), cores) for _ in range(3))
     nbytes = sum(p.numel() * 4 for p in params)
-    shared = _interference(module, x, nbytes, cores, transport)
+    shared = _interference(module, x, nbytes, cores, transport, bind_cores)
     after = median_time(_fwd_bwd(module, x)) if cores > 1 else 0.0  # the probe's compute
     tensor = tensor_cost(params, sgd[0], sgd[1])
     step = loop_cost(module, x, loop, sgd[0] + nbytes * sgd[1] + max(0, len(params) - 1)
