@@ -288,15 +288,16 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
 
 
 def _bound(bind_cores: bool, ranks: int, cores: int) -> bool:
-    """Whether a probe of ``ranks`` ranks binds them: only where the runs it predicts are
-    bound and have more ranks than cores. There binding decides which ranks share a core,
-    and with it what waking a rank costs: on the Intel host of 2026-11-27 the 4-rank
-    reduce-scatter probed unbound charged ZeRO-2 and ZeRO-3 on 4 bound Gloo ranks 1.14-1.24
-    times their runs, probed two to a core 0.98-1.1. With no more ranks than cores, each
-    has a core either way; probed bound, ZeRO-3's pattern on 2 Gloo ranks read nothing and
-    predicted its runs at 0.78, unbound within 20 % in every run (docs/benchmarks.md,
-    "Probes placed as their runs"). The parameter-server probe (a server and 2 workers: 3
-    processes on 2 cores) stays unbound as its runs do (no plan binds them)."""
+    """Whether a probe of ``ranks`` ranks binds them: where the runs it predicts are bound
+    and have more ranks than cores. There binding decides which ranks share a core, and
+    with it what waking a rank costs: on the Intel host of 2026-11-27 the 4-rank
+    reduce-scatter probed on unbound ranks read 1.23-1.33 ms and put ZeRO-2 and ZeRO-3 on 4
+    bound Gloo ranks at 1.14-1.24 of their runs; probed two to a core, 0.51-0.57 ms and
+    0.93-1.08. Probes of no more ranks than cores stay unbound, a choice measured, not
+    derived: bound, ZeRO-3's pattern on 2 Gloo ranks read nothing and put its runs at 0.78,
+    unbound at 1.07-1.18 (docs/benchmarks.md, "Probes placed as their runs"). The
+    parameter-server probe (1 and 2 workers and a server) is never bound, as its runs are
+    not."""
     return bind_cores and ranks > cores
 
 
