@@ -524,6 +524,16 @@ def test_bound_probe_ranks_each_run_on_the_core_a_bound_run_gives_them() -> None
     assert sorted(forked_ranks(_report_cores, 2)) == [(0, usable), (1, usable)]
 
 
+def test_a_probe_rank_that_cannot_be_bound_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import disttrain.bench.ranks as ranks_module
+    from disttrain.simulate.contention import forked_ranks
+
+    missing = max(os.sched_getaffinity(0)) + 4096  # no such core
+    monkeypatch.setattr(ranks_module, "bind_plan", lambda n: [missing] * n)
+    with pytest.raises(RuntimeError, match=f"could not be bound to core {missing}"):
+        forked_ranks(_report_cores, 2, bind=True)
+
+
 def _report_cores(rank: int, ranks: int, store: str, results: Any) -> None:
     results.put((rank, sorted(os.sched_getaffinity(0))))
 

@@ -122,10 +122,15 @@ def forked_ranks(child: Callable[..., None], ranks: int, *args: Any,
                         for r in range(ranks)], results)
 
 
-def _pinned(core: int | None, child: Callable[..., None], *args: Any) -> None:
+def _pinned(core: int | None, child: Callable[..., None], rank: int, ranks: int, store: str,
+            results: Any, *args: Any) -> None:
     if core is not None:  # first, so every thread the rank starts (Gloo's too) inherits it
-        os.sched_setaffinity(0, {core})
-    child(*args)
+        try:
+            os.sched_setaffinity(0, {core})
+        except OSError as exc:  # reported at once, not after the parent's TIMEOUT_S
+            results.put(f"rank {rank} could not be bound to core {core}: {exc}")
+            return
+    child(rank, ranks, store, results, *args)
 
 
 @contextlib.contextmanager
