@@ -352,7 +352,7 @@ def test_zero3s_probed_price_is_what_its_collectives_add_beyond_the_calibrated_r
     here), never below 0; 0 when the probe failed or the model has no parameters."""
     import disttrain.simulate.cluster as cluster_module
     from disttrain.simulate.contention import unit_ops_in_step
-    from disttrain.simulate.wrappers import _unit_bytes, _unit_ops
+    from disttrain.simulate.wrappers import _unit_bytes, _unit_ops, unit_pattern_added
 
     alpha = 1e-3
     costs = LinkCosts(alpha=alpha, beta=0.0, gamma=0.0, native_alpha=alpha, native_beta=0.0)
@@ -362,8 +362,34 @@ def test_zero3s_probed_price_is_what_its_collectives_add_beyond_the_calibrated_r
     assert _unit_ops(1e-3, [64, 64], 2, "shm") == 0.0  # faster than calibrated: nothing
     assert _unit_ops(0.0, [64], 2, "shm") == 0.0  # the probe failed
     assert _unit_ops(1.0, [], 2, "shm") == 0.0 and unit_ops_in_step(lambda: None, []) == 0.0
+    # with compute between them the simulation hides collectives behind it, so the same
+    # reading needs more per collective than when nothing overlaps; the extraction gives
+    # back what the probe's pattern, simulated as charged, adds
+    overlapped = _unit_ops(30e-3, [64, 64], 2, "shm", work_s=2e-3)
+    assert overlapped > (30e-3 - 6 * alpha) / 6
+    assert unit_pattern_added(overlapped, 2e-3, [alpha] * 2, [alpha] * 2) == \
+        pytest.approx(30e-3, rel=1e-6)
+    # collectives that fit under the compute add nothing: a reading of less is 0
+    assert _unit_ops(unit_pattern_added(0.0, 2e-3, [alpha] * 2, [alpha] * 2), [64, 64], 2,
+                     "shm", work_s=2e-3) == pytest.approx(0.0, abs=1e-9)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     assert _unit_bytes(net) == [(8 * 16 + 16) * 4, (16 * 4 + 4) * 4]  # the ReLU has none
+
+
+def test_the_unit_probes_pattern_adds_only_what_the_compute_does_not_hide() -> None:
+    """One unit, compute w = 2: forward, the gather (1) under the compute; backward, the
+    gather again, then the reduce-scatter (0.5) after the wait, waited for at the pass's
+    end: only it adds, and whatever each collective costs beyond its time adds to it once
+    the gather no longer fits under the compute."""
+    from disttrain.simulate.wrappers import unit_pattern_added
+
+    assert unit_pattern_added(0.0, 2.0, [1.0], [0.5]) == pytest.approx(0.5)
+    assert unit_pattern_added(0.25, 2.0, [1.0], [0.5]) == pytest.approx(0.75)
+    # each gather 2.5 > 2 in both passes, then the reduce-scatter 2.0; less 4 of compute
+    assert unit_pattern_added(1.5, 2.0, [1.0], [0.5]) == pytest.approx(2.5 + 2.5 + 2.0 - 4.0)
+    # nothing to hide behind: every collective in turn
+    assert unit_pattern_added(0.1, 0.0, [1.0, 1.0], [0.5, 0.5]) == pytest.approx(
+        4 * 1.1 + 2 * 0.6)
 
 
 def test_ranks_beyond_the_cores_share_them_only_when_they_compute_at_once() -> None:
@@ -477,11 +503,11 @@ def test_the_least_disturbed_ps_probe_counts_and_a_failed_one_is_no_reading(
 
 
 @pytest.mark.parametrize("bind_cores", [True, False])
-def test_probes_of_more_ranks_than_cores_are_bound_as_bound_runs_are(
+def test_probes_are_bound_as_the_runs_they_predict_and_the_parameter_servers_never(
         monkeypatch: pytest.MonkeyPatch, bind_cores: bool) -> None:
-    """For bound runs (``bind_cores``) the probes of 4 ranks on 2 cores bind theirs, two to
-    a core as the runs do; the 2-rank probes and the parameter server's (3 processes) stay
-    unbound. For unbound runs nothing is bound."""
+    """For bound runs (``bind_cores``) every probe of 2 and of 4 ranks binds them as the
+    runs are bound; the parameter server's (3 processes, as its runs, which no plan binds)
+    is never asked to. For unbound runs nothing is bound."""
     import disttrain.simulate.contention as contention
     import disttrain.simulate.ps_probe as ps_probe
     import disttrain.simulate.stage_probe as stage_probe
@@ -495,22 +521,25 @@ def test_probes_of_more_ranks_than_cores_are_bound_as_bound_runs_are(
             return value
         return run
 
-    monkeypatch.setattr(contention, "collective_in_step", probe("collective", 0.0))
-    monkeypatch.setattr(contention, "unit_ops_in_step", probe("units", 0.0))
-    monkeypatch.setattr(contention, "concurrent_slowdown", lambda *a, **k: 1.0)
-    monkeypatch.setattr(ps_probe, "ps_exchange", lambda *a, **k: (0.0, 0.0, 0.0))
-    monkeypatch.setattr(stage_probe, "stage_message", lambda *a, **k: (0.0, 0.0))
+    def ps_exchange(*args: object, **kwargs: object) -> tuple[float, float, float]:
+        seen[("ps", 2)] = "bind" in kwargs
+        return 0.0, 0.0, 0.0
 
     def stage_work(module: object, x: object, transport: str, ranks: int,
                    bind: bool = False) -> dict[str, float]:
         seen[("stage_work", ranks)] = bind
         return {}
 
+    monkeypatch.setattr(contention, "collective_in_step", probe("collective", 0.0))
+    monkeypatch.setattr(contention, "unit_ops_in_step", probe("units", 0.0))
+    monkeypatch.setattr(contention, "concurrent_slowdown", lambda *a, **k: 1.0)
+    monkeypatch.setattr(ps_probe, "ps_exchange", ps_exchange)
+    monkeypatch.setattr(stage_probe, "stage_message", probe("message", (0.0, 0.0)))
     monkeypatch.setattr(stage_probe, "stage_work", stage_work)
     net = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
     measure_overheads(net, torch.randn(4, 8), cores=2, bind_cores=bind_cores)
-    assert seen == {(name, ranks): bind_cores and ranks == 4
-                    for name in ("collective", "units", "stage_work") for ranks in (2, 4)}
+    assert seen == {**{(name, ranks): bind_cores for name in ("collective", "units", "stage_work")
+                       for ranks in (2, 4)}, ("message", 2): bind_cores, ("ps", 2): False}
 
 
 def test_bound_probe_ranks_each_run_on_the_core_a_bound_run_gives_them() -> None:

@@ -97,15 +97,16 @@ def _child(rank: int, ranks: int, store: str, results: Any, work: Callable[[], o
 
 
 def stage_message(work: Callable[[], object], transport: str = "torch",
-                  nbytes: int = PAYLOAD_BYTES) -> tuple[float, float]:
+                  nbytes: int = PAYLOAD_BYTES, bind: bool = False) -> tuple[float, float]:
     """(seconds of a message between two pipeline stages that are busy, extra seconds when
     its receiver sat idle while the sender ran ``work``) on ``transport``. A round is 2
     messages; the cold one also runs ``work`` twice on each stage, and each stage's two
-    runs of ``work`` right after it are taken off it (the median over rounds). Both at
-    least 0; (0, 0), logged, if the processes fail or fork is unavailable."""
+    runs of ``work`` right after it are taken off it (the median over rounds); ``bind`` as
+    :func:`~disttrain.simulate.contention.forked_ranks`. Both at least 0; (0, 0), logged,
+    if the processes fail or fork is unavailable."""
     try:
         rounds = {rank: rest for rank, *rest in
-                  forked_ranks(_child, 2, work, nbytes, transport)}
+                  forked_ranks(_child, 2, work, nbytes, transport, bind=bind)}
     except Exception as exc:
         log.warning("could not measure a pipeline message (%s); assuming its calibrated "
                     "α-β cost", exc)

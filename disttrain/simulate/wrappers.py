@@ -153,12 +153,19 @@ def _wakeup(in_step: float, call: float, nbytes: int, ranks: int, transport: str
     return max(0.0, in_step - call - calibrated)
 
 
-def _unit_ops(added: float, sizes: list[int], ranks: int, transport: str) -> float:
-    """Per collective of ZeRO-3's pattern, what the probe's collectives added to its step
-    (``added``, :func:`~disttrain.simulate.contention.unit_ops_in_step`) beyond their
-    calibrated ring times on this machine: what the simulation charges each besides
-    them, in place of the call overhead and the wake-up. At least 0; 0 when the probe
-    failed."""
+def _unit_ops(added: float, sizes: list[int], ranks: int, transport: str,
+              work_s: float = 0.0) -> float:
+    """Per collective of ZeRO-3's pattern, what the simulation must charge each besides
+    its calibrated ring time on this machine (``local(transport)``), in place of the call
+    overhead and the wake-up, so that the probe's own pattern, simulated as the simulation
+    runs collectives (on the link, one at a time, beside the compute), adds to its step
+    what the probe measured (``added``, :func:`~disttrain.simulate.contention.
+    unit_ops_in_step`; ``work_s``, the probe's computation per unit and pass). Until
+    2026-11-27 the calibrated times were subtracted as if nothing overlapped: on 2 bound
+    ranks the probe adds what its collectives cost calibrated (3.0 ms for LeNet on Gloo),
+    so that read 0, while the simulation hides part of each behind the units' compute and
+    the runs paid ~0.1 ms a collective more than it charged (docs/benchmarks.md, "ZeRO-3's
+    pattern, simulated as charged"). At least 0; 0 when the probe failed."""
     from disttrain.simulate.cluster import local
     from disttrain.simulate.collectives import collective_time, group_of
 
@@ -166,10 +173,35 @@ def _unit_ops(added: float, sizes: list[int], ranks: int, transport: str) -> flo
         return 0.0
     cluster = local(transport)
     group = group_of(cluster, ranks)
-    calibrated = sum(2 * collective_time(cluster, "all_gather", "ring", group, n)[0]
-                     + collective_time(cluster, "reduce_scatter", "ring", group, n)[0]
-                     for n in sizes)
-    return max(0.0, (added - calibrated) / (3 * len(sizes)))
+    gathers = [collective_time(cluster, "all_gather", "ring", group, n)[0] for n in sizes]
+    scatters = [collective_time(cluster, "reduce_scatter", "ring", group, n)[0] for n in sizes]
+    if unit_pattern_added(0.0, work_s, gathers, scatters) >= added:
+        return 0.0
+    low, high = 0.0, added  # each collective charged ``added`` more adds more than that
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if unit_pattern_added(mid, work_s, gathers, scatters) < added \
+            else (low, mid)
+    return (low + high) / 2
+
+
+def unit_pattern_added(each: float, work_s: float, gathers: list[float],
+                       scatters: list[float]) -> float:
+    """What :func:`~disttrain.simulate.contention.unit_ops_in_step`'s pattern adds to a
+    step when every collective costs ``each`` plus its own time (``gathers[k]``,
+    ``scatters[k]`` for unit k) on a link that runs one at a time beside the compute, as
+    the simulation charges them: per unit and pass an all-gather issued as ``work_s`` of
+    compute starts and waited for after it; in the backward pass a reduce-scatter issued
+    after that wait, all waited for at the end of the pass."""
+    clock = link = 0.0
+    for backward in (False, True):
+        for gather, scatter in zip(gathers, scatters, strict=True):
+            link = max(clock, link) + each + gather
+            clock = max(clock + work_s, link)
+            if backward:
+                link = max(clock, link) + each + scatter
+        clock = max(clock, link) if backward else clock
+    return clock - 2 * len(gathers) * work_s
 
 
 def _rounds(probes: dict[str, Callable[[], Any]], rounds: int = 3) -> dict[str, list[Any]]:
@@ -194,6 +226,7 @@ class _Interference(NamedTuple):
     message: float
     stage_wakeup: float
     unit_ops: dict[int, float]  # ranks → seconds ZeRO-3's collectives add to a step
+    unit_work: dict[int, float]  # ranks → that probe's compute per unit and pass
     stage_works: dict[int, float]  # ranks → a GPipe stage's own work per message
     crossing: dict[int, float]  # ranks → a 1F1B stage's own work per message beyond GPipe's
 
@@ -207,17 +240,18 @@ def _unit_bytes(module: nn.Module) -> list[int]:
 
 
 def _unit_work(module: nn.Module, x: torch.Tensor, ranks: int,
-               units: int) -> Callable[[], object]:
-    """A rank's computation per collective in ZeRO-3's pattern with ``ranks`` ranks: its
-    forward+backward at its share of the global batch ``disttrain bench`` and
-    ``--validate`` train with by default (``BenchConfig.global_batch``, ``x``'s rows
+               units: int) -> tuple[Callable[[], object], float]:
+    """A rank's computation per collective in ZeRO-3's pattern with ``ranks`` ranks, and
+    its seconds: its forward+backward at its share of the global batch ``disttrain bench``
+    and ``--validate`` train with by default (``BenchConfig.global_batch``, ``x``'s rows
     repeated), divided over the units' two passes."""
     from disttrain.bench.experiments import BenchConfig
     from disttrain.simulate.contention import compute_slice
 
     batch = max(len(x), BenchConfig().global_batch // ranks)
     rows = x.repeat(-(-batch // len(x)), *([1] * (x.dim() - 1)))[:batch]
-    return compute_slice(median_time(_fwd_bwd(module, rows)) / (2 * max(1, units)))
+    seconds = median_time(_fwd_bwd(module, rows)) / (2 * max(1, units))
+    return compute_slice(seconds), seconds
 
 
 def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
@@ -229,9 +263,13 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     as those ranks) on ``transport``: three readings of each, taken round-robin
     (:func:`_rounds`). Nothing with fewer than 2 cores.
 
-    ``bind_cores`` (the runs to predict are bound, ``disttrain bench --bind-cores``): the
-    probes with more ranks than cores bind theirs as those runs do, two ranks to a core
-    (:func:`_bound`)."""
+    ``bind_cores`` (the runs to predict are bound, ``disttrain bench --bind-cores``): every
+    probe but the parameter server's binds its ranks as those runs do (a core each, or two
+    to a core for 4 ranks on 2 cores): where ranks share a core, and which, decides what
+    waking one costs. The parameter-server probe (1 and 2 workers and a server) is never
+    bound, as its runs (3 and 5 processes on 2 cores) are not. Until 2026-11-27 no probe
+    was bound, and then for a while only those of more ranks than cores
+    (docs/benchmarks.md, "Probes placed as their runs")."""
     from disttrain.simulate.contention import collective_in_step, unit_ops_in_step
     from disttrain.simulate.ps_probe import ps_exchange
     from disttrain.simulate.stage_probe import stage_message, stage_work
@@ -240,20 +278,22 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     probes: dict[str, Callable[[], Any]] = {
         f"{op}:{ranks}": functools.partial(collective_in_step, _fwd_bwd(module, x), nbytes,
                                            transport=transport, ranks=ranks, op=op,
-                                           bind=_bound(bind_cores, ranks, cores))
+                                           bind=bind_cores)
         for op in ("all_reduce", "reduce_scatter") for ranks in probed}
     units = _unit_bytes(module)
+    unit_work = {ranks: _unit_work(module, x, ranks, len(units)) for ranks in probed}
     probes.update({f"units:{ranks}": functools.partial(
-        unit_ops_in_step, _unit_work(module, x, ranks, len(units)), units,
-        transport=transport, ranks=ranks, bind=_bound(bind_cores, ranks, cores))
+        unit_ops_in_step, unit_work[ranks][0], units,
+        transport=transport, ranks=ranks, bind=bind_cores)
         for ranks in probed})
     if cores > 1:
         probes["ps"] = functools.partial(ps_exchange, module, _fwd_bwd(module, x), transport)
-        probes["stage"] = functools.partial(stage_message, _fwd_bwd(module, x), transport)
+        probes["stage"] = functools.partial(stage_message, _fwd_bwd(module, x), transport,
+                                            bind=bind_cores)
         # both schedules on 2 stages, and on as many as validated where the model has the
         # layers for them
         probes.update({f"stage_work:{ranks}": functools.partial(
-            stage_work, module, x, transport, ranks, bind=_bound(bind_cores, ranks, cores))
+            stage_work, module, x, transport, ranks, bind=bind_cores)
             for ranks in sorted({2, *probed}) if ranks == 2 or ranks <= len(layers_of(module))})
     readings = _rounds(probes)
     # The collectives: the median of three. One measurement moves by milliseconds within
@@ -281,24 +321,11 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
                          message, stage_wakeup,
                          {ranks: statistics.median(readings[f"units:{ranks}"])
                           for ranks in probed},
+                         {ranks: seconds for ranks, (_, seconds) in unit_work.items()},
                          {ranks: statistics.median(r["gpipe"] for r in rs)
                           for ranks, rs in own.items()},
                          {ranks: statistics.median(max(0.0, r["1f1b"] - r["gpipe"]) for r in rs)
                           for ranks, rs in own.items()})
-
-
-def _bound(bind_cores: bool, ranks: int, cores: int) -> bool:
-    """Whether a probe of ``ranks`` ranks binds them: where the runs it predicts are bound
-    and have more ranks than cores. There binding decides which ranks share a core, and
-    with it what waking a rank costs: on the Intel host of 2026-11-27 the 4-rank
-    reduce-scatter probed on unbound ranks read 1.23-1.33 ms and put ZeRO-2 and ZeRO-3 on 4
-    bound Gloo ranks at 1.14-1.24 of their runs; probed two to a core, 0.51-0.57 ms and
-    0.93-1.08. Probes of no more ranks than cores stay unbound, a choice measured, not
-    derived: bound, ZeRO-3's pattern on 2 Gloo ranks read nothing and put its runs at 0.78,
-    unbound at 1.07-1.18 (docs/benchmarks.md, "Probes placed as their runs"). The
-    parameter-server probe (1 and 2 workers and a server) is never bound, as its runs are
-    not."""
-    return bind_cores and ranks > cores
 
 
 def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
@@ -340,7 +367,7 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
     measures ``concurrent_slowdown`` with that many processes, the wake-up of a
     collective, a parameter-server pull and push, a pipeline message and a stage's own
     work per message on ``transport``, for runs bound to cores or not (``bind_cores``, as
-    ``disttrain bench --bind-cores``; see :func:`_bound`)."""
+    ``disttrain bench --bind-cores``; see :func:`_interference`)."""
     from disttrain.simulate.contention import concurrent_slowdown
 
     sgd = optimizer_costs(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
@@ -363,7 +390,8 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                   for (op, ranks), took in shared.in_step.items() if op == "all_reduce"}
         scatter = {ranks: _wakeup(took, call, nbytes, ranks, transport, op)
                    for (op, ranks), took in shared.in_step.items() if op == "reduce_scatter"}
-        units = {ranks: _unit_ops(took, _unit_bytes(module), ranks, transport)
+        units = {ranks: _unit_ops(took, _unit_bytes(module), ranks, transport,
+                                  shared.unit_work.get(ranks, 0.0))
                  for ranks, took in shared.unit_ops.items()}
         hook = ddp_hook(module, x, comm, call)
         zero = {k: zero_work(k, module, x, comm, call, sgd) for k in (1, 2, 3)}
