@@ -352,28 +352,28 @@ def test_zero3s_probed_price_is_what_its_collectives_add_beyond_the_calibrated_r
     here), never below 0; 0 when the probe failed or the model has no parameters."""
     import disttrain.simulate.cluster as cluster_module
     from disttrain.simulate.contention import unit_ops_in_step
-    from disttrain.simulate.wrappers import _unit_bytes, _unit_ops, unit_pattern_added
+    from disttrain.simulate.unit_ops import unit_bytes, unit_pattern_added, unit_price
 
     alpha = 1e-3
     costs = LinkCosts(alpha=alpha, beta=0.0, gamma=0.0, native_alpha=alpha, native_beta=0.0)
     monkeypatch.setattr(cluster_module, "local", lambda transport: _cluster(costs, 2))
-    assert _unit_ops(30e-3, [64, 64], 2, "shm") == pytest.approx((30e-3 - 6 * alpha) / 6)
-    assert _unit_ops(30e-3, [64, 64], 4, "shm") == pytest.approx((30e-3 - 18 * alpha) / 6)
-    assert _unit_ops(1e-3, [64, 64], 2, "shm") == 0.0  # faster than calibrated: nothing
-    assert _unit_ops(0.0, [64], 2, "shm") == 0.0  # the probe failed
-    assert _unit_ops(1.0, [], 2, "shm") == 0.0 and unit_ops_in_step(lambda: None, []) == 0.0
+    assert unit_price(30e-3, [64, 64], 2, "shm") == pytest.approx((30e-3 - 6 * alpha) / 6)
+    assert unit_price(30e-3, [64, 64], 4, "shm") == pytest.approx((30e-3 - 18 * alpha) / 6)
+    assert unit_price(1e-3, [64, 64], 2, "shm") == 0.0  # faster than calibrated: nothing
+    assert unit_price(0.0, [64], 2, "shm") == 0.0  # the probe failed
+    assert unit_price(1.0, [], 2, "shm") == 0.0 and unit_ops_in_step(lambda: None, []) == 0.0
     # with compute between them the simulation hides collectives behind it, so the same
     # reading needs more per collective than when nothing overlaps; the extraction gives
     # back what the probe's pattern, simulated as charged, adds
-    overlapped = _unit_ops(30e-3, [64, 64], 2, "shm", work_s=2e-3)
+    overlapped = unit_price(30e-3, [64, 64], 2, "shm", work_s=2e-3)
     assert overlapped > (30e-3 - 6 * alpha) / 6
     assert unit_pattern_added(overlapped, 2e-3, [alpha] * 2, [alpha] * 2) == \
         pytest.approx(30e-3, rel=1e-6)
     # collectives that fit under the compute add nothing: a reading of less is 0
-    assert _unit_ops(unit_pattern_added(0.0, 2e-3, [alpha] * 2, [alpha] * 2), [64, 64], 2,
+    assert unit_price(unit_pattern_added(0.0, 2e-3, [alpha] * 2, [alpha] * 2), [64, 64], 2,
                      "shm", work_s=2e-3) == pytest.approx(0.0, abs=1e-9)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    assert _unit_bytes(net) == [(8 * 16 + 16) * 4, (16 * 4 + 4) * 4]  # the ReLU has none
+    assert unit_bytes(net) == [(8 * 16 + 16) * 4, (16 * 4 + 4) * 4]  # the ReLU has none
 
 
 def test_the_unit_probes_pattern_adds_only_what_the_compute_does_not_hide() -> None:
@@ -381,7 +381,7 @@ def test_the_unit_probes_pattern_adds_only_what_the_compute_does_not_hide() -> N
     gather again, then the reduce-scatter (0.5) after the wait, waited for at the pass's
     end: only it adds, and whatever each collective costs beyond its time adds to it once
     the gather no longer fits under the compute."""
-    from disttrain.simulate.wrappers import unit_pattern_added
+    from disttrain.simulate.unit_ops import unit_pattern_added
 
     assert unit_pattern_added(0.0, 2.0, [1.0], [0.5]) == pytest.approx(0.5)
     assert unit_pattern_added(0.25, 2.0, [1.0], [0.5]) == pytest.approx(0.75)

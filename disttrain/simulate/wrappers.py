@@ -34,6 +34,7 @@ from disttrain.simulate.overheads import (
     paired_charge,
     tensor_cost,
 )
+from disttrain.simulate.unit_ops import unit_bytes, unit_price
 
 
 class SoloTransport(Transport):
@@ -153,57 +154,6 @@ def _wakeup(in_step: float, call: float, nbytes: int, ranks: int, transport: str
     return max(0.0, in_step - call - calibrated)
 
 
-def _unit_ops(added: float, sizes: list[int], ranks: int, transport: str,
-              work_s: float = 0.0) -> float:
-    """Per collective of ZeRO-3's pattern, what the simulation must charge each besides
-    its calibrated ring time on this machine (``local(transport)``), in place of the call
-    overhead and the wake-up, so that the probe's own pattern, simulated as the simulation
-    runs collectives (on the link, one at a time, beside the compute), adds to its step
-    what the probe measured (``added``, :func:`~disttrain.simulate.contention.
-    unit_ops_in_step`; ``work_s``, the probe's computation per unit and pass). Until
-    2026-11-27 the calibrated times were subtracted as if nothing overlapped: on 2 bound
-    ranks the probe adds what its collectives cost calibrated (3.0 ms for LeNet on Gloo),
-    so that read 0, while the simulation hides part of each behind the units' compute and
-    the runs paid ~0.1 ms a collective more than it charged (docs/benchmarks.md, "ZeRO-3's
-    pattern, simulated as charged"). At least 0; 0 when the probe failed."""
-    from disttrain.simulate.cluster import local
-    from disttrain.simulate.collectives import collective_time, group_of
-
-    if added <= 0 or not sizes:
-        return 0.0
-    cluster = local(transport)
-    group = group_of(cluster, ranks)
-    gathers = [collective_time(cluster, "all_gather", "ring", group, n)[0] for n in sizes]
-    scatters = [collective_time(cluster, "reduce_scatter", "ring", group, n)[0] for n in sizes]
-    if unit_pattern_added(0.0, work_s, gathers, scatters) >= added:
-        return 0.0
-    low, high = 0.0, added  # each collective charged ``added`` more adds more than that
-    for _ in range(50):
-        mid = (low + high) / 2
-        low, high = (mid, high) if unit_pattern_added(mid, work_s, gathers, scatters) < added \
-            else (low, mid)
-    return (low + high) / 2
-
-
-def unit_pattern_added(each: float, work_s: float, gathers: list[float],
-                       scatters: list[float]) -> float:
-    """What :func:`~disttrain.simulate.contention.unit_ops_in_step`'s pattern adds to a
-    step when every collective costs ``each`` plus its own time (``gathers[k]``,
-    ``scatters[k]`` for unit k) on a link that runs one at a time beside the compute, as
-    the simulation charges them: per unit and pass an all-gather issued as ``work_s`` of
-    compute starts and waited for after it; in the backward pass a reduce-scatter issued
-    after that wait, all waited for at the end of the pass."""
-    clock = link = 0.0
-    for backward in (False, True):
-        for gather, scatter in zip(gathers, scatters, strict=True):
-            link = max(clock, link) + each + gather
-            clock = max(clock + work_s, link)
-            if backward:
-                link = max(clock, link) + each + scatter
-        clock = max(clock, link) if backward else clock
-    return clock - 2 * len(gathers) * work_s
-
-
 def _rounds(probes: dict[str, Callable[[], Any]], rounds: int = 3) -> dict[str, list[Any]]:
     """``rounds`` readings of every probe, taken round-robin rather than each probe's in a
     row: this machine has slow spells of tens of seconds, which then slow one reading of
@@ -229,14 +179,6 @@ class _Interference(NamedTuple):
     unit_work: dict[int, float]  # ranks → that probe's compute per unit and pass
     stage_works: dict[int, float]  # ranks → a GPipe stage's own work per message
     crossing: dict[int, float]  # ranks → a 1F1B stage's own work per message beyond GPipe's
-
-
-def _unit_bytes(module: nn.Module) -> list[int]:
-    """Parameter bytes of each of ``module``'s layers that has parameters (ZeRO-3's
-    units, as the simulation gathers them)."""
-    sizes = [sum(p.numel() * 4 for p in layer.parameters() if p.requires_grad)
-             for layer in layers_of(module)]
-    return [n for n in sizes if n > 0]
 
 
 def _unit_work(module: nn.Module, x: torch.Tensor, ranks: int,
@@ -280,7 +222,7 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
                                            transport=transport, ranks=ranks, op=op,
                                            bind=bind_cores)
         for op in ("all_reduce", "reduce_scatter") for ranks in probed}
-    units = _unit_bytes(module)
+    units = unit_bytes(module)
     unit_work = {ranks: _unit_work(module, x, ranks, len(units)) for ranks in probed}
     probes.update({f"units:{ranks}": functools.partial(
         unit_ops_in_step, unit_work[ranks][0], units,
@@ -390,7 +332,7 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                   for (op, ranks), took in shared.in_step.items() if op == "all_reduce"}
         scatter = {ranks: _wakeup(took, call, nbytes, ranks, transport, op)
                    for (op, ranks), took in shared.in_step.items() if op == "reduce_scatter"}
-        units = {ranks: _unit_ops(took, _unit_bytes(module), ranks, transport,
+        units = {ranks: unit_price(took, unit_bytes(module), ranks, transport,
                                   shared.unit_work.get(ranks, 0.0))
                  for ranks, took in shared.unit_ops.items()}
         hook = ddp_hook(module, x, comm, call)
