@@ -82,9 +82,10 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--bind-cores", action=argparse.BooleanOptionalAction, default=True,
                    help="--validate: pin each rank of a run to a core of its own when there "
                    "are enough, or as many ranks to every core when the ranks are a multiple "
-                   "of the cores, as the model shares them, and the profile's probes of more "
-                   "ranks than cores likewise (default); --no-bind-cores leaves the placement "
-                   "to the kernel, which may keep two ranks on one core for a whole run")
+                   "of the cores, as the model shares them, and the profile's probes likewise "
+                   "(all but the parameter server's, whose runs are never bound) (default); "
+                   "--no-bind-cores leaves the placement to the kernel, which may keep two "
+                   "ranks on one core for a whole run")
     p.set_defaults(func=lambda args: run(args, p))
 
 
