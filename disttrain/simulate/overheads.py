@@ -112,7 +112,6 @@ RANK_KEYED = ("wakeup_by_ranks", "scatter_wakeup_by_ranks", "unit_op_by_ranks",
               "stage_work_by_ranks", "crossing_by_ranks")
 
 
-
 def probed_at(by_ranks: dict[int, float], ranks: int) -> float | None:
     """Of a quantity probed at several rank counts, the value probed with the most ranks
     not above ``ranks``; None when none was."""

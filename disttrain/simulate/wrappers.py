@@ -212,31 +212,11 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     bound, as its runs (3 and 5 processes on 2 cores) are not. Until 2026-11-27 no probe
     was bound, and then for a while only those of more ranks than cores
     (docs/benchmarks.md, "Probes placed as their runs")."""
-    from disttrain.simulate.contention import collective_in_step, unit_ops_in_step
-    from disttrain.simulate.ps_probe import ps_exchange
-    from disttrain.simulate.stage_probe import stage_message, stage_work
-
     probed = [] if cores < 2 else [2, 2 * cores] if cores <= 4 else [2]
-    probes: dict[str, Callable[[], Any]] = {
-        f"{op}:{ranks}": functools.partial(collective_in_step, _fwd_bwd(module, x), nbytes,
-                                           transport=transport, ranks=ranks, op=op,
-                                           bind=bind_cores)
-        for op in ("all_reduce", "reduce_scatter") for ranks in probed}
     units = unit_bytes(module)
     unit_work = {ranks: _unit_work(module, x, ranks, len(units)) for ranks in probed}
-    probes.update({f"units:{ranks}": functools.partial(
-        unit_ops_in_step, unit_work[ranks][0], units,
-        transport=transport, ranks=ranks, bind=bind_cores)
-        for ranks in probed})
-    if cores > 1:
-        probes["ps"] = functools.partial(ps_exchange, module, _fwd_bwd(module, x), transport)
-        probes["stage"] = functools.partial(stage_message, _fwd_bwd(module, x), transport,
-                                            bind=bind_cores)
-        # both schedules on 2 stages, and on as many as validated where the model has the
-        # layers for them
-        probes.update({f"stage_work:{ranks}": functools.partial(
-            stage_work, module, x, transport, ranks, bind=bind_cores)
-            for ranks in sorted({2, *probed}) if ranks == 2 or ranks <= len(layers_of(module))})
+    probes = _probes(module, x, nbytes, cores, transport, bind_cores, probed,
+                     {ranks: work for ranks, (work, _) in unit_work.items()}, units)
     readings = _rounds(probes)
     # The collectives: the median of three. One measurement moves by milliseconds within
     # minutes (where the kernel places the ranks). Not the least, as for compute: this is
@@ -268,6 +248,33 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
                           for ranks, rs in own.items()},
                          {ranks: statistics.median(max(0.0, r["1f1b"] - r["gpipe"]) for r in rs)
                           for ranks, rs in own.items()})
+
+
+def _probes(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int, transport: str,
+            bind: bool, probed: list[int], unit_work: dict[int, Callable[[], object]],
+            units: list[int]) -> dict[str, Callable[[], Any]]:
+    """:func:`_interference`'s probes by name, each ready to take one reading."""
+    from disttrain.simulate.contention import collective_in_step, unit_ops_in_step
+    from disttrain.simulate.ps_probe import ps_exchange
+    from disttrain.simulate.stage_probe import stage_message, stage_work
+
+    probes: dict[str, Callable[[], Any]] = {
+        f"{op}:{ranks}": functools.partial(collective_in_step, _fwd_bwd(module, x), nbytes,
+                                           transport=transport, ranks=ranks, op=op, bind=bind)
+        for op in ("all_reduce", "reduce_scatter") for ranks in probed}
+    probes.update({f"units:{ranks}": functools.partial(
+        unit_ops_in_step, unit_work[ranks], units, transport=transport, ranks=ranks, bind=bind)
+        for ranks in probed})
+    if cores > 1:  # the parameter server's never bound: its runs are not
+        probes["ps"] = functools.partial(ps_exchange, module, _fwd_bwd(module, x), transport)
+        probes["stage"] = functools.partial(stage_message, _fwd_bwd(module, x), transport,
+                                            bind=bind)
+        # both schedules on 2 stages, and on as many as validated where the model has the
+        # layers for them
+        probes.update({f"stage_work:{ranks}": functools.partial(
+            stage_work, module, x, transport, ranks, bind=bind)
+            for ranks in sorted({2, *probed}) if ranks == 2 or ranks <= len(layers_of(module))})
+    return probes
 
 
 def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
