@@ -454,3 +454,25 @@ def test_interleaved_rounds_shuffle_so_no_algorithm_always_follows_the_same_one(
     after_native = pairs.count(("native", "auto"))
     assert {(x, y) for x in algos for y in algos if x != y} <= behind
     assert after_native < 0.35 * 600  # a rotation: ~500 of 600
+
+
+def test_auto_is_compared_with_the_algorithms_it_chooses_from():
+    """``hierarchical`` (only ever run by name; in one machine the shared-memory all-reduce)
+    is shown beside the line when it beat auto, not taken as the best: the yardstick for the
+    cost model's pick is the set it picks from."""
+    from disttrain.bench.table import auto_versus_best
+
+    def row(algorithm, p50, chosen=None, nbytes=4096):
+        return {"op": "all_reduce", "world_size": 2, "bytes": nbytes, "algorithm": algorithm,
+                "time_p50_s": p50, "chosen": chosen or algorithm}
+
+    rows = [row("auto", 300e-6, "naive"), row("tree", 250e-6), row("naive", 320e-6),
+            row("hierarchical", 120e-6),
+            row("auto", 2.0e-3, "tree", 1 << 20), row("tree", 2.1e-3, nbytes=1 << 20),
+            row("hierarchical", 2.5e-3, nbytes=1 << 20)]
+    small, large = auto_versus_best(rows)
+    assert "best tree" in small and "auto/best 1.20" in small
+    assert "(hierarchical, by name only: 120 µs, auto/it 2.50)" in small
+    assert "auto/best 0.95" in large and "hierarchical" not in large  # slower: not shown
+    # with nothing held back, hierarchical is the yardstick again
+    assert "best hierarchical" in auto_versus_best(rows, by_name_only=())[0]

@@ -161,7 +161,8 @@ def _summary(rows: list[dict[str, Any]], skipped: list[str], out: TextIO) -> Non
         print("\n".join(sorted(set(skipped))), file=out)
     lines = auto_versus_best(rows)
     if lines:
-        print("\n# auto against the fastest algorithm (p50) at each size", file=out)
+        print("\n# auto against the fastest algorithm it chooses from (p50) at each size",
+              file=out)
         print("\n".join(lines), file=out)
     wrong = [r for r in rows if not r["correct"]]
     if wrong:
