@@ -474,5 +474,7 @@ def test_auto_is_compared_with_the_algorithms_it_chooses_from():
     assert "best tree" in small and "auto/best 1.20" in small
     assert "(hierarchical, by name only: 120 µs, auto/it 2.50)" in small
     assert "auto/best 0.95" in large and "hierarchical" not in large  # slower: not shown
-    # with nothing held back, hierarchical is the yardstick again
+    # with nothing held back, or nothing else measured, hierarchical is the yardstick again
     assert "best hierarchical" in auto_versus_best(rows, by_name_only=())[0]
+    alone = auto_versus_best([r for r in rows if r["algorithm"] in ("auto", "hierarchical")])
+    assert "best hierarchical" in alone[0] and "by name only" not in alone[0]

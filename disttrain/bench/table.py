@@ -78,7 +78,8 @@ def auto_versus_best(rows: list[Row], by_name_only: Iterable[str] = AUTO_NEVER) 
         group = [r for r in rows if (r["op"], r["world_size"], r["bytes"]) == (op, p, nbytes)]
         auto = [r for r in group if r["algorithm"] == "auto"]
         named = [r for r in group if r["algorithm"] != "auto"]
-        eligible = [r for r in named if r["algorithm"] not in never]
+        # only by-name algorithms measured (--algorithms auto,hierarchical): against them
+        eligible = [r for r in named if r["algorithm"] not in never] or named
         if not auto or not eligible:
             continue
         t_auto = auto[0]["time_p50_s"]
@@ -88,7 +89,7 @@ def auto_versus_best(rows: list[Row], by_name_only: Iterable[str] = AUTO_NEVER) 
                 f"{format_time(t_auto):>10s}   best {best['algorithm']:17s}"
                 f"{format_time(t_best):>10s}   auto/best {t_auto / t_best:.2f}")
         for r in sorted(named, key=lambda r: r["time_p50_s"]):
-            if r["algorithm"] in never and r["time_p50_s"] < t_auto:
+            if r is not best and r["algorithm"] in never and r["time_p50_s"] < t_auto:
                 line += (f"   ({r['algorithm']}, by name only: "
                          f"{format_time(r['time_p50_s'])}, auto/it {t_auto / r['time_p50_s']:.2f})")
         lines.append(line)
