@@ -340,12 +340,33 @@ def test_ctrl_c_while_a_rank_starts_waits_until_it_is_recorded():
     from disttrain.bench.ranks import _ctrl_c_deferred
 
     reached = []
-    with pytest.raises(KeyboardInterrupt):
+    # A shell's background job starts with SIGINT ignored, and the deferral rightly keeps
+    # it ignored: give this test the handler an interactive Python has.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _ctrl_c_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # a SIGINT let through would raise here
+                reached.append("the block ran to its end")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert reached == ["the block ran to its end"]
+
+
+def test_ctrl_c_ignored_by_the_parent_stays_ignored():
+    """A job started with SIGINT ignored (nohup, a shell's background job) is not
+    interrupted by the deferral either: the held-back signal goes to the ignoring handler."""
+    from disttrain.bench.ranks import _ctrl_c_deferred
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
         with _ctrl_c_deferred():
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)  # a SIGINT let through would raise here
-            reached.append("the block ran to its end")
-    assert reached == ["the block ran to its end"]
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # ---------------------------------------------------------------------------- shm rows
