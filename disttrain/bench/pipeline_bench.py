@@ -16,8 +16,9 @@ start of the next: in steady state every stage's period is the pipeline's step) 
 and reports ``idle / wall`` per stage against theory, (p − 1)/(m + p − 1), as well as
 ``1 − busy/wall`` (idle and overhead together) and the overhead per micro-batch. Overhead
 makes every micro-batch slot longer on every stage alike, so it stretches the step without
-changing the idle share; the time messages spend in flight does show up as idle. (Until
-2026-11-22 each step was timed alone between two barriers, whose latency counted as idle.)
+changing the idle share; the time messages spend in flight does show up as idle. (Steps
+are not timed alone between barriers: the barriers' latency and exit skew would count as
+idle time that a training loop does not have.)
 
 What a layer computes (``compute``):
 

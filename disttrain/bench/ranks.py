@@ -79,7 +79,7 @@ def bind_plan(world_size: int) -> list[int] | None:
     process may use, when there are enough cores; when the ranks are a whole multiple of
     several cores (4 ranks on 2), rank r on core r mod cores, every core carrying as many
     ranks (left to the kernel, DDP on 4 Gloo ranks of 2 cores ran 5.5-7.7 ms a step, bound
-    so 5.0-5.3: docs/benchmarks.md, "1F1B's crossing messages"); None otherwise (the ranks
+    so 5.0-5.3: docs/benchmarks.md, "Binding cores"); None otherwise (the ranks
     share the cores as the kernel likes) or where binding is unsupported."""
     if not hasattr(os, "sched_getaffinity") or not hasattr(os, "sched_setaffinity"):
         return None

@@ -17,18 +17,17 @@ shared memory); the profile charges what it takes beyond the calibrated price of
 collective as the wake-up (:func:`~disttrain.simulate.wrappers.measure_overheads`). On this
 project's 2-vCPU test host a 2-rank Gloo all-reduce of LeNet's gradients costs 1 ms or 3-7
 ms in a step, 85 % of the time the latter, after a barrier as well as after compute
-(docs/benchmarks.md, "In a step, a collective on this host costs one of two prices").
+(docs/simulate.md, "Why the model is built this way").
 Which price it mostly pays depends on the collective: a reduce-scatter issued
 asynchronously, as ZeRO-2 and ZeRO-3 reduce gradients, mostly pays the fast one, so it is
 probed apart (``op``). A synchronous reduce-scatter (ZeRO-1's) costs what the synchronous
 all-reduce does (4.4-4.6 against 4.6-4.7 ms on Gloo, 0.6 against 0.7 ms on shared memory,
-in a ``/tmp`` variant of this probe), so it is charged the all-reduce's wake-up.
+in a variant of this probe), so it is charged the all-reduce's wake-up.
 
 :func:`unit_ops_in_step` measures ZeRO-3's pattern apart: many small collectives, each
 issued asynchronously to the progress thread while the rank computes and waited for
 before the next, which on this host cost more each than the calibration's back-to-back
-calls and the one-rank call overhead together (docs/benchmarks.md, "ZeRO-3's collectives
-in a step").
+calls and the one-rank call overhead together (docs/simulate.md, "Why the model is built this way").
 """
 
 from __future__ import annotations

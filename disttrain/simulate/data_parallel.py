@@ -156,10 +156,10 @@ def simulate_zero12(case: Case, stage: int) -> StepResult:
         reduces, sent, algorithms = _bucketed(sim, case, "reduce_scatter", bwd)
     else:
         seconds, sent, algorithm = case.collective("reduce_scatter", group, grads)
-        # called synchronously right after backward, as the all-reduce probe is: on this
-        # host a synchronous call pays the slow price more often (docs/benchmarks.md,
-        # "2026-11-26, evening": ZeRO-1 on 2 Gloo ranks at 0.61-0.86 in seven runs with
-        # the asynchronous reduce-scatter's wake-up, 0.91-1.17 in six of them with this)
+        # called synchronously right after backward, as the all-reduce probe is, so it pays
+        # that probe's wake-up: on a shared host a synchronous call pays the slow price more
+        # often (charged the asynchronous reduce-scatter's wake-up, ZeRO-1 on 2 Gloo ranks
+        # read 0.61-0.86 of its runs; charged this one, 0.91-1.17)
         reduces = [_issue(sim, case, "rs", seconds, (bwd[0],))]
         algorithms = {algorithm}
     opt = sim.add("opt", "compute", case.optimizer(case.profile.params / case.workers),

@@ -24,7 +24,7 @@ through disttrain's own server here (:mod:`~disttrain.simulate.ps_probe`: 1.6-2.
 Python per message), those replace the formula on this machine. Of an exchange, the share
 the server serves one worker at a time is what a second worker added to the probe's
 clock (``ps_served_s``): on Gloo here about the whole exchange, on shared memory about
-0.6 of it (docs/benchmarks.md, "evening"). That share is served in turn, once per worker
+0.6 of it (docs/simulate.md, "Overheads"). That share is served in turn, once per worker
 a representative stands for; the rest is the worker's own and runs on its cores beside
 the other workers'. Each clock a worker also
 runs the loop's own work (``Overheads.step_s``); the server applies the optimizer on Ψ/S.

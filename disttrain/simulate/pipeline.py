@@ -124,8 +124,8 @@ class _Replica:
         messages crossing the connections both ways cost it more
         (``Overheads.crossing``, probed with the same number of stages on this machine's
         runtime: on 4 Gloo ranks its runs took 5-40 % longer than GPipe's where the
-        simulation put both at about the same step; docs/benchmarks.md, "1F1B's crossing
-        messages")."""
+        simulation put both at about the same step; docs/simulate.md, "Why the model is
+        built this way")."""
         own = self.own(stage, to)
         if own and self.schedule.name == "1f1b":
             return own + self.case.overheads.crossing(self.case.workers)
@@ -139,7 +139,7 @@ class _Replica:
         so each end's share is at most half of it (stage_work_s, probed on GPipe's runtime,
         read 0.24-0.47 ms against probes of 0.28-0.42 ms in seven validations, and twice it
         per message put model parallelism on 4 ranks at 1.16-1.30 of its runs:
-        docs/benchmarks.md, "ZeRO-3's collectives in a step")."""
+        docs/simulate.md, "Why the model is built this way")."""
         ov = self.case.overheads
         if not self.on_host(stage, to):
             return 0.0

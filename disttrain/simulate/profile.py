@@ -10,8 +10,8 @@ dominates. Each batch size is measured in three rounds spread over the profile's
 seconds (:class:`LayerRounds`), and the median round is kept: this machine's speed drifts
 (LeNet's pass at 2.5-3.1 ms within a minute, and spells at 1.7 ms or 3.0 ms lasting tens of
 seconds), and a profile is to describe the machine as the runs it predicts find it, which
-is its usual state, not its fastest (with the least of two rounds, kept until 2026-11-26,
-two validations predicted the single process 10-26 % below each of its runs). The bytes
+is its usual state, not its fastest (with the least of two rounds instead, two validations
+predicted the single process 10-26 % below each of its runs). The bytes
 autograd saves per layer and its output bytes come with the times.
 
 Ranks of ``disttrain bench`` run one thread each, so the profile is measured with one

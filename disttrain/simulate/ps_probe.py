@@ -11,9 +11,9 @@ profile is for: one :class:`~disttrain.parallel.parameter_server.PSWorker` that 
 forward+backward between its pull and its push, as in a step, and one server (sync mode,
 SGD). Then it runs the same with two workers: what the second adds to a clock is the part
 of an exchange the server serves one worker at a time. On this host that was 3.5-3.9 ms
-of a 3.8-4.2 ms exchange on Gloo, 2.8-3.3 of 4.8-5.4 ms on shared memory (two `/tmp` runs
-each, docs/benchmarks.md, "evening"): with several workers the rest (the worker's own
-Python, the wake-ups while a message travels) overlaps the other workers' exchanges. The
+of a 3.8-4.2 ms exchange on Gloo, 2.8-3.3 of 4.8-5.4 ms on shared memory (two runs each):
+with several workers the rest (the worker's own Python, the wake-ups while a message
+travels) overlaps the other workers' exchanges. The
 simulation charges them on this machine (:mod:`~disttrain.simulate.parameter_server`).
 """
 

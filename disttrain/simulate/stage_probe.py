@@ -15,26 +15,25 @@ one micro-batch down the two stages and its gradient back up through
 ``work`` before each of its messages (the receiver idles meanwhile) give the cold price;
 rounds with no computation the hot one. After each cold round both stages run ``work``
 twice more, back to back: the round minus those two runs of each stage is its two
-messages, woken receivers and computations after idling included. (Until 2026-11-26 the
-work was timed once in the parent before the fork: the children computed 2-20 % slower
-than that, at other moments, and the wake-up read 0.6-1.25 ms where the rounds' own
-difference read 0.3-0.6 ms (16 and 8 probes on LeNet); model parallelism and 1F1B on 4 ranks
-came out 1.22-1.28× their runs.) The simulation charges every message the hot price (at
-least α) and the receiver's next computation the difference, in proportion to how long
-it sat idle (:mod:`~disttrain.simulate.pipeline`).
+messages, woken receivers and computations after idling included. (The work is timed in
+the children, around the rounds, not once in the parent before the fork: the children
+compute 2-20 % slower than the parent at other moments, which reads the wake-up at
+0.6-1.25 ms where the rounds' own difference reads 0.3-0.6 ms on LeNet.) The simulation
+charges every message the hot price (at least α) and the receiver's next computation the
+difference, in proportion to how long it sat idle (:mod:`~disttrain.simulate.pipeline`).
 
 :func:`stage_work` measures the other side of a message in a pipeline with micro-batches in
 flight: what each stage does on its own thread for it (packing and posting it, taking it
 in, the schedule's Python per micro-batch), on disttrain's real pipeline runtime. Each
-stage of a 2-stage GPipe spent 0.37-0.52 ms per micro-batch so, on Gloo and on shared
-memory alike; until 2026-11-26 the simulation put all of a message on a link that overlaps
-the sender's computation, and GPipe and 1F1B on shared memory, whose α is small, came out
-at 0.73-0.84 of their runs. It runs GPipe and 1F1B in alternating steps, on 2 stages and
-on 4 (the validation's rank counts): on 4 Gloo ranks of 2 cores 1F1B's runs took 5-40 %
-longer than GPipe's, which a simulation charging both schedules the same work per message
-could not show; its stages spend 20-24 µs more of their own time per message than GPipe's
-on 2 stages and 54-66 µs more on 4 (2026-11-27, an Intel host), and GPipe's own 0.16-0.18
-ms on 4 stages against 0.13-0.14 ms on 2.
+stage of a 2-stage GPipe spends 0.37-0.52 ms per micro-batch so, on Gloo and on shared
+memory alike. It is charged to the stages because a link overlaps the sender's computation:
+with all of a message on the link, GPipe and 1F1B on shared memory, whose α is small, are
+predicted at 0.73-0.84 of their runs. It runs GPipe and 1F1B in alternating steps, on 2
+stages and on 4 (the validation's rank counts): on 4 Gloo ranks of 2 cores 1F1B's runs take
+5-40 % longer than GPipe's, which a simulation charging both schedules the same work per
+message cannot show; its stages spend 20-24 µs more of their own time per message than GPipe's
+on 2 stages and 54-66 µs more on 4 (a 2-vCPU Intel host), and GPipe's own 0.16-0.18 ms on
+4 stages against 0.13-0.14 ms on 2.
 """
 
 from __future__ import annotations
@@ -174,7 +173,7 @@ def stage_work(module: torch.nn.Module, x: torch.Tensor, transport: str = "torch
     In 1F1B's steady state a stage alternates forwards and backwards, so its connections
     carry activations one way and gradients the other at once, where GPipe's flow one way
     at a time; on 4 Gloo ranks of this project's 2-vCPU hosts that costs 1F1B's stages
-    more of their own time (docs/benchmarks.md, "1F1B's crossing messages")."""
+    more of their own time (docs/simulate.md, "Why the model is built this way")."""
     try:
         per_rank = forked_ranks(_work_child, ranks, module, x, transport, bind=bind)
     except Exception as exc:

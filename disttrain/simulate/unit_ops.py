@@ -33,12 +33,12 @@ def unit_price(added: float, sizes: list[int], ranks: int, transport: str,
     overhead and the wake-up, so that the probe's own pattern, simulated as the simulation
     runs collectives (on the link, one at a time, beside the compute), adds to its step
     what the probe measured (``added``, :func:`~disttrain.simulate.contention.
-    unit_ops_in_step`; ``work_s``, the probe's computation per unit and pass). Until
-    2026-11-27 the calibrated times were subtracted as if nothing overlapped: on 2 bound
-    ranks the probe adds what its collectives cost calibrated (3.0 ms for LeNet on Gloo),
-    so that read 0, while the simulation hides part of each behind the units' compute and
-    the runs paid ~0.1 ms a collective more than it charged (docs/benchmarks.md, "ZeRO-3's
-    pattern, simulated as charged"). At least 0; 0 when the probe failed."""
+    unit_ops_in_step`; ``work_s``, the probe's computation per unit and pass). Not the
+    measured time less the calibrated times as if nothing overlapped: on 2 bound ranks the
+    probe adds what its collectives cost calibrated (3.0 ms for LeNet on Gloo), so that
+    difference reads 0, while the simulation hides part of each behind the units' compute
+    and the runs pay ~0.1 ms a collective more (docs/simulate.md, "Why the model is built
+    this way"). At least 0; 0 when the probe failed."""
     from disttrain.simulate.cluster import local
     from disttrain.simulate.collectives import collective_time, group_of
 

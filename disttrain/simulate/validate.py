@@ -28,7 +28,7 @@ not have is skipped, saying so) and each world size, it
    model shares cores evenly, while the kernel may keep two ranks on one core for a whole
    run; DDP on 2 Gloo ranks measured 2.27-2.34 ms bound in four runs, 2.53-3.95 ms
    unbound, fast and slow runs alternating, and 4 ranks 5.0-5.3 ms bound two to a core
-   against 5.5-7.7 ms; docs/benchmarks.md, "1F1B's crossing messages"; the parameter
+   against 5.5-7.7 ms; docs/benchmarks.md, "Binding cores"; the parameter
    servers' 3 and 5 processes stay unbound),
 
 and prints both with their ratio. The single-process reference the benchmark runs anyway
@@ -105,10 +105,10 @@ def single_step(profile: ModelProfile, global_batch: int) -> float:
 def measured_step(row: dict[str, Any]) -> float | None:
     """The median over the row's fresh runs of each run's median step time (the lower of
     the middle two for an even count), or None without one. The median, as the profile's
-    rounds: the machine's usual state over the minutes of the runs. (The least, used until
-    2026-11-26 with a profile's least round, compared two snapshots of the machine's
-    fastest moments; a spell in the profile's seconds alone put the single process's
-    prediction 10-26 % below each of its runs.)"""
+    rounds: the machine's usual state over the minutes of the runs. (The least, with a
+    profile's least round, would compare two snapshots of the machine's fastest moments: a
+    fast spell during the profile alone put the single process's prediction 10-26 % below
+    each of its runs.)"""
     runs = _runs(row.get("step_time_s_runs"))
     if runs:
         return statistics.median_low(runs)

@@ -209,9 +209,9 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     probe but the parameter server's binds its ranks as those runs do (a core each, or two
     to a core for 4 ranks on 2 cores): where ranks share a core, and which, decides what
     waking one costs. The parameter-server probe (1 and 2 workers and a server) is never
-    bound, as its runs (3 and 5 processes on 2 cores) are not. Until 2026-11-27 no probe
-    was bound, and then for a while only those of more ranks than cores
-    (docs/benchmarks.md, "Probes placed as their runs")."""
+    bound, as its runs (3 and 5 processes on 2 cores) are not. Unbound probes read what
+    unbound ranks pay, not what bound runs pay: a 4-rank reduce-scatter's wake-up read
+    1.23-1.33 ms unbound against 0.51-0.57 ms bound two to a core."""
     probed = [] if cores < 2 else [2, 2 * cores] if cores <= 4 else [2]
     units = unit_bytes(module)
     unit_work = {ranks: _unit_work(module, x, ranks, len(units)) for ranks in probed}
@@ -225,8 +225,8 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
                for op in ("all_reduce", "reduce_scatter") for ranks in probed}
     # The least of three, the pull and the push each on its own: one worker and one server
     # have a core each, so a slow reading is other load on the machine. (Compute and the
-    # validation's runs now take medians, 2026-11-26; this stays the least until runs
-    # show the median predicts better.) The share a second worker adds is a difference of
+    # validation's runs take medians; this keeps the least as long as the median is not
+    # shown to predict better.) The share a second worker adds is a difference of
     # two runs: the median of three. A probe that failed (0) is not a reading
     exchanges = readings.get("ps", [(0.0, 0.0, 0.0)])
     pull, push = (min((e[i] for e in exchanges if e[i] > 0), default=0.0) for i in (0, 1))
@@ -289,10 +289,10 @@ def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
     work (the batch fetched, ``zero_grad``, the loss and the start of backward, which no
     layer's time holds, ``float(loss)``, the strategy's bookkeeping) and what the
     optimizer pays in a step beyond its time alone (its tensors cold after backward).
-    Until 2026-11-26 a copy of the loop's work was timed instead (0.22-0.29 ms on LeNet),
-    and the single process was predicted at 0.80-0.97 of its runs; against a plain
-    forward+backward instead of the layers' sum it missed the loss and the start of
-    backward (0.11-0.15 ms at batch 4 and 32) and read 0.27-0.61 ms."""
+    The real loop, not a copy of its work: a copy (0.22-0.29 ms on LeNet) leaves out what
+    the real step pays and predicts the single process at 0.80-0.97 of its runs. Against
+    the layers' sum, not a plain forward+backward, which would miss the loss and the start
+    of backward (0.11-0.15 ms at batch 4 and 32)."""
     layers, plain = layers_of(module), _fwd_bwd(module, x)
 
     def charged() -> float:

@@ -15,7 +15,7 @@ the next tick (4 ms at ``HZ=250``). On this project's 2-core test machine (``per
 ZeRO-1 run on 2 Gloo ranks: each rank's I/O thread on a CPU for 0.85 s of the recording,
 91 % of it in ``epoll_wait``; threads waiting 3-4 ms for a core, each wait ending on a
 tick) it made whole runs bimodal: ZeRO-1 on 2 ranks took 11.9 ms a step in most runs and
-5.1-8.2 ms in the others (docs/benchmarks.md, "Gloo's I/O thread").
+5.1-8.2 ms in the others (docs/architecture.md, "Gloo's I/O threads").
 
 ``SCHED_IDLE`` removes the case: an idle-class thread never preempts a normal one, and a
 normal thread that wakes preempts it at once. On a core with nothing else to run it runs as
@@ -23,8 +23,8 @@ soon as it wakes, as before. The price: while every core computes, incoming byte
 a core to come free. That is what a collective wants, where every rank waits at the same
 points anyway, and what a pipeline does not: a stage's send moves only once its I/O thread
 has read the receiver's "ready" message, so with the thread idle the send waits for the
-stage's next computation to end. Measured on the test machine (docs/benchmarks.md, "Gloo's
-I/O thread"): a step of DDP or ZeRO on 2 and 4 Gloo ranks takes 25-60 % less time at
+stage's next computation to end. Measured on the test machine (docs/architecture.md, "Gloo's
+I/O threads"): a step of DDP or ZeRO on 2 and 4 Gloo ranks takes 25-60 % less time at
 SCHED_IDLE, one of GPipe, 1F1B or model parallelism 10-50 % more; SCHED_BATCH (no
 preemption on wake-up, a fair share of a busy core) lands close to idle on both.
 

@@ -15,7 +15,7 @@ hands the core over with ``os.sched_yield()``, and a long wait sleeps::
 
 Why no pure spin: when the awaited rank shares this core (more ranks than cores, or a busy
 machine), a spinning rank burns its time slice while the rank it waits for cannot run.
-Measured on this 2-core machine while other jobs ran (``/tmp`` loop of 300 one-shot 4 KiB
+Measured on this 2-core machine while other jobs ran (a loop of 300 one-shot 4 KiB
 all-reduces, 2 ranks, one run after the other): 28-165 µs per call yielding at once,
 229-417 µs spinning 100 µs first, 0.98-1.9 ms spinning 1 ms first.
 

@@ -17,10 +17,10 @@ Synchronous Parallel Parameter Server", NIPS 2013): a read for clock c is guaran
 contain every update of clocks ≤ c − s − 1 from every worker, and it also contains every
 update that has arrived since (a worker's own previous clock included: read-my-writes).
 So a fast worker runs at most s clocks ahead of the slowest, and without stragglers the
-gate never closes and SSP trains like async. An earlier design applied SSP updates
-clock-ordered and averaged, like sync; it hid arrived updates, so workers drifted to the
-bound and computed on parameters s whole steps old, which with momentum cost 20 accuracy
-points on digits (docs/parameter_server.md, "Why SSP applies on arrival").
+gate never closes and SSP trains like async. Updates are applied on arrival, not
+clock-ordered and averaged like sync: that would hide arrived updates, so workers would
+drift to the bound and compute on parameters s whole steps old, which with momentum costs
+20 accuracy points on digits (docs/parameter_server.md, "Why SSP applies on arrival").
 
 **Staleness** of an update (what :class:`StalenessHistogram` counts, per server): the
 server's parameter version when the update is applied minus the version the worker read
