@@ -445,39 +445,68 @@ def test_measured_overheads_come_from_the_real_wrappers(
     assert all(p.grad is None for p in net.parameters())  # the model is left as it was
 
 
-def test_the_loops_cost_is_a_whole_step_less_what_is_charged_apart() -> None:
-    """A step that runs the model's forward+backward and 3 ms of other work, and whose
-    optimizer is charged 1 ms apart: the loop's own work reads 2 ms (the forward+backward
-    taken off by running it alternately with the step)."""
-    from disttrain.simulate.wrappers import _fwd_bwd, loop_cost
+class _Clock:
+    """A clock that moves only when the code under test says it worked: timing rules are
+    checked exactly, whatever the machine's load."""
 
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
-    x = torch.randn(4, 8)
-    model_step = _fwd_bwd(net, x)
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def work(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _fake_clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    import types
+
+    import disttrain.simulate.overheads as overheads
+    import disttrain.simulate.wrappers as wrappers
+
+    clock = _Clock()
+    fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter)
+    monkeypatch.setattr(overheads, "time", fake_time)
+    monkeypatch.setattr(wrappers, "time", fake_time)
+    return clock
+
+
+def test_the_loops_cost_is_a_whole_step_less_what_is_charged_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that runs the model (its layers charged 1 ms by the profile's pass) and 3 ms
+    of other work, and whose optimizer is charged 1 ms apart: the loop's own work reads
+    2 ms. A step that is only the model reads 0, never below nothing."""
+    import disttrain.simulate.wrappers as wrappers
+    from disttrain.simulate.wrappers import loop_cost
+
+    clock = _fake_clock(monkeypatch)
+    monkeypatch.setattr(wrappers, "one_pass", lambda layers, x: [(0.0004, 0.0006)])
+    net, x = nn.Sequential(nn.Linear(8, 4)), torch.randn(4, 8)
 
     def step() -> None:
-        model_step()
-        time.sleep(0.003)
+        clock.work(0.001)  # the model
+        clock.work(0.003)  # the rest of the loop and the optimizer
 
-    assert loop_cost(net, x, step, sgd_step=0.001) == pytest.approx(0.002, abs=0.0007)
-    assert loop_cost(net, x, model_step, sgd_step=0.001) == 0  # never below nothing
+    assert loop_cost(net, x, step, sgd_step=0.001) == pytest.approx(0.002)
+    assert loop_cost(net, x, lambda: clock.work(0.001), sgd_step=0.001) == 0
 
 
 def test_the_loops_cost_takes_off_the_layers_sum_the_simulation_charges(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """What the layers' times leave out of a pass (the loss, the start of backward) is the
     loop's to pay: here the profile's pass charges 3 ms for its layers whatever its wall
-    time, and a step takes 5 ms, so the loop's own work reads 2 ms (it read the step less a
-    plain forward+backward's wall time, about 5 ms here, until 2026-11-26)."""
+    time, and a step takes 5 ms, so the loop's own work reads 2 ms (a plain
+    forward+backward's wall time taken off instead would read about 0 here)."""
     import disttrain.simulate.wrappers as wrappers
     from disttrain.simulate.wrappers import loop_cost
 
+    clock = _fake_clock(monkeypatch)
     net = nn.Sequential(nn.Linear(8, 4))
     monkeypatch.setattr(wrappers, "one_pass", lambda layers, x: [(0.001, 0.002)])
-    took = loop_cost(net, torch.randn(4, 8), lambda: time.sleep(0.005), sgd_step=0.0,
+    took = loop_cost(net, torch.randn(4, 8), lambda: clock.work(0.005), sgd_step=0.0,
                      repeats=5, rounds=2)
-    assert took == pytest.approx(0.002, abs=0.0007)
+    assert took == pytest.approx(0.002)
 
 
 def test_the_least_disturbed_ps_probe_counts_and_a_failed_one_is_no_reading(
@@ -619,8 +648,8 @@ def test_a_failed_pipeline_message_probe_is_reported_and_charges_nothing(
 def test_the_pipeline_probe_takes_off_the_work_its_stages_ran_not_the_parents(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The stages' work runs at the children's speed: here 8 ms a call in the forked
-    stages and 0.5 ms in the parent. Taking off four of the parent's (as until 2026-11-26)
-    would read a wake-up of about 15 ms; the rounds minus each stage's own two runs read
+    stages and 0.5 ms in the parent. Taking off four of the parent's would
+    read a wake-up of about 15 ms; the rounds minus each stage's own two runs read
     what the messages cost, a few ms at most on a loaded 2-core machine."""
     import os
 

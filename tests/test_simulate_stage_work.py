@@ -38,7 +38,7 @@ def test_one_message_at_a_time_pays_its_probed_price_however_the_stages_share_it
     with 0.3 s of it on each stage's own thread, the link keeps 0.4 s and the step is the
     same; where the runtime's probe says the stages need 0.7 s each, more than the whole
     message the probe timed, each pays half the probe and the message still costs 1 s
-    (until 2026-11-27 it cost 1.4 s, and model parallelism on 4 ranks read 1.16-1.30)."""
+    (charging more read model parallelism on 4 ranks at 1.16-1.30 of its runs)."""
     probed = Overheads(stage_message_s=1.0, stage_wakeup_s=0.5, collective_wakeup_after_s=1.0)
     assert _extra(2, probed) == pytest.approx(2 * (1.0 + 0.5))
     assert _extra(2, replace(probed, stage_work_s=0.3)) == pytest.approx(2 * (1.0 + 0.5))
@@ -53,7 +53,7 @@ def test_with_micro_batches_in_flight_the_stages_own_work_is_not_hidden_by_the_l
     and its receiver's own work, that work is charged to the stages: stage 0 posts its
     first activation before its second forward, whose activation reaches stage 1 0.05 s
     later, and stage 1 its first gradient before its second backward, so the step grows by
-    2α + 2 · 0.05 (until 2026-11-26 the link overlapped all of it: 2α)."""
+    2α + 2 · 0.05 (not 2α: the link does not overlap it)."""
     below = Overheads(stage_message_s=0.1)
     assert _extra(2, below, "gpipe", 2) == pytest.approx(2 * ALPHA)
     assert _extra(2, replace(below, stage_work_s=0.05), "gpipe", 2) == pytest.approx(
