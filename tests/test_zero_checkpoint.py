@@ -79,7 +79,8 @@ def test_each_new_rank_reads_only_the_old_shards_it_overlaps(pools, tmp_path):
     meta = json.loads((saved / "zero.json").read_text())
     assert meta["world_size"] == 4 and meta["groups"][0]["shard_size"] == 48
     assert sorted(p.name for p in saved.iterdir()) == [
-        "rank00000.pt", "rank00001.pt", "rank00002.pt", "rank00003.pt", "zero.json"]
+        "manifest.json", "rank00000.pt", "rank00001.pt", "rank00002.pt", "rank00003.pt",
+        "zero.json"]
 
 
 def test_load_rejects_a_different_model(pools, tmp_path):
@@ -90,5 +91,5 @@ def test_load_rejects_a_different_model(pools, tmp_path):
 
 
 def test_incomplete_checkpoint_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match=r"zero\.json is missing"):
+    with pytest.raises(ValueError, match=r"has no manifest\.json: its save did not finish"):
         zero.consolidate(tmp_path)

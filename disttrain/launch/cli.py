@@ -48,6 +48,11 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
                    "or 127.0.0.1 on one node; 0.0.0.0 for every interface)")
     p.add_argument("--grace-period", dest="grace_s", type=float, default=5.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping workers (default 5)")
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
+                   default=0, metavar="N",
+                   help="after a worker fails, stop all and start them again, up to N times "
+                   "(default 0); workers see TORCHELASTIC_RESTART_COUNT, and 'disttrain run' "
+                   "resumes from its --checkpoint-dir (docs/recovery.md)")
     p.add_argument("--run-dir", default=None, metavar="DIR",
                    help="where error records and flight-recorder dumps go (default: a new "
                    "temporary directory, removed after a successful run)")
@@ -73,14 +78,15 @@ def build_config(args: argparse.Namespace) -> LaunchConfig:
         node_rank=0 if args.node_rank is None else args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port,
         store_bind_addr=args.store_bind_addr, grace_s=args.grace_s,
-        run_dir=args.run_dir, prefix_output=args.prefix_output, servers=args.servers)
+        run_dir=args.run_dir, prefix_output=args.prefix_output, servers=args.servers,
+        max_restarts=args.max_restarts)
 
 
 def run(args: argparse.Namespace) -> int:
-    from disttrain.launch.launcher import launch
+    from disttrain.launch.restarts import launch_with_restarts
 
     try:
-        return launch(build_config(args))
+        return launch_with_restarts(build_config(args))
     except (ValueError, LaunchError) as exc:
         print(f"disttrain launch: error: {exc}", file=sys.stderr)
         return 2

@@ -42,6 +42,7 @@ class LaunchConfig:
     # Parameter servers started beside the workers (ranks nproc..nproc+servers-1); every
     # process gets DISTTRAIN_PS_SERVERS so that roles.servers_from_env() knows the split.
     servers: int = 0
+    max_restarts: int = 0  # whole-job restarts after a failure (disttrain.launch.restarts)
 
     def __post_init__(self) -> None:
         _positive_int("-n/--nproc-per-node", self.nproc_per_node, "the number of workers on "
@@ -67,6 +68,10 @@ class LaunchConfig:
         if not (isinstance(self.grace_s, (int, float)) and 0 <= self.grace_s < math.inf):
             raise ValueError(f"--grace-period must be a non-negative number of seconds, got "
                              f"{self.grace_s!r}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or (
+                self.max_restarts < 0):
+            raise ValueError(f"--max-restarts must be a whole number ≥ 0 (how often to restart "
+                             f"the job after a failure), got {self.max_restarts!r}")
 
     def _check_servers(self) -> None:
         if isinstance(self.servers, bool) or not isinstance(self.servers, int) or (

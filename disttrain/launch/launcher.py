@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
@@ -41,6 +41,8 @@ from disttrain.launch.process import Worker
 
 log = logging.getLogger(__name__)
 SERVERS_VAR = "DISTTRAIN_PS_SERVERS"  # read by parallel.parameter_server.servers_from_env
+RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"  # torchrun's names; `disttrain run` resumes
+MAX_RESTARTS_VAR = "TORCHELASTIC_MAX_RESTARTS"  # when the count is > 0
 
 _POLL_S = 0.05
 _SETTLE_S = 0.5  # after a failure, how long the others may take to exit by themselves
@@ -94,7 +96,8 @@ def _host_store(config: LaunchConfig, timeout_s: float) -> tuple[Any | None, int
     return store.host_store(listener, timeout_s), port
 
 
-def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker]) -> None:
+def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker],
+           restart_count: int = 0) -> None:
     """Start every worker, appending each to ``workers`` as it starts (so a failure half way
     still lets the caller stop the ones already running)."""
     addr = config.master_addr or LOOPBACK
@@ -103,7 +106,9 @@ def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker])
         rank = config.node_rank * local + local_rank
         error_file = os.path.join(run_dir, f"error-rank{rank}.json")
         extra = {records.RUN_DIR_VAR: run_dir, records.ERROR_FILE_VAR: error_file,
-                 records.TORCH_ERROR_FILE_VAR: error_file, **_role_env(config, rank)}
+                 records.TORCH_ERROR_FILE_VAR: error_file, **_role_env(config, rank),
+                 RESTART_COUNT_VAR: str(restart_count),
+                 MAX_RESTARTS_VAR: str(config.max_restarts)}
         if not os.environ.get(records.FLIGHT_DIR_VAR):
             extra[records.FLIGHT_DIR_VAR] = run_dir
         env = worker_env(os.environ, local_rank=local_rank, nproc_per_node=local,
@@ -175,8 +180,11 @@ def _stop(workers: list[Worker], signum: int, grace_s: float, caught: _Signals) 
         worker.wait()
 
 
-def launch(config: LaunchConfig) -> int:
-    """Run the job's workers on this node; return the launcher's exit code."""
+def launch(config: LaunchConfig, restart_count: int = 0,
+           on_failure: Callable[[summary.Failure], None] | None = None) -> int:
+    """Run the job's workers on this node once; return the launcher's exit code.
+    ``restart_count`` is told to the workers; ``on_failure`` receives the root cause of a
+    failed run (:func:`disttrain.launch.restarts.launch_with_restarts` uses both)."""
     host = socket.gethostname()
     rendezvous, port = _host_store(config, timeout_s=600.0)
     own_dir = config.run_dir is None
@@ -186,7 +194,7 @@ def launch(config: LaunchConfig) -> int:
     workers: list[Worker] = []
     with _catching_signals() as caught:
         try:
-            _spawn(config, port, run_dir, workers)
+            _spawn(config, port, run_dir, workers, restart_count)
             for worker in workers:
                 worker.start_output(lock, config.prefix_output)
             outcome = _watch(workers, caught, run_dir, host)
@@ -195,6 +203,8 @@ def launch(config: LaunchConfig) -> int:
     for worker in workers:
         worker.join_output(2.0)
     code, report = _conclude(outcome, workers, host, run_dir)
+    if on_failure is not None and outcome.root is not None:
+        on_failure(outcome.root)
     if report:
         with lock:
             print(report, file=sys.stderr, flush=True)

@@ -8,30 +8,38 @@ Layout of ``checkpoint_dir`` (which every rank must see: one machine, or a share
                             state-stage00001-of-00002.pt (one per pipeline stage)
         rank-00000.pt       each rank's RNG state and sampler position
         meta.pt             step, epoch, world size and the config fields that must not change
+        manifest.json       size and SHA-256 of every file above, written last
     latest                  the name of the newest complete checkpoint
 
-The strategy's part is ``strategy.save_state`` / ``load_state``. Every rank writes its
-files, all ranks meet at a barrier, and only then rank 0 replaces
-``latest`` (write a temporary file, then rename), so a crash mid-save leaves the previous
-checkpoint in charge. Files are read with ``torch.load(weights_only=True)``: tensors and
-plain containers only, never arbitrary pickles.
+The strategy's part is ``strategy.save_state`` / ``load_state``. Every file is written under a
+temporary name, fsynced and renamed; the ranks then seal the directory with its manifest
+(:mod:`disttrain.parallel.checkpoint_files`), and only then rank 0 replaces ``latest`` the
+same way, so a crash at any moment of a save leaves ``latest`` naming a complete checkpoint.
+Loading verifies the manifest (sizes everywhere, digests shared out over the ranks) and reads
+with ``torch.load(weights_only=True)``; anything unusable is refused in one line that names
+the file and says what to do.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from disttrain.comm import Communicator
-from disttrain.train.strategies import Strategy
-from disttrain.train.strategies.base import atomic_save, safe_load
+from disttrain.parallel import checkpoint_files
+from disttrain.parallel.checkpoint_files import CheckpointError, atomic_save, atomic_write_text
+
+if TYPE_CHECKING:  # the strategies import this module (the parameter server's resume)
+    from disttrain.train.strategies import Strategy
 
 log = logging.getLogger(__name__)
 LATEST = "latest"
+_STEP = re.compile(r"step-\d+")
 
 
 @dataclass(frozen=True)
@@ -47,37 +55,83 @@ def save(directory: str, step: int, strategy: Strategy, comm: Communicator | Non
          meta: dict[str, Any], sampler: dict[str, int]) -> str:
     """Write the checkpoint of ``step`` from every rank; returns its path."""
     rank = comm.rank if comm is not None else 0
+    world_size = comm.world_size if comm is not None else 1
     path = os.path.join(directory, f"step-{step:08d}")
     os.makedirs(path, exist_ok=True)
     strategy.save_state(path, rank)
     atomic_save({"rng": torch.get_rng_state(), "sampler": sampler},
-          os.path.join(path, f"rank-{rank:05d}.pt"))
+                os.path.join(path, f"rank-{rank:05d}.pt"))
     if rank == 0:
         atomic_save({**meta, "step": step}, os.path.join(path, "meta.pt"))
-    if comm is not None and comm.world_size > 1:
-        comm.barrier()  # every rank's files are complete before `latest` moves
-    if rank == 0:
-        tmp = os.path.join(directory, f"{LATEST}.tmp")
-        with open(tmp, "w") as f:
-            f.write(os.path.basename(path))
-        os.replace(tmp, os.path.join(directory, LATEST))
+    barrier = comm.barrier if comm is not None and world_size > 1 else _no_barrier
+    checkpoint_files.seal(path, rank, world_size, barrier)
+    if rank == 0:  # every rank's files are sealed: `latest` may move
+        atomic_write_text(os.path.join(directory, LATEST), os.path.basename(path))
     log.debug("checkpoint of step %d written to %s", step, path)
     return path
 
 
+def _no_barrier() -> object:
+    return None
+
+
 def latest(directory: str) -> str | None:
-    """The newest complete checkpoint in ``directory``, or None if there is none."""
+    """The newest complete checkpoint in ``directory``, or None if there is none yet; a
+    ``latest`` that names no checkpoint here raises CheckpointError."""
+    file = os.path.join(directory, LATEST)
     try:
-        with open(os.path.join(directory, LATEST)) as f:
-            name = f.read().strip()
+        with open(file, "rb") as f:
+            raw = f.read(256)
     except FileNotFoundError:
         return None
-    return os.path.join(directory, name)
+    try:
+        name = raw.decode().strip()
+    except UnicodeDecodeError:
+        name = ""
+    if not _STEP.fullmatch(name):
+        raise CheckpointError(f"{file} does not name a checkpoint (it holds {raw[:40]!r})",
+                              advice(directory))
+    path = os.path.join(directory, name)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{file} names {name}, which is not in {directory}",
+                              advice(directory, name))
+    return path
+
+
+def complete(directory: str) -> list[str]:
+    """The sealed checkpoints in ``directory`` (names), newest first."""
+    try:
+        names = [e.name for e in os.scandir(directory) if e.is_dir() and _STEP.fullmatch(e.name)]
+    except FileNotFoundError:
+        return []
+    sealed = [n for n in names
+              if os.path.exists(os.path.join(directory, n, checkpoint_files.MANIFEST))]
+    return sorted(sealed, key=lambda n: int(n.removeprefix("step-")), reverse=True)
+
+
+def advice(directory: str, unusable: str | None = None) -> str:
+    """What to do about an unusable checkpoint in ``directory``."""
+    others = [n for n in complete(directory) if n != unusable][:3]
+    earlier = (f"to resume from an earlier checkpoint write its name ({', '.join(others)}) "
+               f"into {os.path.join(directory, LATEST)}, or " if others else "")
+    return f"{earlier}start afresh in another --checkpoint-dir"
 
 
 def load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any]) -> Resumed:
     """Restore ``strategy`` and this rank's RNG from ``path``; check the run is the same one."""
-    saved = safe_load(os.path.join(path, "meta.pt"))
+    try:
+        return _load(path, strategy, rank, meta)
+    except CheckpointError as exc:
+        raise CheckpointError(exc.problem, advice(os.path.dirname(path),
+                                                  os.path.basename(path))) from None
+
+
+def _load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any]) -> Resumed:
+    checkpoint_files.verify(path, rank, int(meta.get("world_size", 1)))
+    saved = checkpoint_files.load(os.path.join(path, "meta.pt"))
+    if not isinstance(saved, dict) or not isinstance(saved.get("step"), int):
+        raise CheckpointError(f"{os.path.join(path, 'meta.pt')} is not a disttrain "
+                              f"checkpoint's meta.pt")
     for key, value in meta.items():
         if key != "world_size" and saved.get(key) != value:
             raise ValueError(f"checkpoint {path} was written with {key}={saved.get(key)!r} but "
@@ -90,7 +144,7 @@ def load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any]) -> Resu
         log.warning("checkpoint %s was written by %s rank(s), this run has %s: the data order "
                     "continues, but random number streams start afresh", path,
                     saved.get("world_size"), meta.get("world_size"))
-        return Resumed(int(saved["step"]), None, path)
-    rank_state = safe_load(rank_file)
+        return Resumed(saved["step"], None, path)
+    rank_state = checkpoint_files.load(rank_file)
     torch.set_rng_state(rank_state["rng"])
-    return Resumed(int(saved["step"]), dict(rank_state["sampler"]), path)
+    return Resumed(saved["step"], dict(rank_state["sampler"]), path)

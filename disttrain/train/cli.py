@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from typing import Any
@@ -30,6 +31,8 @@ from disttrain.train.models import MODELS
 from disttrain.train.registry import resolve
 from disttrain.train.result import TrainResult
 from disttrain.train.strategies import STRATEGIES, get_strategy, ranks_needed
+
+RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"  # torchrun's; disttrain launch sets it too
 
 
 def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -76,7 +79,9 @@ def _loop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=TrainConfig().log_every)
     p.add_argument("--checkpoint-dir", help="write checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir (automatic "
+                        "when the launcher restarts the job: docs/recovery.md)")
     p.add_argument("--tensorboard", metavar="DIR", help="TensorBoard log dir (if installed)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: when stderr is a terminal)")
@@ -193,6 +198,23 @@ def _servers_from_job(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, parallel=parallel)
 
 
+def _resume_after_restart(config: TrainConfig) -> TrainConfig:
+    """A job restarted by its launcher (``disttrain launch`` or ``torchrun --max-restarts``:
+    TORCHELASTIC_RESTART_COUNT > 0) resumes from its --checkpoint-dir, as if --resume were
+    given: from the latest complete checkpoint, or from step 0 if none was written yet."""
+    text = os.environ.get(RESTART_COUNT_VAR, "0")
+    try:
+        count = int(text)
+    except ValueError:
+        raise ValueError(f"{RESTART_COUNT_VAR}={text!r} is not a whole number; it is set by "
+                         f"the launcher (unset it when starting workers by hand)") from None
+    if count <= 0 or config.checkpoint_dir is None or config.resume:
+        return config
+    logging.getLogger(__name__).info("restart %d of this job: resuming from %s", count,
+                                     config.checkpoint_dir)
+    return dataclasses.replace(config, resume=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from disttrain.train import spawn
     from disttrain.train.loop import checked_setup, train
@@ -201,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         in_job = spawn.in_launched_job()
         if in_job:
-            config = _servers_from_job(config)
+            config = _resume_after_restart(_servers_from_job(config))
         world_size = _world_size(args.nproc, in_job)
         if not in_job:  # -n counts workers; a parameter-server run adds its servers
             world_size = ranks_needed(config, world_size)

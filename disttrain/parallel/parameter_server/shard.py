@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from disttrain.parallel.checkpoint_files import CheckpointError, atomic_save, load
 from disttrain.parallel.parameter_server.errors import ProtocolError
 from disttrain.parallel.parameter_server.partition import Partition, Segment
 from disttrain.parallel.parameter_server.protocol import Status
@@ -161,14 +162,15 @@ def checkpoint_path(directory: str, server: int) -> str:
 
 
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
-    """Write atomically: a crash mid-save leaves the previous checkpoint intact."""
+    """Write atomically and durably: a crash mid-save leaves the previous checkpoint intact."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    atomic_save(state, path)
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
-    """Tensors and plain containers only (``weights_only=True``): nothing is unpickled."""
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    """Tensors and plain containers only (``weights_only=True``): nothing is unpickled; an
+    unreadable file raises CheckpointError naming it."""
+    state = load(path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a parameter-server shard checkpoint")
     return state

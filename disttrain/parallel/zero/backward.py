@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator, Work
-from disttrain.parallel.zero.flat import param_views
 from disttrain.parallel.zero.sharding import ShardLayout
 
 
@@ -92,15 +91,19 @@ class InOrderLauncher:
 def stage_grads(params: Sequence[nn.Parameter], layout: ShardLayout, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     """A padded flat buffer (``layout``) of the parameters' gradients in ``dtype``, zeros where
-    a parameter has none (it got no gradient on this rank); the ``.grad`` are dropped."""
+    a parameter has none (it got no gradient on this rank); the ``.grad`` are dropped.
+
+    Slices are flat, not parameter-shaped: a stage-3 unit that forward never called still
+    has its 0-element placeholders as parameters when the end of backward stages it."""
     staging = torch.empty(layout.padded_total, dtype=dtype, device=device)
     staging[layout.total:].zero_()  # padding contributes zeros
     with torch.no_grad():
-        for p, view in zip(params, param_views(staging, params, layout)):
+        for p, start, numel in zip(params, layout.offsets(), layout.numels):
+            view = staging[start:start + numel]
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(p.grad)
+                view.copy_(p.grad.reshape(-1))
                 p.grad = None
     return staging
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from disttrain.parallel.checkpoint_files import MANIFEST, seal, verify
 from disttrain.parallel.zero.checkpoint_format import (
     METADATA,
     Metadata,
@@ -47,6 +48,7 @@ def save(zero: ZeroWrapper, directory: str | Path) -> None:
     comm, optimizer = zero.comm, zero.optimizer
     if comm.rank == 0:  # an older checkpoint here stops being one until this save completes
         directory.mkdir(parents=True, exist_ok=True)
+        (directory / MANIFEST).unlink(missing_ok=True)
         (directory / METADATA).unlink(missing_ok=True)
     comm.barrier()
     groups: list[ShardGroup] = zero.shard_groups()
@@ -71,7 +73,7 @@ def save(zero: ZeroWrapper, directory: str | Path) -> None:
         write_metadata(directory, Metadata(comm.world_size, zero.stage, type(optimizer).__name__,
                                            tuple(saved), tuple(sorted(state_keys)), hyper,
                                            tuple(buffers)))
-    comm.barrier()
+    seal(str(directory), comm.rank, comm.world_size, comm.barrier)  # starts with a barrier
     log.info("saved ZeRO-%d shard %d/%d to %s", zero.stage, comm.rank, comm.world_size, directory)
 
 
@@ -94,7 +96,9 @@ def _split_state(state: dict[str, Any], master: torch.Tensor
 
 def load(zero: ZeroWrapper, directory: str | Path, *, load_optimizer: bool = True) -> ShardReader:
     """Fill ``zero``'s shards (and its optimizer state) from a checkpoint saved on any
-    number of ranks; returns the reader (which old files were opened)."""
+    number of ranks; returns the reader (which old files were opened). The files are checked
+    against the checkpoint's manifest first (this rank hashes its share of them)."""
+    verify(str(directory), zero.comm.rank, zero.comm.world_size)
     meta = read_metadata(directory)
     if load_optimizer and meta.optimizer != type(zero.optimizer).__name__:
         raise ValueError(f"checkpoint optimizer state is for {meta.optimizer}, this run uses "
@@ -190,6 +194,7 @@ def consolidate(directory: str | Path) -> tuple[dict[str, torch.Tensor],
     """Offline: every parameter and its optimizer state (scalars such as ``step`` included)
     as full tensors, by name, for export or inspection. It needs the whole model's memory,
     so it is a tool for after training, never a step inside it."""
+    verify(str(directory))
     meta = read_metadata(directory)
     reader = ShardReader(directory)
     params: dict[str, torch.Tensor] = {}

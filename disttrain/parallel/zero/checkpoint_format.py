@@ -11,20 +11,26 @@
 
 Shard files hold tensors only and are read with ``torch.load(weights_only=True,
 mmap=True)``: nothing but tensors is unpickled, and slicing a memory-mapped tensor reads
-just the pages a new rank needs. ``zero.json`` is written last, after every rank's file
-is complete, so a directory without it is not a checkpoint.
+just the pages a new rank needs. ``zero.json`` is written after every rank's file is complete,
+then ``manifest.json`` (sizes and SHA-256 of every file,
+:mod:`disttrain.parallel.checkpoint_files`): a directory without both is not a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from disttrain.parallel.checkpoint_files import (
+    CheckpointError,
+    atomic_save,
+    atomic_write_text,
+    load,
+)
 from disttrain.parallel.zero.sharding import ShardLayout, shard_layout
 
 FORMAT = "disttrain.zero.checkpoint/1"
@@ -80,10 +86,7 @@ class Metadata:
 
 
 def write_metadata(directory: str | Path, meta: Metadata) -> None:
-    path = Path(directory) / METADATA
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(meta.to_json(), indent=1))
-    os.replace(tmp, path)
+    atomic_write_text(str(Path(directory) / METADATA), json.dumps(meta.to_json(), indent=1))
 
 
 def read_metadata(directory: str | Path) -> Metadata:
@@ -91,26 +94,29 @@ def read_metadata(directory: str | Path) -> Metadata:
     if not path.exists():
         raise ValueError(f"{directory} is not a complete ZeRO checkpoint: {METADATA} is "
                          f"missing (it is written last, after every rank's shard)")
-    raw = json.loads(path.read_text())
-    if raw.get("format") != FORMAT:
-        raise ValueError(f"{path} has format {raw.get('format')!r}; this disttrain reads "
-                         f"{FORMAT!r}")
-    groups = tuple(
-        SavedGroup(tuple(g["names"]), tuple(tuple(s) for s in g["shapes"]), g["shard_size"],
-                   {k: (float(v[0]), str(v[1])) for k, v in g["scalars"].items()})
-        for g in raw["groups"])
-    return Metadata(raw["world_size"], raw["stage"], raw["optimizer"], groups,
-                    tuple(raw["state_keys"]), tuple(raw["param_groups"]), tuple(raw["buffers"]))
+    try:
+        raw = json.loads(path.read_bytes().decode())
+        if raw.get("format") != FORMAT:
+            raise CheckpointError(f"{path} has format {raw.get('format')!r}; this disttrain "
+                                  f"reads {FORMAT!r}")
+        groups = tuple(
+            SavedGroup(tuple(g["names"]), tuple(tuple(s) for s in g["shapes"]), g["shard_size"],
+                       {k: (float(v[0]), str(v[1])) for k, v in g["scalars"].items()})
+            for g in raw["groups"])
+        return Metadata(raw["world_size"], raw["stage"], raw["optimizer"], groups,
+                        tuple(raw["state_keys"]), tuple(raw["param_groups"]),
+                        tuple(raw["buffers"]))
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{path} is damaged ({type(exc).__name__})") from None
 
 
 def write_shard(directory: str | Path, rank: int, tensors: dict[str, torch.Tensor]) -> None:
     """Save tensors (views are copied, so a shard never drags its whole base buffer along)."""
     compact = {k: (t.detach().clone() if _is_partial_view(t) else t.detach())
                for k, t in tensors.items()}
-    path = shard_file(directory, rank)
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(compact, tmp)
-    os.replace(tmp, path)
+    atomic_save(compact, str(shard_file(directory, rank)))
 
 
 class ShardReader:
@@ -125,8 +131,7 @@ class ShardReader:
             path = shard_file(self.directory, rank)
             if not path.exists():
                 raise ValueError(f"checkpoint shard {path} is missing")
-            self._open[rank] = torch.load(path, map_location="cpu", mmap=True,
-                                          weights_only=True)
+            self._open[rank] = load(str(path), mmap=True)
         tensors = self._open[rank]
         if key not in tensors:
             raise ValueError(f"{shard_file(self.directory, rank)} has no tensor {key!r}")

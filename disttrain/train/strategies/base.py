@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
+from disttrain.parallel.checkpoint_files import atomic_save
+from disttrain.parallel.checkpoint_files import load as safe_load
 from disttrain.train.config import TrainConfig
 
 Batch = tuple[Any, Any]  # (inputs, targets)
@@ -80,18 +82,6 @@ class BuildContext:
             raise ValueError(f"strategy {name!r} needs a communicator (run it under "
                              f"'disttrain run -n N' or pass comm=...)")
         return self.comm
-
-
-def atomic_save(obj: Any, path: str) -> None:
-    """``torch.save`` to a temporary name, then rename: a crash never leaves half a file."""
-    tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def safe_load(path: str) -> Any:
-    """Tensors and plain containers only (``weights_only=True``), never arbitrary pickles."""
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def missing_state(path: str, what: str) -> ValueError:

@@ -20,15 +20,15 @@ from typing import Any
 from torch import nn
 
 from disttrain.comm import Communicator
+from disttrain.parallel.checkpoint_files import atomic_save
+from disttrain.parallel.checkpoint_files import load as safe_load
 from disttrain.train.strategies.base import (
     BuildContext,
     Strategy,
-    atomic_save,
     missing_state,
     optimizer_class,
     param_bytes,
     ring_all_reduce_bytes,
-    safe_load,
 )
 from disttrain.train.strategies.data_parallel import DataParallelStrategy
 

@@ -44,6 +44,9 @@ from typing import Any
 import torch
 
 from disttrain.comm import Communicator
+from disttrain.parallel import checkpoint_files
+from disttrain.parallel.checkpoint_files import CheckpointError, atomic_save
+from disttrain.parallel.checkpoint_files import load as safe_load
 from disttrain.parallel.parameter_server import (
     PSConfig,
     PSRoles,
@@ -57,6 +60,7 @@ from disttrain.parallel.parameter_server.final import finish
 from disttrain.parallel.parameter_server.protocol import HEADER_FIELDS
 from disttrain.parallel.parameter_server.reports import gather_extras
 from disttrain.parallel.parameter_server.shard import checkpoint_path
+from disttrain.train import checkpoint
 from disttrain.train.config import TrainConfig
 from disttrain.train.data import build_dataset, size
 from disttrain.train.sampler import DistributedSampler
@@ -67,11 +71,9 @@ from disttrain.train.strategies.base import (
     LossFn,
     OptimizerFactory,
     Strategy,
-    atomic_save,
     missing_state,
     optimizer_class,
     param_bytes,
-    safe_load,
 )
 
 MODES = {"ps-sync": "sync", "ps-async": "async", "ps-ssp": "ssp"}
@@ -126,13 +128,16 @@ def resume_from(config: TrainConfig, roles: PSRoles) -> str | None:
     with ``resume``, None otherwise (the loop's own resume comes after serving). It must
     come from the same mode and number of workers: the saved optimizer keeps its learning
     rate, which is lr ÷ W where pushes apply on arrival."""
-    from disttrain.train import checkpoint  # imports the strategies: import when called
-
     if not config.resume or config.checkpoint_dir is None:
         return None
     path = checkpoint.latest(config.checkpoint_dir)
     if path is None:
         return None
+    try:
+        checkpoint_files.verify(path)  # the loop verifies again, after serving starts
+    except CheckpointError as exc:
+        raise CheckpointError(exc.problem, checkpoint.advice(config.checkpoint_dir,
+                                                             os.path.basename(path))) from None
     files = [RUN_FILE] + [os.path.basename(checkpoint_path(path, s))
                           for s in range(roles.num_servers)]
     for name in files:

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
+from disttrain.parallel.checkpoint_files import atomic_save
+from disttrain.parallel.checkpoint_files import load as safe_load
 from disttrain.parallel.pipeline.wire import HEADER_BYTES  # in front of every message
 from disttrain.train.precision import autocast_factory
 from disttrain.train.strategies.base import (
@@ -37,10 +39,8 @@ from disttrain.train.strategies.base import (
     BuildContext,
     LossFn,
     Strategy,
-    atomic_save,
     missing_state,
     ring_all_reduce_bytes,
-    safe_load,
 )
 
 DEFAULT_MICROBATCHES = 8
