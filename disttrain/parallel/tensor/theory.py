@@ -76,10 +76,12 @@ class Collective:
 
 
 def tp_collectives(shape: LMShape, batch: int, seq: int, tp: int, sequence_parallel: bool,
-                   element_size: int = 4) -> list[Collective]:
+                   element_size: int = 4, layers: range | None = None) -> list[Collective]:
     """Every TP collective of one forward and backward of ``batch`` sequences of ``seq``
     tokens, in the order they run (the SP gradient all-reduce is per step: see
-    :func:`tp_step_collectives`)."""
+    :func:`tp_step_collectives`). ``layers``: the model's layer indices this rank holds (a
+    pipeline stage: 0 is the embedding, 1..L the blocks, L + 1 the final norm, L + 2 the
+    head and its loss); None: all."""
     if tp <= 1:
         return []
     act = batch * seq * shape.d_model
@@ -100,18 +102,23 @@ def tp_collectives(shape: LMShape, batch: int, seq: int, tp: int, sequence_paral
         op = "all_gather" if forward_reduces else "reduce_scatter"
         return [Collective(op, act, element_size, where)]
 
+    held = range(shape.n_layers + 3) if layers is None else layers
     # (name, forward reduces?) in forward order: g after a row-parallel layer, f before a
     # column-parallel one
-    points = [("embedding (g)", True)]
+    points = [("embedding (g)", True)] if 0 in held else []
     for layer in range(1, shape.n_layers + 1):
-        points += [(f"block {layer} before QKV (f)", False),
-                   (f"block {layer} after attention (g)", True),
-                   (f"block {layer} before fc1 (f)", False),
-                   (f"block {layer} after MLP (g)", True)]
-    points.append(("head (f)", False))
+        if layer in held:
+            points += [(f"block {layer} before QKV (f)", False),
+                       (f"block {layer} after attention (g)", True),
+                       (f"block {layer} before fc1 (f)", False),
+                       (f"block {layer} after MLP (g)", True)]
+    head = shape.n_layers + 2 in held
+    if head:
+        points.append(("head (f)", False))
     out = [c for name, reduces in points for c in pair(f"{name} forward", reduces)]
-    out += [Collective("all_reduce", tokens, 4, "cross-entropy max"),
-            Collective("all_reduce", 2 * tokens, 4, "cross-entropy sums")]
+    if head:
+        out += [Collective("all_reduce", tokens, 4, "cross-entropy max"),
+                Collective("all_reduce", 2 * tokens, 4, "cross-entropy sums")]
     out += [c for name, reduces in reversed(points)
             for c in backward(f"{name} backward", reduces)]
     return out

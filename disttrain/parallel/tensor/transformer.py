@@ -143,38 +143,47 @@ class TensorParallelLM(nn.Sequential):
         return gather_vocab(logits, self.group)
 
     def sequence_parallel_parameters(self) -> list[nn.Parameter]:
-        """Replicated parameters used on this rank's part of the sequence only: LayerNorms,
-        row-parallel biases, the position embedding (empty without sequence parallelism)."""
-        if not self.sequence_parallel:
-            return []
-        found: list[nn.Parameter] = []
-        for module in self.modules():
-            if isinstance(module, nn.LayerNorm):
-                found += [p for p in (module.weight, module.bias) if p is not None]
-            elif isinstance(module, RowParallelLinear) and module.bias is not None:
-                found.append(module.bias)
-            elif isinstance(module, ParallelEmbeddings):
-                found += list(module.positions.parameters())
-        return found
+        """Replicated parameters used on this rank's part of the sequence only (empty
+        without sequence parallelism): see :func:`sequence_parallel_parameters`."""
+        return sequence_parallel_parameters(self) if self.sequence_parallel else []
 
     def reduce_sequence_parallel_grads(self) -> None:
         """Sum the gradients of :meth:`sequence_parallel_parameters` over the group (one
         flat all-reduce; call after backward, before the optimizer)."""
-        params = self.sequence_parallel_parameters()
-        if not params:
-            return
-        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else
-                          torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                          for p in params])
-        self.group.all_reduce(flat)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            if p.grad is None:
-                p.grad = flat[offset:offset + n].view_as(p).clone()
-            else:
-                p.grad.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
+        reduce_sequence_parallel_grads(self.sequence_parallel_parameters(), self.group)
+
+
+def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The replicated parameters of ``module`` (a sequence-parallel shard, or a pipeline
+    stage of one) that work on this rank's positions only: LayerNorms, row-parallel
+    biases, the position embedding."""
+    found: list[nn.Parameter] = []
+    for sub in module.modules():
+        if isinstance(sub, nn.LayerNorm):
+            found += [p for p in (sub.weight, sub.bias) if p is not None]
+        elif isinstance(sub, RowParallelLinear) and sub.bias is not None:
+            found.append(sub.bias)
+        elif isinstance(sub, ParallelEmbeddings):
+            found += list(sub.positions.parameters())
+    return found
+
+
+def reduce_sequence_parallel_grads(params: list[nn.Parameter], group: TPGroup) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one flat all-reduce (a missing
+    gradient counts as zeros; every rank of the group passes the same parameters)."""
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else
+                      torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in params])
+    group.all_reduce(flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+        else:  # in place: ZeRO's gradients are views of its flat buffer
+            p.grad.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
 
 
 def _copy_norm(norm: nn.LayerNorm) -> nn.LayerNorm:
@@ -263,7 +272,17 @@ def full_state_dict(model: nn.Module, group: TPGroup) -> dict[str, torch.Tensor]
     return state
 
 
-def describe(model: TensorParallelLM) -> dict[str, Any]:
-    """What the shard holds, for logs and the benchmark's extras."""
-    return {"tp_size": model.group.size, "sequence_parallel": model.sequence_parallel,
-            "params_local": sum(p.numel() for p in model.parameters())}
+def lm_shape(model: nn.Module) -> dict[str, int]:
+    """The TransformerLM constructor arguments of ``model`` (the original or a shard:
+    sizes are read from the unsplit modules and the shard's group)."""
+    if isinstance(model, TensorParallelLM):
+        t = model.group.size
+        layers: list[Any] = list(model)
+        embeddings, blocks = layers[0], layers[1:-2]
+        return {"vocab_size": model.vocab_size, "max_len": embeddings.max_len,
+                "d_model": embeddings.positions.embedding_dim,
+                "n_heads": blocks[0].attention.n_heads * t, "n_layers": len(blocks)}
+    embeddings, blocks, _, head = lm_parts(model)
+    return {"vocab_size": head.out_features, "max_len": embeddings.max_len,
+            "d_model": embeddings.tokens.embedding_dim, "n_heads": blocks[0].attention.n_heads,
+            "n_layers": len(blocks)}

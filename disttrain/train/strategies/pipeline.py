@@ -176,7 +176,7 @@ class PipelineStrategy(Strategy):
         if list(state["layers"]) != list(stage_layers(self.module)):
             raise ValueError(f"checkpoint {path}: stage {self.settings.stage} held layers "
                              f"{state['layers']}, here it holds {list(stage_layers(self.module))}"
-                             f"; resume with the same --partition and --pp-size")
+                             f"; resume with the same --partition and --pp")
         self.module.load_state_dict(state["model"])
         if isinstance(self.optimizer, torch.optim.Optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
