@@ -90,13 +90,15 @@ def mesh_settings(config: TrainConfig, world_size: int) -> MeshSettings:
 
 class ActivationProbe:
     """What autograd saves in the first training forward of one block (parameters left
-    out, each storage once), and the formula's figure for the same input."""
+    out, each storage once), and, for disttrain's blocks (``formula``: inputs ``(T, B, H)``,
+    or ``(T/t, B, H)`` with sequence parallelism), the formula's figure for that input."""
 
-    def __init__(self, block: nn.Module, tp: int, sequence_parallel: bool) -> None:
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+    def __init__(self, block: nn.Module, tp: int, sequence_parallel: bool,
+                 formula: bool = True) -> None:
+        self.tp, self.sequence_parallel, self.with_formula = tp, sequence_parallel, formula
         self.measured: int | None = None
         self.formula: int | None = None
-        self._params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        self._params = {_storage(p).data_ptr() for p in block.parameters()}
         self._seen: dict[int, int] = {}
         self._context: Any = None
         self._handles = [block.register_forward_pre_hook(self._start),
@@ -104,7 +106,7 @@ class ActivationProbe:
         self._block = block
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = _storage(t)
         if storage.data_ptr() not in self._params:
             self._seen.setdefault(storage.data_ptr(), storage.nbytes())
         return t
@@ -113,11 +115,12 @@ class ActivationProbe:
         if not torch.is_grad_enabled() or not module.training:
             return
         x = args[0]
-        length = x.shape[0] * (self.tp if self.sequence_parallel else 1)
-        attention: Any = self._block.attention
-        self.formula = tp_theory.block_activation_bytes(
-            length, x.shape[1], x.shape[2], attention.n_heads * self.tp, self.tp,
-            self.sequence_parallel, x.element_size())
+        if self.with_formula:
+            length = x.shape[0] * (self.tp if self.sequence_parallel else 1)
+            attention: Any = self._block.attention
+            self.formula = tp_theory.block_activation_bytes(
+                length, x.shape[1], x.shape[2], attention.n_heads * self.tp, self.tp,
+                self.sequence_parallel, x.element_size())
         self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._context.__enter__()
 
@@ -136,6 +139,13 @@ class ActivationProbe:
     def extras(self) -> dict[str, Any]:
         return {"activation_bytes_per_block": self.measured,
                 "activation_bytes_per_block_formula": self.formula}
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage holding ``t``'s elements on this rank (a DTensor's: its local shard's;
+    torch's baselines save DTensors)."""
+    local = getattr(t, "_local_tensor", t)
+    return local.untyped_storage()
 
 
 def probe_first_block(module: nn.Module, tp: int, sp: bool) -> ActivationProbe | None:

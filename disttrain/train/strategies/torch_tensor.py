@@ -36,6 +36,7 @@ from torch import nn
 from disttrain.parallel.tensor.transformer import lm_shape
 from disttrain.train.strategies.base import Autocast, Batch, BuildContext, LossFn, Strategy
 from disttrain.train.strategies.baselines import native_group
+from disttrain.train.strategies.tensor import ActivationProbe
 from disttrain.train.transformer import CausalSelfAttention, TransformerLM
 
 
@@ -129,6 +130,9 @@ class TorchTensorParallelStrategy(Strategy):
         model = parallelize_module(split_qkv(ctx.module), self.device_mesh,
                                    plan(ctx.module, sequence_parallel))
         super().__init__(model, ctx.make_optimizer(model.parameters()), comm)
+        self.sequence_parallel = sequence_parallel
+        self.probe = ActivationProbe(model.get_submodule("1"), comm.world_size, sequence_parallel,
+                                     formula=False)
 
     def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn,
                    autocast: Autocast) -> torch.Tensor:
@@ -165,6 +169,10 @@ class TorchTensorParallelStrategy(Strategy):
     def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
         return totals  # one replica: every rank scored the whole split
 
+    def extras(self, warmup_steps: int) -> dict[str, Any]:
+        return {"dp_size": 1, "pp_size": 1, "tp_size": self.device_mesh.size(),
+                "sequence_parallel": self.sequence_parallel, **self.probe.extras()}
+
     def trained_module(self) -> nn.Module:
         """The unsplit TransformerLM (DTensors gathered: a collective)."""
         state = {k: _local(v) for k, v in self.model.state_dict().items()}
@@ -177,6 +185,7 @@ class TorchTensorParallelStrategy(Strategy):
         return full
 
     def close(self) -> None:
+        self.probe.close()
         self.optimizer = None
         gc.collect()
 
