@@ -3,6 +3,7 @@ number of workers, and recommend one.
 
     disttrain simulate --model lenet --cluster cluster-400g --workers 8,64,512,4096
     disttrain simulate --model resnet101 --cluster roce-25g --batch 64 --strategies ddp
+    disttrain simulate --model gpt-13b --cluster cluster-400g --batch 1 --workers 8,64
     disttrain simulate --cluster my_cluster.toml --json rows.jsonl --plot scaling.svg
     disttrain simulate --validate -n 2,4 --json validate.jsonl   # predicted vs measured here
 
@@ -51,7 +52,8 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
         description="Discrete-event simulation of one training step per strategy, from a "
         "compute profile of the model and the α-β-γ cost model (docs/simulate.md).")
     p.add_argument("--model", default="lenet", help="a registered model (profiled here), "
-                   "'resnet101' (analytic profile) or package.module:factory")
+                   "'resnet101', 'gpt-1.3b', 'gpt-13b' (analytic profiles) or "
+                   "package.module:factory")
     p.add_argument("--dataset", default=None, help="dataset whose inputs the profile uses "
                    "(default: synthetic-lm for transformer, digits otherwise)")
     p.add_argument("--cluster", default="local",
