@@ -21,6 +21,7 @@ from typing import Any
 from disttrain.simulate.cluster import PRESETS, Cluster, get_cluster
 from disttrain.simulate.profile import ModelProfile
 from disttrain.simulate.workload import PARTITIONS, Speeds, Workload
+from disttrain.train.cli import DeprecatedAlias
 
 DEFAULT_WORKERS = (8, 64, 512, 4096)
 
@@ -101,8 +102,10 @@ def _workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="collective algorithm: auto, ring, tree, halving_doubling, hierarchical")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP/ZeRO-2 bucket size")
     p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches")
-    p.add_argument("--pp-size", type=int, default=None,
+    p.add_argument("--pp", type=int, default=None, dest="pp_size",
                    help="pipeline stages (default: min(workers, layers, 8))")
+    p.add_argument("--pp-size", type=int, default=None, dest="pp_size",
+                   action=DeprecatedAlias, help="deprecated spelling of --pp")
     p.add_argument("--partition", default="params", choices=PARTITIONS,
                    help="how pipeline stages are cut: params (disttrain's default) or time "
                         "(balance the profiled compute)")
