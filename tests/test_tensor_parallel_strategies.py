@@ -70,6 +70,15 @@ def test_mesh_strategies_equal_single_process(pools, reference, strategy, world,
     check(pools(world).run(rank_train, config), reference, split=split)
 
 
+@pytest.mark.parametrize("zero", [None, 2])
+def test_gradient_accumulation_inside_the_mesh(pools, reference, zero):
+    """Two micro-batches per step: DataParallel's no_sync (or ZeRO-2's) and the TP
+    collectives of both micro-batches, the same update as one process."""
+    config = dataclasses.replace(CONFIG, strategy="3d", accumulate=2, parallel=ParallelOptions(
+        dp_size=2, tp_size=2, zero=zero, **RING))
+    check(pools(4).run(rank_train, config), reference)
+
+
 @pytest.mark.parametrize("strategy", ["torch-tp", "torch-tp-sp"])
 def test_torch_tensor_parallel_baseline_equals_single_process(pools, reference, strategy):
     config = dataclasses.replace(CONFIG, strategy=strategy)

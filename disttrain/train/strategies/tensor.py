@@ -309,8 +309,8 @@ def build_mesh_strategy(ctx: BuildContext) -> Strategy:
     comm = ctx.require_comm(config.strategy)
     settings = mesh_settings(config, comm.world_size)
     mesh = build_mesh(comm, settings.shape)
-    comm.expect_workload("collectives")
-    if mesh.pp_size == 1:
+    if mesh.pp_size == 1:  # collectives only (a pipeline's messages tune the I/O themselves)
+        comm.expect_workload("collectives")
         return TensorParallelStrategy(ctx, mesh, settings)
     from disttrain.train.strategies.tensor_pipeline import TensorPipelineStrategy
 
