@@ -83,3 +83,21 @@ def test_gradient_accumulation_inside_the_mesh(pools, reference, zero):
 def test_torch_tensor_parallel_baseline_equals_single_process(pools, reference, strategy):
     config = dataclasses.replace(CONFIG, strategy=strategy)
     check(pools(2).run(rank_train, config), reference, exact_bytes=False)
+
+
+@pytest.mark.parametrize(("strategy", "options"), [
+    ("tp", {}), ("3d", {"tp_size": 2, "pp_size": 2, "microbatches": 2})])
+def test_checkpoints_resume_exactly(pools, tmp_path, strategy, options):
+    """Two steps, a checkpoint (one file per tp rank and stage), two more steps after a
+    resume: the same parameters as four steps in one go."""
+    world = 2 if strategy == "tp" else 4
+    base = dataclasses.replace(CONFIG, strategy=strategy, steps=4,
+                               parallel=ParallelOptions(**options))
+    straight = pools(world).run(rank_train, base)
+    first = dataclasses.replace(base, steps=2, checkpoint_dir=str(tmp_path))
+    pools(world).run(rank_train, first)
+    resumed = pools(world).run(rank_train, dataclasses.replace(first, steps=4, resume=True))
+    for (want, _), (got, result) in zip(straight, resumed):
+        assert result.start_step == 2
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want)

@@ -8,6 +8,10 @@ and each sends its activations to the same tp rank of the next stage. The last s
 is the vocabulary-parallel cross-entropy; after the pipeline has averaged each stage's
 gradients over dp, the sequence-parallel gradients of the stage are summed over tp.
 
+Activations are counted by the stage itself (``peak_activation_bytes``, every micro-batch
+in flight; a probe of one block would hide the tensors from the stage's own count, as
+saved-tensor hooks do not nest).
+
 Bytes per rank per step: the pipeline's messages (``pipeline_theory``; with SP each
 message is the rank's 1/t of the sequence), the dp all-reduce of the stage's gradients and
 loss, and the TP collectives of the stage's layers for each micro-batch.
@@ -47,7 +51,7 @@ from disttrain.train.strategies.pipeline import (
     pipeline_theory,
     stage_layers,
 )
-from disttrain.train.strategies.tensor import MeshSettings, probe_first_block
+from disttrain.train.strategies.tensor import MeshSettings
 from disttrain.train.transformer import TransformerLM
 
 
@@ -70,7 +74,6 @@ class TensorPipelineStrategy(PipelineStrategy):
                                                      mesh.pp_size, mesh.dp_rank, mesh.dp_size))
         self._sp_params = sequence_parallel_parameters(pipe.module) if (
             settings.sequence_parallel and shard is not None) else []
-        self.probe = probe_first_block(pipe.module, mesh.tp_size, settings.sequence_parallel)
         self.collective_eval = True
         self.theory_bytes_per_step = self._mesh_theory(ctx, microbatches)
 
@@ -130,9 +133,7 @@ class TensorPipelineStrategy(PipelineStrategy):
         out = super().extras(warmup_steps)
         out.update({"tp_size": self.mesh.tp_size,
                     "sequence_parallel": self.mesh_settings.sequence_parallel})
-        if self.probe is not None:
-            out.update(self.probe.extras())
-        return out
+        return out  # activations: the stage's own count (peak_activation_bytes)
 
     def trained_module(self) -> nn.Module:
         """This stage's layers, unsplit (gathered over tp), named as in the whole model."""
@@ -144,6 +145,3 @@ class TensorPipelineStrategy(PipelineStrategy):
         stage.load_state_dict(full_state_dict(self.module, self.shard.group))
         return stage
 
-    def close(self) -> None:
-        if self.probe is not None:
-            self.probe.close()
