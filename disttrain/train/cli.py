@@ -100,8 +100,9 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
     ddp.add_argument("--find-unused-parameters", action="store_true")
     ddp.add_argument("--algorithm", default=None,
                      help="collective algorithm of disttrain.comm for 'ddp' (ring, tree, "
-                          "halving_doubling, naive, native) and 'zero1-3' (ring, naive, "
-                          "halving_doubling, native); default: auto. 'native' traffic runs "
+                          "halving_doubling, naive, native), 'zero1-3' (ring, naive, "
+                          "halving_doubling, native) and 'tp', 'tp-sp', '3d' (every "
+                          "collective they run); default: auto. 'native' traffic runs "
                           "inside torch and is not counted in comm_MB")
     pipe = p.add_argument_group("pipeline and model parallel")
     pipe.add_argument("--schedule", default=None,
