@@ -96,7 +96,7 @@ def grid_with_unused_parameter(comm) -> list[str]:
         opt.step()
     pipe = build_pipeline(_unused_model(), _fresh(comm), schedule="1f1b", microbatches=2,
                           partition=[2, 2], pp_size=2)
-    rows = slice(pipe.grid.dp_rank * 4, pipe.grid.dp_rank * 4 + 4)
+    rows = slice(pipe.mesh.dp_rank * 4, pipe.mesh.dp_rank * 4 + 4)
     opt = _sgd(pipe.parameters())
     for x, y in data:
         opt.zero_grad()

@@ -106,8 +106,8 @@ def check_grid(comm, schedule: str, pp_size: int) -> tuple[int, int]:
     ref = reference(data)
     pipe = build_pipeline(make_model(), comm, schedule=schedule, microbatches=3,
                           pp_size=pp_size)
-    share = 16 // pipe.grid.dp_size
-    rows = slice(pipe.grid.dp_rank * share, (pipe.grid.dp_rank + 1) * share)
+    share = 16 // pipe.mesh.dp_size
+    rows = slice(pipe.mesh.dp_rank * share, (pipe.mesh.dp_rank + 1) * share)
     train_and_compare(pipe, data, ref, shard=rows)
     x = data[0][0]
     out = pipe.eval_forward(x[rows] if pipe.is_first else None)
@@ -115,8 +115,8 @@ def check_grid(comm, schedule: str, pp_size: int) -> tuple[int, int]:
     trained = make_model()
     trained.load_state_dict(ref[2])
     with torch.no_grad():  # the mean over replicas of each replica's output sum
-        assert shared == pytest.approx(float(trained(x).sum()) / pipe.grid.dp_size)
-    return pipe.grid.stage, pipe.grid.dp_rank
+        assert shared == pytest.approx(float(trained(x).sum()) / pipe.mesh.dp_size)
+    return pipe.mesh.pp_rank, pipe.mesh.dp_rank
 
 
 @pytest.mark.parametrize(("schedule", "pp_size", "places"), [

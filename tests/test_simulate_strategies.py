@@ -202,8 +202,8 @@ def test_validate_predicts_every_locally_runnable_strategy(world_size: int) -> N
                                                   collective_call_s=1e-4))
     assert single_step(paying, 32) == pytest.approx(profile.compute(32) + 1e-3 + 1e-4)
     for name in STRATEGIES:
-        if name not in RUNNABLE:
-            continue
+        if name not in RUNNABLE or RUNNABLE[name].layout == "mesh":
+            continue  # tensor parallelism needs a transformer: test_simulate_tensor_parallel
         bare = predicted(profile, name, world_size, 32, 8)
         assert 0 < bare < predicted(paying, name, world_size, 32, 8), name
 

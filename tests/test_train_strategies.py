@@ -170,7 +170,7 @@ def test_pipeline_checkpoint_resumes_exactly(pools, tmp_path):
     other_split = dataclasses.replace(config, steps=6, resume=True, parallel=ParallelOptions(
         microbatches=2, partition=(2, 4)))
     errors = pools(2).run(rank_train_error, other_split)
-    assert all("resume with the same --partition and --pp-size" in e for e in errors), errors
+    assert all("resume with the same --partition and --pp" in e for e in errors), errors
 
 
 # ---------------------------------------------------------------- torch's baselines

@@ -31,17 +31,17 @@ def test_run_1f1b_two_stages_matches_single():
 @pytest.mark.parametrize("args,message", [
     (["--strategy", "ddp", "-n", "2", "--microbatches", "4"],
      "--microbatches does not apply to strategy 'ddp'; it applies to: gpipe, 1f1b, "
-     "torch-gpipe (for gradient accumulation use --accumulate)"),
+     "torch-gpipe, 3d (for gradient accumulation use --accumulate)"),
     (["--strategy", "pipeline", "--schedule", "interleaved", "-n", "2"],
      "schedule must be one of gpipe, 1f1b, got 'interleaved'"),
     (["--strategy", "gpipe", "--schedule", "1f1b", "-n", "2"],
      "--schedule 1f1b contradicts strategy 'gpipe'"),
-    (["--strategy", "1f1b", "-n", "4", "--pp-size", "3"], "--pp-size 3 does not divide"),
+    (["--strategy", "1f1b", "-n", "4", "--pp", "3"], "--pp 3 does not divide"),
     (["--strategy", "1f1b", "-n", "2", "--microbatches", "64"],
      "fewer than 64 micro-batches; use --microbatches 32 or less"),
     (["--strategy", "gpipe", "-n", "2", "--accumulate", "2"], "--accumulate must be 1"),
-    (["--strategy", "model-parallel", "-n", "2", "--pp-size", "2"],
-     "--pp-size does not apply to strategy 'model-parallel'"),
+    (["--strategy", "model-parallel", "-n", "2", "--pp", "2"],
+     "--pp does not apply to strategy 'model-parallel'"),
     (["--strategy", "zero2", "-n", "2", "--compression", "fp16"],
      "--compression does not apply to strategy 'zero2'; it applies to: ddp"),
     (["--strategy", "1f1b", "-n", "2", "--partition", "3;3"], "--partition must be 'params'"),
@@ -75,7 +75,7 @@ def test_bad_flag_combinations_exit_2_with_the_fix(capsys, args, message):
                                                ("1f1b", "1f1b")])
 def test_strategy_pipeline_is_the_schedule(schedule, strategy):
     """The issue's spelling, ``--strategy pipeline --schedule 1f1b``, is the named strategy."""
-    argv = ["run", "--strategy", "pipeline", "-n", "4", "--microbatches", "8", "--pp-size", "2"]
+    argv = ["run", "--strategy", "pipeline", "-n", "4", "--microbatches", "8", "--pp", "2"]
     args = build_parser().parse_args(argv + (["--schedule", schedule] if schedule else []))
     config = config_from_args(args)
     assert config.strategy == strategy

@@ -5,7 +5,8 @@ it: which transport (torch's own baselines always run on ``torch``), which colle
 algorithm (``ring`` for disttrain's data-parallel strategies, so their bytes are counted and
 compared with theory; ``native`` would hide them), and which PyTorch implementation of the
 same idea it is compared with (``ddp`` against ``torch-ddp``, ``zero1``/``zero2`` against
-``torch-zero1``, ``gpipe`` against ``torch-gpipe``).
+``torch-zero1``, ``gpipe`` against ``torch-gpipe``, ``tp``/``tp-sp`` against
+``torch-tp``/``torch-tp-sp``).
 
 The list is read from the strategy registry at run time, so a strategy registered there is a
 row here with nothing else to do; :data:`TORCH_COUNTERPART` is the one entry to add when a
@@ -13,6 +14,11 @@ new disttrain strategy has a torch equivalent.
 
 Parameter-server rows (``ps-sync``, ``ps-async``, ``ps-ssp``): ``-n W`` means W workers, and
 each run starts ``servers`` more ranks; ``straggler`` and ``staleness`` apply to them only.
+
+Tensor-parallel rows (``tp``, ``tp-sp``, ``3d``, ``torch-tp``, ``torch-tp-sp``) split a
+transformer: they are planned by default only with ``--model transformer``; asked for by
+name with another model, each is a row refused with the reason. ``3d`` runs on a mesh of
+``tp_size`` × ``pp_size`` (dp takes the rest of the ranks).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from disttrain.train.strategies import STRATEGIES
 
 REFERENCE = "single"
 TORCH_COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero1", "zero2": "torch-zero1",
-                     "gpipe": "torch-gpipe"}
+                     "gpipe": "torch-gpipe", "tp": "torch-tp", "tp-sp": "torch-tp-sp"}
+TRANSFORMER = "transformer"  # the model the tensor-parallel rows split
 DEFAULT_ALGORITHM = "ring"  # counted by comm.stats, and what the theoretical bytes assume
 DEFAULT_WORLD_SIZES = (2,)
 DEFAULT_EPOCHS = 2
@@ -41,6 +48,7 @@ class Experiment:
     max_world_size: int | None
     parameter_server: bool = False  # -n counts workers; the servers are extra ranks
     takes_staleness: bool = False
+    needs_transformer: bool = False  # splits a TransformerLM (the mesh strategies)
 
 
 def experiments() -> dict[str, Experiment]:
@@ -53,7 +61,8 @@ def experiments() -> dict[str, Experiment]:
             compare_to=TORCH_COUNTERPART.get(name) if TORCH_COUNTERPART.get(name)
             in STRATEGIES else None,
             takes_algorithm="algorithm" in spec.options, max_world_size=spec.max_world_size,
-            parameter_server=spec.layout == "ps", takes_staleness="staleness" in spec.options)
+            parameter_server=spec.layout == "ps", takes_staleness="staleness" in spec.options,
+            needs_transformer=spec.layout == "mesh")
     order = sorted(found, key=lambda n: (n != REFERENCE, not found[n].is_baseline))
     return {name: found[name] for name in order}
 
@@ -83,6 +92,8 @@ class BenchConfig:
     straggler: tuple[tuple[int, float], ...] = ()  # parameter-server rows: slowed workers
     straggler_every: int | None = None  # ... each slow-down moving to the next worker every N
     bind_cores: bool = False  # pin each rank to a core of its own (when ranks ≤ cores)
+    tp_size: int = 2  # "3d" rows: ranks per tensor-parallel group
+    pp_size: int = 1  # "3d" rows: pipeline stages (dp = world / (tp · pp))
     extra: dict[str, str] = field(default_factory=dict)  # recorded in the environment
 
     def __post_init__(self) -> None:
@@ -106,6 +117,10 @@ class BenchConfig:
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be ≥ 0 (0: only at the end), got "
                              f"{self.eval_every}")
+        for name in ("tp_size", "pp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name[:2]} must be an integer ≥ 1, got {value!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         known = experiments()
@@ -122,9 +137,13 @@ class BenchConfig:
         return self.epochs or DEFAULT_EPOCHS, None
 
     def selected(self) -> list[Experiment]:
-        """The experiments to run, in table order (the reference always first)."""
+        """The experiments to run, in table order (the reference always first). By
+        default every registered one, but the tensor-parallel ones only on the transformer
+        (named explicitly, they run, or are refused with the reason)."""
         known = experiments()
-        wanted = set(self.strategies or known) | {REFERENCE}
+        default = {n for n, e in known.items()
+                   if not e.needs_transformer or self.model == TRANSFORMER}
+        wanted = set(self.strategies or default) | {REFERENCE}
         return [e for name, e in known.items() if name in wanted]
 
 

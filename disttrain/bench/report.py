@@ -17,6 +17,10 @@ Parameter-server rows show ``n`` as ``workers+servers`` (``2+1``); their samples
 of the workers' own rates (a straggler slows only itself in async mode), their ``sent/step``
 is what a worker sends per step (its pushed gradients and request headers), and a line
 under the table gives each one's staleness distribution and straggler.
+
+Tensor-parallel rows get a line each under the table: the mesh (dp × pp × tp, sequence
+parallel or not) and the bytes autograd kept for one transformer block, measured and by the
+formula (:mod:`disttrain.parallel.tensor.theory`).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def text_table(rows: list[Row]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in grid]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    notes = ps_notes(rows)
+    notes = ps_notes(rows) + mesh_notes(rows)
     if notes:
         lines += ["", *notes]
     failed = [r for r in rows if r.get("error")]
@@ -100,6 +104,23 @@ def ps_notes(rows: list[Row]) -> list[str]:
     return notes
 
 
+def mesh_notes(rows: list[Row]) -> list[str]:
+    """One line per tensor-parallel row: its mesh and its activation bytes per block."""
+    notes = []
+    for r in rows:
+        x = r.get("extras") or {}
+        if r.get("error") or "tp_size" not in x:
+            continue
+        sp = "sequence parallel" if x.get("sequence_parallel") else "no sequence parallelism"
+        acts = ""
+        if x.get("activation_bytes_per_block") is not None:
+            acts = (f"; activations per block {_size(x['activation_bytes_per_block'])} "
+                    f"(formula {_size(x.get('activation_bytes_per_block_formula'))})")
+        notes.append(f"{r['strategy']} n={r['world_size']}: dp {x.get('dp_size')} × pp "
+                     f"{x.get('pp_size')} × tp {x['tp_size']}, {sp}{acts}")
+    return notes
+
+
 def markdown_table(rows: list[Row], env: dict[str, Any]) -> str:
     """The table in Markdown, headed by the command and the machine that produced it."""
     out = [f"Command: `{env.get('command', 'disttrain bench')}`  ",
@@ -109,7 +130,7 @@ def markdown_table(rows: list[Row], env: dict[str, Any]) -> str:
            f"{env.get('date')}", "",
            "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
-    notes = ps_notes(rows)
+    notes = ps_notes(rows) + mesh_notes(rows)
     if notes:
         out += ["", *[f"* {note}" for note in notes]]
     failed = [r for r in rows if r.get("error")]

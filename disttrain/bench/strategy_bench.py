@@ -53,6 +53,9 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
         parallel = ParallelOptions(servers=run.servers, straggler=config.straggler,
                                    straggler_every=config.straggler_every,
                                    staleness=config.staleness if exp.takes_staleness else None)
+    if exp.name == "3d":
+        parallel = ParallelOptions(algorithm=config.algorithm, tp_size=config.tp_size,
+                                   pp_size=config.pp_size)
     epochs, steps = config.length
     return TrainConfig(model=config.model, dataset=config.dataset, strategy=exp.name,
                        parallel=parallel, epochs=epochs, steps=steps,

@@ -4,6 +4,9 @@
     disttrain bench --list                            # the named experiments
     disttrain bench --strategies ddp,torch-ddp -n 1,2,4 --steps 50 --repeat 3
     disttrain bench --json rows.json --markdown table.md --html report.html --trace traces/
+    # tensor parallelism against torch's, on the transformer
+    disttrain bench --strategies tp,torch-tp,tp-sp,torch-tp-sp -n 2 --model transformer \
+        --dataset synthetic-lm --steps 60
     # the straggler experiment: one worker slowed 2x, sync vs async vs SSP in the same run
     disttrain bench --strategies ps-sync,ps-async,ps-ssp -n 2,4 --servers 1 \
         --straggler 1:2 --staleness 2 --eval-every 0 --steps 200 --global-batch 256
@@ -86,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "%(default)s; 0: only at the end, so nothing makes parameter-server "
                         "workers wait for each other)")
     _ps_arguments(parser, d)
+    mesh = parser.add_argument_group("tensor-parallel rows (tp, tp-sp, 3d, torch-tp, "
+                                     "torch-tp-sp: --model transformer --dataset synthetic-lm)")
+    mesh.add_argument("--tp", type=int, default=d.tp_size, dest="tp_size",
+                      help="3d rows: ranks per tensor-parallel group (default %(default)s; tp "
+                      "and tp-sp use every rank)")
+    mesh.add_argument("--pp", type=int, default=d.pp_size, dest="pp_size",
+                      help="3d rows: pipeline stages (default %(default)s); dp takes the rest")
     parser.add_argument("--timeout", type=float, default=d.timeout_s,
                         help="seconds any collective may wait; a rank silent for 4× this "
                         "is stopped (default %(default)s)")
@@ -129,7 +139,8 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
                        transport=args.transport, algorithm=args.algorithm,
                        timeout_s=args.timeout, eval_every=args.eval_every,
                        servers=args.servers, staleness=args.staleness,
-                       bind_cores=args.bind_cores, **straggler_options(args.straggler))
+                       bind_cores=args.bind_cores, tp_size=args.tp_size, pp_size=args.pp_size,
+                       **straggler_options(args.straggler))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

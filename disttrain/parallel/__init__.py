@@ -1,5 +1,6 @@
 """disttrain.parallel: training strategies built on the Communicator: data parallel, model and
-pipeline parallel, ZeRO and the parameter server."""
+pipeline parallel, tensor and sequence parallel, ZeRO and the parameter server, and the
+dp × pp × tp device mesh they share (:mod:`.mesh`)."""
 
 from disttrain.parallel.buckets import Bucket, plan_buckets
 from disttrain.parallel.compression import (
@@ -12,6 +13,7 @@ from disttrain.parallel.compression import (
     make_compressor,
 )
 from disttrain.parallel.data_parallel import DataParallel, DataParallelConfig
+from disttrain.parallel.mesh import DeviceMesh, MeshCoords, MeshShape, build_mesh
 from disttrain.parallel.mixed_precision import LossScaler, LossScalerConfig, autocast
 from disttrain.parallel.model_parallel import ModelParallel, build_model_parallel
 from disttrain.parallel.parameter_server import (
@@ -24,13 +26,11 @@ from disttrain.parallel.pipeline import (
     SCHEDULES,
     PipelineConfig,
     PipelineError,
-    PipelineGrid,
     PipelineParallel,
     StageFailedError,
     build_pipeline,
     format_schedule,
     gpipe,
-    make_grid,
     one_f_one_b,
     simulate,
 )
@@ -47,8 +47,11 @@ __all__ = [
     "Compressor",
     "DataParallel",
     "DataParallelConfig",
+    "DeviceMesh",
     "LossScaler",
     "LossScalerConfig",
+    "MeshCoords",
+    "MeshShape",
     "ModelParallel",
     "NoCompression",
     "OverlapReport",
@@ -56,7 +59,6 @@ __all__ = [
     "PSWorker",
     "PipelineConfig",
     "PipelineError",
-    "PipelineGrid",
     "PipelineParallel",
     "PowerSGDCompressor",
     "StageFailedError",
@@ -69,12 +71,12 @@ __all__ = [
     "ZeroConfig",
     "assign_roles",
     "autocast",
+    "build_mesh",
     "build_model_parallel",
     "build_pipeline",
     "format_schedule",
     "gpipe",
     "make_compressor",
-    "make_grid",
     "one_f_one_b",
     "plan_buckets",
     "run_parameter_server",

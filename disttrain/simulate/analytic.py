@@ -1,4 +1,5 @@
-"""Profiles built on paper, for models too large to measure here: ResNet-101 on ImageNet.
+"""Profiles built on paper, for models too large to measure here: ResNet-101 on ImageNet,
+and GPT-style transformer language models (``gpt-1.3b``, ``gpt-13b``).
 
 ResNet-101 (He et al. 2016, Table 1): a 7×7 stem, bottleneck blocks (1×1, 3×3, 1×1 with
 4× expansion) in four stages of 3, 4, 23 and 3 blocks at 56², 28², 14² and 7², and a
@@ -12,6 +13,7 @@ maps (fp32, ×2 for the BatchNorm and ReLU copies). Times are for a device susta
 
 from __future__ import annotations
 
+from disttrain.parallel.tensor.theory import LMShape, block_activation_elements
 from disttrain.simulate.profile import LayerProfile, ModelProfile
 
 RESNET101_BLOCKS = ((64, 3, 56), (128, 4, 28), (256, 23, 14), (512, 3, 7))
@@ -71,4 +73,36 @@ def resnet101(device_flops: float, forward_flops: float = 2 * HE_FORWARD_MULT_AD
                         20 / optimizer_bytes_per_s, source="analytic (He et al. 2016)")
 
 
-ANALYTIC = {"resnet101": resnet101}
+def gpt(shape: LMShape, name: str, device_flops: float,
+        optimizer_bytes_per_s: float = 700e9) -> ModelProfile:
+    """A pre-norm GPT with disttrain's TransformerLM layout (embeddings, blocks, LayerNorm,
+    head) on sequences of ``shape.max_len`` tokens. Forward FLOPs per sequence: a block
+    2·(12sh² + 2s²h) (QKV, out, the 4h MLP, attention scores and sums: Narayanan et al.
+    2021, eq. 2 without the vocabulary term), the head 2shV; backward twice the forward.
+    Saved activations per block are :func:`~disttrain.parallel.tensor.theory.block_activation
+    _elements` (what autograd keeps here, fp32); the others keep their input."""
+    s, h, v, a = shape.max_len, shape.d_model, shape.vocab_size, shape.n_heads
+    block = 2 * (12 * s * h * h + 2 * s * s * h)
+    rows = [("embeddings", v * h + s * h, 2 * s * h, 2 * s, s * h),
+            *((f"block{i + 1}", 12 * h * h + 13 * h, block,
+               block_activation_elements(s, 1, h, a, 1, False), s * h)
+              for i in range(shape.n_layers)),
+            ("norm", 2 * h, 5 * s * h, s * h + 2 * s, s * h),
+            ("head", h * v + v, 2 * s * h * v, s * h, s * v)]
+    layers = [LayerProfile(n, 0.0, flops / device_flops, 0.0, 2 * flops / device_flops,
+                           params, 4.0 * saved, 4.0 * out, 2)
+              for n, params, flops, saved, out in rows]
+    return ModelProfile(name, tuple(layers), device_flops, 20 / optimizer_bytes_per_s,
+                        source="analytic (GPT, Narayanan et al. 2021)", transformer=shape)
+
+
+GPT_SHAPES = {  # GPT-3 paper sizes (Brown et al. 2020, Table 2.1), vocabulary padded to 64
+    "gpt-1.3b": LMShape(vocab_size=50304, d_model=2048, n_heads=16, n_layers=24,
+                        max_len=2048),
+    "gpt-13b": LMShape(vocab_size=50304, d_model=5120, n_heads=40, n_layers=40,
+                       max_len=2048),
+}
+
+ANALYTIC = {"resnet101": resnet101,
+            **{name: (lambda flops, shape=shape, name=name: gpt(shape, name, flops))
+               for name, shape in GPT_SHAPES.items()}}

@@ -3,6 +3,7 @@ number of workers, and recommend one.
 
     disttrain simulate --model lenet --cluster cluster-400g --workers 8,64,512,4096
     disttrain simulate --model resnet101 --cluster roce-25g --batch 64 --strategies ddp
+    disttrain simulate --model gpt-13b --cluster cluster-400g --batch 1 --workers 8,64
     disttrain simulate --cluster my_cluster.toml --json rows.jsonl --plot scaling.svg
     disttrain simulate --validate -n 2,4 --json validate.jsonl   # predicted vs measured here
 
@@ -20,6 +21,7 @@ from typing import Any
 from disttrain.simulate.cluster import PRESETS, Cluster, get_cluster
 from disttrain.simulate.profile import ModelProfile
 from disttrain.simulate.workload import PARTITIONS, Speeds, Workload
+from disttrain.train.cli import DeprecatedAlias
 
 DEFAULT_WORKERS = (8, 64, 512, 4096)
 
@@ -51,7 +53,8 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
         description="Discrete-event simulation of one training step per strategy, from a "
         "compute profile of the model and the α-β-γ cost model (docs/simulate.md).")
     p.add_argument("--model", default="lenet", help="a registered model (profiled here), "
-                   "'resnet101' (analytic profile) or package.module:factory")
+                   "'resnet101', 'gpt-1.3b', 'gpt-13b' (analytic profiles) or "
+                   "package.module:factory")
     p.add_argument("--dataset", default=None, help="dataset whose inputs the profile uses "
                    "(default: synthetic-lm for transformer, digits otherwise)")
     p.add_argument("--cluster", default="local",
@@ -99,8 +102,10 @@ def _workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="collective algorithm: auto, ring, tree, halving_doubling, hierarchical")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP/ZeRO-2 bucket size")
     p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches")
-    p.add_argument("--pp-size", type=int, default=None,
+    p.add_argument("--pp", type=int, default=None, dest="pp_size",
                    help="pipeline stages (default: min(workers, layers, 8))")
+    p.add_argument("--pp-size", type=int, default=None, dest="pp_size",
+                   action=DeprecatedAlias, help="deprecated spelling of --pp")
     p.add_argument("--partition", default="params", choices=PARTITIONS,
                    help="how pipeline stages are cut: params (disttrain's default) or time "
                         "(balance the profiled compute)")

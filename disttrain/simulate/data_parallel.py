@@ -72,7 +72,7 @@ def _buckets(case: Case) -> list[list[int]]:
                         int(case.workload.bucket_mb * MIB))
 
 
-def _issue(sim: Simulation, case: Case, name: str, seconds: float, deps: tuple[int, ...],
+def issue_collective(sim: Simulation, case: Case, name: str, seconds: float, deps: tuple[int, ...],
            probe: str = "all_reduce", in_step: float | None = None) -> int:
     """A collective on "link": the call's software overhead (measured on one rank; on this
     machine plus the wake-up of a collective issued after compute, in proportion to how
@@ -101,7 +101,7 @@ def _bucketed(sim: Simulation, case: Case, op: str, bwd: list[int]) -> tuple[lis
     for bucket in _buckets(case):
         seconds, nbytes, algorithm = case.collective(op, group, case.grad_bytes(bucket))
         ready = bwd[min(bucket)]  # reverse order: the lowest layer's backward ends last
-        tasks.append(_issue(sim, case, f"{op}{len(tasks)}", seconds, (ready,), op))
+        tasks.append(issue_collective(sim, case, f"{op}{len(tasks)}", seconds, (ready,), op))
         sent += nbytes
         algorithms.add(algorithm)
     return tasks, sent, algorithms
@@ -160,12 +160,12 @@ def simulate_zero12(case: Case, stage: int) -> StepResult:
         # that probe's wake-up: on a shared host a synchronous call pays the slow price more
         # often (charged the asynchronous reduce-scatter's wake-up, ZeRO-1 on 2 Gloo ranks
         # read 0.61-0.86 of its runs; charged this one, 0.91-1.17)
-        reduces = [_issue(sim, case, "rs", seconds, (bwd[0],))]
+        reduces = [issue_collective(sim, case, "rs", seconds, (bwd[0],))]
         algorithms = {algorithm}
     opt = sim.add("opt", "compute", case.optimizer(case.profile.params / case.workers),
                   tuple(reduces), "optimizer")
     seconds, ag_bytes, algorithm = case.collective("all_gather", group, grads)
-    ag = _issue(sim, case, "ag", seconds, (opt,))
+    ag = issue_collective(sim, case, "ag", seconds, (opt,))
     work = case.overheads.zero_s.get(stage, 0.0)  # flatten, shard, copy back (measured)
     if work:
         sim.add("zero-work", "compute", work, (ag,), "overhead")
@@ -192,7 +192,7 @@ def simulate_zero3(case: Case) -> StepResult:
         seconds, nbytes, algorithm = case.collective(op, group, case.grad_bytes([layer]))
         sent += nbytes
         algorithms.add(algorithm)
-        return _issue(sim, case, name, seconds, deps, op, in_step)
+        return issue_collective(sim, case, name, seconds, deps, op, in_step)
 
     if case.overheads.step_s:
         sim.add("loop", "compute", case.overheads.step_s, (), "overhead")

@@ -225,9 +225,9 @@ def simulate_pipeline(case: Case, name: str, pp: int | None = None,
     m = 1 if name == "model-parallel" else (microbatches or case.workload.microbatches)
     if pp > case.layers:
         return not_applicable(case, name, f"{pp} stages need ≥ {pp} layers; the model has "
-                              f"{case.layers} (use --pp-size ≤ {case.layers})")
+                              f"{case.layers} (use --pp ≤ {case.layers})")
     if case.workers % pp:
-        return not_applicable(case, name, f"--pp-size {pp} does not divide {case.workers} "
+        return not_applicable(case, name, f"--pp {pp} does not divide {case.workers} "
                               f"workers")
     dp = case.workers // pp
     replica_batch = case.global_batch / dp

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from disttrain.parallel.pipeline.partition import layers_of
+from disttrain.parallel.tensor.theory import LMShape
 from disttrain.simulate.layer_timing import REPEATS, Rows, run_layers
 from disttrain.simulate.overheads import Overheads
 
@@ -73,6 +74,8 @@ class ModelProfile:
     optimizer_s_per_param: float  # used when ``overheads`` were not measured
     source: str = "measured"
     overheads: Overheads = field(default_factory=Overheads)
+    # the sizes tensor parallelism splits, when the model is a TransformerLM (None: not one)
+    transformer: LMShape | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -313,4 +316,14 @@ def registered_rounds(model: str, dataset: str = "digits", seed: int = 0,
         profile, rounds = measure_rounds(model, net, make_input, loop=step,
                                          transport=transport, bind_cores=bind_cores)
         rounds.closing.append(stack.pop_all().close)
-    return profile, rounds
+    return dataclasses.replace(profile, transformer=transformer_shape(net)), rounds
+
+
+def transformer_shape(model: nn.Module) -> LMShape | None:
+    """The sizes of a TransformerLM-shaped model (None for any other model)."""
+    from disttrain.parallel.tensor.transformer import lm_shape
+
+    try:
+        return LMShape(**lm_shape(model))
+    except ValueError:
+        return None

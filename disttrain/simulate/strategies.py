@@ -16,6 +16,7 @@ from disttrain.simulate.data_parallel import simulate_ddp, simulate_zero3, simul
 from disttrain.simulate.parameter_server import simulate_ps
 from disttrain.simulate.pipeline import simulate_pipeline
 from disttrain.simulate.profile import ModelProfile
+from disttrain.simulate.tensor_parallel import simulate_tp
 from disttrain.simulate.workload import Workload
 
 Simulator = Callable[[Case], StepResult]
@@ -31,6 +32,9 @@ STRATEGIES: dict[str, Simulator] = {
     "model-parallel": lambda case: simulate_pipeline(case, "model-parallel"),
     "gpipe": lambda case: simulate_pipeline(case, "gpipe"),
     "1f1b": lambda case: simulate_pipeline(case, "1f1b"),
+    "tp": lambda case: simulate_tp(case, "tp"),
+    "tp-sp": lambda case: simulate_tp(case, "tp-sp"),
+    "3d": lambda case: simulate_tp(case, "3d"),
 }
 
 

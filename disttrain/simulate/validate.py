@@ -61,9 +61,12 @@ from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
 GLOBAL_BATCH = BenchConfig().global_batch  # the ZeRO-3 probe computes a rank's share of it
 
 
-def _plan(names: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    runnable = [n for n in names if n in RUNNABLE]
-    skipped = [n for n in names if n not in RUNNABLE]
+def _plan(names: tuple[str, ...], model: str = "transformer") -> tuple[list[str], list[str]]:
+    """(runnable here, skipped): strategies of the training registry; the tensor-parallel
+    ones only on the transformer they split."""
+    runnable = [n for n in names if n in RUNNABLE and (
+        RUNNABLE[n].layout != "mesh" or model == "transformer")]
+    skipped = [n for n in names if n not in runnable]
     return runnable, skipped
 
 
@@ -127,10 +130,11 @@ def runs_text(times: list[float | None] | None) -> str:
 
 
 def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
-    names, skipped = _plan(tuple(args.strategies))
+    names, skipped = _plan(tuple(args.strategies), args.model)
     for name in skipped:
-        print(f"skipping {name}: not runnable by disttrain bench here (not in the training "
-              f"strategy registry)", file=sys.stderr)
+        why = ("it splits a transformer (--model transformer)" if name in RUNNABLE else
+               "not in the training strategy registry")
+        print(f"skipping {name}: not runnable by disttrain bench here ({why})", file=sys.stderr)
     dataset = args.dataset or ("synthetic-lm" if args.model == "transformer" else "digits")
     costs = load_costs(args.transport)
     if costs.source == LinkCosts().source:

@@ -4,7 +4,10 @@
     disttrain run --strategy single --model lenet --dataset digits --epochs 3   # the reference
     disttrain run --strategy zero2 -n 2 --optimizer adam --lr 1e-3 --epochs 3
     disttrain run --strategy 1f1b -n 2 --microbatches 4 --model mlp --epochs 1
-    disttrain run --strategy pipeline --schedule gpipe -n 4 --pp-size 2 --microbatches 8
+    disttrain run --strategy pipeline --schedule gpipe -n 4 --pp 2 --microbatches 8
+    disttrain run --strategy tp -n 2 --model transformer --dataset synthetic-lm --epochs 1
+    disttrain run --strategy 3d -n 4 --dp 2 --tp 2 --pp 1 --model transformer \
+        --dataset synthetic-lm --optimizer adam --lr 1e-3 --zero 1
     disttrain run --strategy ps-ssp -n 4 --servers 1 --staleness 2 --straggler 1:2
 
 With ``-n N > 1`` it starts N local ranks itself (the parameter-server strategies start N
@@ -102,8 +105,9 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
     ddp.add_argument("--find-unused-parameters", action="store_true")
     ddp.add_argument("--algorithm", default=None,
                      help="collective algorithm of disttrain.comm for 'ddp' (ring, tree, "
-                          "halving_doubling, naive, native) and 'zero1-3' (ring, naive, "
-                          "halving_doubling, native); default: auto. 'native' traffic runs "
+                          "halving_doubling, naive, native), 'zero1-3' (ring, naive, "
+                          "halving_doubling, native) and 'tp', 'tp-sp', '3d' (every "
+                          "collective they run); default: auto. 'native' traffic runs "
                           "inside torch and is not counted in comm_MB")
     pipe = p.add_argument_group("pipeline and model parallel")
     pipe.add_argument("--schedule", default=None,
@@ -113,9 +117,24 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
     pipe.add_argument("--partition", default=None,
                       help="layers per stage: params (balance parameter counts, default), "
                            "time (balance measured time) or counts like 3,2,2")
-    pipe.add_argument("--pp-size", type=int, default=None,
-                      help="stages per pipeline (gpipe, 1f1b): -n/pp-size data-parallel "
-                           "replicas (default: one pipeline over all ranks)")
+    pipe.add_argument("--pp", type=int, default=None, dest="pp_size",
+                      help="stages per pipeline (gpipe, 1f1b, 3d): -n/pp data-parallel "
+                           "replicas (default: one pipeline over all ranks; 3d: 1)")
+    pipe.add_argument("--pp-size", type=int, default=None, dest="pp_size",
+                      action=DeprecatedAlias, help="deprecated spelling of --pp")
+    mesh = p.add_argument_group("tensor parallel and the dp × pp × tp mesh (tp, tp-sp, 3d, "
+                                "torch-tp)")
+    mesh.add_argument("--tp", type=int, default=None, dest="tp_size",
+                      help="3d: ranks per tensor-parallel group (default 1; tp and tp-sp use "
+                           "every rank)")
+    mesh.add_argument("--dp", type=int, default=None, dest="dp_size",
+                      help="3d: data-parallel replicas (default: -n / (tp · pp))")
+    mesh.add_argument("--sequence-parallel", action="store_true",
+                      help="split LayerNorm regions along the sequence (tp, 3d, torch-tp; "
+                           "tp-sp implies it)")
+    mesh.add_argument("--zero", type=int, default=None, choices=(1, 2),
+                      help="3d: ZeRO stage 1 or 2 over the dp groups (default: plain data "
+                           "parallel)")
     ps = p.add_argument_group("parameter server (ps-sync, ps-async, ps-ssp)")
     ps.add_argument("--servers", type=int, default=None,
                     help="server processes besides the -n workers (default 1; in a launched "
@@ -127,6 +146,24 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
                          "1:2,3:1.5); workers are ranks 0..N-1. With :EVERY the slow-down is "
                          "transient: it starts on RANK and moves to the next worker every "
                          "EVERY steps (e.g. 1:2:5)")
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old flag name that still works, with a one-time note naming the new one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.warned = False
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if not self.warned:
+            new = next(a.option_strings[0] for a in parser._actions
+                       if a.dest == self.dest and a is not self)
+            print(f"{parser.prog}: {option_string} is deprecated; use {new} (same meaning)",
+                  file=sys.stderr)
+            self.warned = True
+        setattr(namespace, self.dest, values)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -143,7 +180,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                algorithm=args.algorithm, schedule=args.schedule,
                                microbatches=args.microbatches,
                                partition=parse_partition(args.partition),
-                               pp_size=args.pp_size, servers=args.servers,
+                               pp_size=args.pp_size, tp_size=args.tp_size,
+                               dp_size=args.dp_size, sequence_parallel=args.sequence_parallel,
+                               zero=args.zero, servers=args.servers,
                                staleness=args.staleness,
                                **straggler_options(args.straggler))
     return TrainConfig(

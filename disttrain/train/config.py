@@ -37,7 +37,12 @@ class ParallelOptions:
     schedule: str | None = None  # "gpipe" or "1f1b": must agree with the strategy's name
     microbatches: int | None = None  # micro-batches per step (None: 8)
     partition: str | tuple[int, ...] | None = None  # "params", "time" or layers per stage
-    pp_size: int | None = None  # stages per pipeline (None: every rank is a stage)
+    pp_size: int | None = None  # stages per pipeline (None: every rank is a stage; "3d": 1)
+    # tensor parallel and the dp × pp × tp mesh ("tp", "tp-sp", "3d", "torch-tp")
+    tp_size: int | None = None  # "3d": ranks per tensor-parallel group (None: 1)
+    dp_size: int | None = None  # "3d": data-parallel replicas (None: world / (tp · pp))
+    sequence_parallel: bool = False  # shard LayerNorm regions along the sequence (tp-sp)
+    zero: int | None = None  # "3d": ZeRO stage 1 or 2 over the dp groups (None: plain DP)
     # parameter server ("ps-sync", "ps-async", "ps-ssp")
     servers: int | None = None  # server processes beside the workers (None: 1)
     staleness: int | None = None  # "ps-ssp": clocks a worker may run ahead (None: 2)
@@ -50,11 +55,18 @@ class ParallelOptions:
         if self.schedule is not None and self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got "
                              f"{self.schedule!r}")
-        for name in ("microbatches", "pp_size", "servers"):
+        for name in ("microbatches", "pp_size", "servers", "tp_size", "dp_size"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.staleness is not None:
             _positive("staleness", self.staleness, allow_zero=True)
+        if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (1, 2)):
+            raise ValueError(f"zero must be 1 or 2 (ZeRO over the dp groups of the mesh; "
+                             f"stage 3 does not compose with tensor parallelism here), got "
+                             f"{self.zero!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be True or False, got "
+                             f"{self.sequence_parallel!r}")
         object.__setattr__(self, "straggler", _stragglers(self.straggler))
         if self.straggler_every is not None:
             _positive("straggler_every (steps before a slow-down moves on)", self.straggler_every)

@@ -6,13 +6,13 @@ micro-batches that flow through the stages under a schedule (GPipe or 1F1B).
   and prints them as a grid; :mod:`.interleaved`: interleaved 1F1B (v chunks per rank),
   data and paper simulation only;
 * :mod:`.link`, :mod:`.stage`, :mod:`.step`, :mod:`.runtime`: the engine that executes a
-  schedule over :mod:`disttrain.comm`; :mod:`.grid`: pipelines × data-parallel replicas.
+  schedule over :mod:`disttrain.comm`; :mod:`.collectives`: what the stages agree on and
+  average over the mesh (pipelines × data-parallel replicas: :mod:`disttrain.parallel.mesh`).
 
 See docs/pipeline.md.
 """
 
 from disttrain.parallel.pipeline.config import PipelineConfig, PipelineTotals, StepStats
-from disttrain.parallel.pipeline.grid import PipelineGrid, make_grid
 from disttrain.parallel.pipeline.interleaved import (
     InterleavedSchedule,
     InterleavedScheduleError,
@@ -54,7 +54,6 @@ __all__ = [
     "PartitionError",
     "PipelineConfig",
     "PipelineError",
-    "PipelineGrid",
     "PipelineParallel",
     "PipelineTotals",
     "RecvAct",
@@ -73,7 +72,6 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "layers_of",
-    "make_grid",
     "one_f_one_b",
     "param_costs",
     "simulate",

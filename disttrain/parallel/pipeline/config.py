@@ -13,7 +13,7 @@ from disttrain.parallel.pipeline.schedules import SCHEDULES
 @dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline settings; validated on creation. The CLI maps ``--schedule``,
-    ``--microbatches``, ``--partition`` and ``--pp-size`` onto these fields."""
+    ``--microbatches``, ``--partition`` and ``--pp`` onto these fields."""
 
     schedule: str = "1f1b"  # a key of SCHEDULES: "gpipe" or "1f1b"
     microbatches: int = 8  # m: each batch is cut into m micro-batches along dim 0

@@ -32,18 +32,14 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
+from disttrain.parallel.mesh import DeviceMesh, MeshShape, build_mesh
 from disttrain.parallel.pipeline import partition as part
+from disttrain.parallel.pipeline.collectives import agreed_balance, all_reduce_gradients
 from disttrain.parallel.pipeline.config import (
     PipelineConfig,
     PipelineTotals,
     StepStats,
     split_batch,
-)
-from disttrain.parallel.pipeline.grid import (
-    PipelineGrid,
-    agreed_balance,
-    all_reduce_gradients,
-    make_grid,
 )
 from disttrain.parallel.pipeline.link import (
     EVAL,
@@ -71,14 +67,14 @@ class PipelineParallel:
     steps.
     """
 
-    def __init__(self, module: nn.Sequential, grid: PipelineGrid, config: PipelineConfig,
+    def __init__(self, module: nn.Sequential, mesh: DeviceMesh, config: PipelineConfig,
                  balance: Sequence[int] | None = None) -> None:
-        self.grid = grid
+        self.mesh = mesh
         self.config = config
         self.balance = tuple(balance) if balance is not None else None
-        self.stage = Stage(module, grid.stage, grid.pp_size)
-        self.link = StageLink(grid.pp_comm, grid.stage) if grid.pp_comm is not None else None
-        self.schedule = get_schedule(config.schedule, grid.pp_size, config.microbatches)
+        self.stage = Stage(module, mesh.pp_rank, mesh.pp_size)
+        self.link = StageLink(mesh.pp, mesh.pp_rank) if mesh.pp is not None else None
+        self.schedule = get_schedule(config.schedule, mesh.pp_size, config.microbatches)
         self.last_step: StepStats | None = None
         self.totals = PipelineTotals()
         self._call = 0
@@ -91,19 +87,19 @@ class PipelineParallel:
 
     @property
     def stage_index(self) -> int:
-        return self.grid.stage
+        return self.mesh.pp_rank
 
     @property
     def num_stages(self) -> int:
-        return self.grid.pp_size
+        return self.mesh.pp_size
 
     @property
     def is_first(self) -> bool:
-        return self.grid.stage == 0
+        return self.mesh.pp_rank == 0
 
     @property
     def is_last(self) -> bool:
-        return self.grid.stage == self.grid.pp_size - 1
+        return self.mesh.pp_rank == self.mesh.pp_size - 1
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -114,7 +110,7 @@ class PipelineParallel:
 
     def __repr__(self) -> str:
         return (f"PipelineParallel(stage={self.stage_index}/{self.num_stages}, "
-                f"dp_rank={self.grid.dp_rank}/{self.grid.dp_size}, "
+                f"dp_rank={self.mesh.dp_rank}/{self.mesh.dp_size}, "
                 f"schedule={self.config.schedule!r}, microbatches={self.config.microbatches})")
 
     # ------------------------------------------------------------------ steps
@@ -145,7 +141,7 @@ class PipelineParallel:
                 self._tell_replicas()
             raise
         reduce_start = time.perf_counter()
-        if self.grid.dp_comm is not None:
+        if self.mesh.dp is not None:
             try:
                 loss = self._reduce_over_replicas(loss)
             except BaseException as exc:
@@ -176,12 +172,12 @@ class PipelineParallel:
     def _reduce_over_replicas(self, loss: float) -> float:
         """Average gradients and loss over the copies of this stage; raise if a replica
         reported that its step failed (its gradients are missing: nothing is averaged)."""
-        assert self.grid.dp_comm is not None
-        failed = all_reduce_gradients(self.parameters(), self.grid.dp_comm)
+        assert self.mesh.dp is not None
+        failed = all_reduce_gradients(self.parameters(), self.mesh.dp)
         if failed:
-            ranks = [self.grid.dp_comm.global_ranks[r] for r in failed]
+            ranks = [self.mesh.dp.global_ranks[r] for r in failed]
             raise StageFailedError(
-                f"stage {self.stage_index} of replica {self.grid.dp_rank} stopped: the step "
+                f"stage {self.stage_index} of replica {self.mesh.dp_rank} stopped: the step "
                 f"failed in replica(s) {failed} (stage {self.stage_index} there is rank(s) "
                 f"{ranks}; the error is in the output of the rank that failed first), so the "
                 f"gradients were not averaged", self.stage_index)
@@ -190,26 +186,26 @@ class PipelineParallel:
     def _tell_replicas(self) -> None:
         """Take part in this step's gradient all-reduce with a failure flag, so the copies
         of this stage in the other replicas raise instead of waiting for us."""
-        if self.grid.dp_comm is None:
+        if self.mesh.dp is None:
             return
         try:
-            all_reduce_gradients(self.parameters(), self.grid.dp_comm, failed=True)
+            all_reduce_gradients(self.parameters(), self.mesh.dp, failed=True)
         except Exception as err:  # the original error matters more
             log.warning("stage %d of replica %d could not tell the other replicas that it "
-                        "failed: %s", self.stage_index, self.grid.dp_rank, err)
+                        "failed: %s", self.stage_index, self.mesh.dp_rank, err)
 
     def share_from_last(self, value: float) -> float:
         """The last stage's ``value`` (e.g. an accuracy computed from ``eval_forward``) on
         every rank, averaged over the dp replicas. A collective: every rank calls it."""
         t = torch.tensor([value if self.is_last else 0.0], dtype=torch.float64)
-        if self.grid.pp_comm is not None:
-            self.grid.pp_comm.broadcast(t, root=self.num_stages - 1)
-        return self._average_over_replicas(float(t[0])) if self.grid.dp_comm else float(t[0])
+        if self.mesh.pp is not None:
+            self.mesh.pp.broadcast(t, root=self.num_stages - 1)
+        return self._average_over_replicas(float(t[0])) if self.mesh.dp else float(t[0])
 
     def _average_over_replicas(self, loss: float) -> float:
-        assert self.grid.dp_comm is not None
+        assert self.mesh.dp is not None
         value = torch.tensor([loss], dtype=torch.float64)
-        self.grid.dp_comm.all_reduce(value, "avg")
+        self.mesh.dp.all_reduce(value, "avg")
         return float(value[0])
 
     def eval_forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
@@ -251,30 +247,45 @@ class PipelineParallel:
 def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
                    microbatches: int = 8, partition: str | Sequence[int] = "params",
                    pp_size: int | None = None, sample: torch.Tensor | None = None,
-                   ) -> PipelineParallel:
+                   mesh: DeviceMesh | None = None) -> PipelineParallel:
     """Split ``model`` (an ``nn.Sequential``, or a model with a ``layers()`` method) over
     the ranks of ``comm`` and return this rank's stage, ready for ``train_step``.
 
     ``partition``: ``"params"`` (balance parameter counts), ``"time"`` (balance measured
     forward + backward time on ``sample``), or the number of layers of each stage.
     ``pp_size``: stages per pipeline; the world is then ``world_size / pp_size`` data
-    parallel replicas of the pipeline. Every rank must build the same model (same seed):
-    each keeps only its own stage's layers.
+    parallel replicas of the pipeline. ``mesh``: a mesh built over ``comm`` instead (its
+    ``pp`` groups run the stages, its ``dp`` groups average their gradients; with tp > 1
+    ``model`` is this rank's tensor-parallel shard). Every rank must build the same model
+    (same seed): each keeps only its own stage's layers.
     """
     config = PipelineConfig(schedule, microbatches,
                             partition if isinstance(partition, str) else tuple(partition),
-                            pp_size)
-    grid = make_grid(comm, config.pp_size)
+                            mesh.pp_size if mesh is not None else pp_size)
+    if mesh is None:
+        mesh = build_mesh(comm, _pipeline_shape(comm.world_size, config.pp_size))
     layers = part.layers_of(model)
-    settings = [grid.pp_size, config.microbatches, sorted(SCHEDULES).index(config.schedule)]
-    balance = agreed_balance(comm, layers, grid.pp_size, config.partition, sample, settings,
+    pp = mesh.pp_size
+    settings = [pp, config.microbatches, sorted(SCHEDULES).index(config.schedule)]
+    balance = agreed_balance(comm, layers, pp, config.partition, sample, settings,
                              "the pipeline")
-    if config.microbatches < grid.pp_size and comm.rank == 0:
+    if config.microbatches < pp and comm.rank == 0:
         log.warning("pipeline with %d micro-batches on %d stages: stages idle %.0f%% of each "
                     "step; use at least as many micro-batches as stages",
-                    config.microbatches, grid.pp_size,
-                    100 * (grid.pp_size - 1) / (config.microbatches + grid.pp_size - 1))
+                    config.microbatches, pp, 100 * (pp - 1) / (config.microbatches + pp - 1))
     if comm.rank == 0:
-        log.info("pipeline: %d stages × %d replicas, balance %s, schedule %s, %d micro-batches",
-                 grid.pp_size, grid.dp_size, list(balance), config.schedule, config.microbatches)
-    return PipelineParallel(part.stage_module(layers, balance, grid.stage), grid, config, balance)
+        log.info("pipeline: %d stages × %d replicas (tp %d), balance %s, schedule %s, %d "
+                 "micro-batches", pp, mesh.dp_size, mesh.tp_size, list(balance),
+                 config.schedule, config.microbatches)
+    return PipelineParallel(part.stage_module(layers, balance, mesh.pp_rank), mesh, config,
+                            balance)
+
+
+def _pipeline_shape(world_size: int, pp_size: int | None) -> MeshShape:
+    """pp × dp with the pipeline's defaults: one pipeline over every rank."""
+    pp = world_size if pp_size is None else pp_size
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world_size % pp:
+        raise ValueError(f"pp_size={pp_size!r} must be a positive divisor of the world size "
+                         f"{world_size} (pipelines of pp_size stages, world_size/pp_size "
+                         f"replicas)")
+    return MeshShape(dp=world_size // pp, pp=pp)

@@ -15,13 +15,18 @@ accepts, and how its ranks divide the data (its *layout*)::
     "ps-sync"         parameter server (disttrain.parallel.parameter_server), synchronous SGD
     "ps-async"        parameter server, asynchronous SGD (updates applied on arrival)
     "ps-ssp"          parameter server, stale-synchronous: at most --staleness steps ahead
+    "tp", "tp-sp"     disttrain.parallel.tensor over every rank (tp-sp: sequence parallel)
+    "3d"              dp × pp × tp on one mesh (--dp, --pp, --tp; --zero 1/2 over dp)
+    "torch-tp"        torch.distributed.tensor.parallel on the same model (baseline;
+                      "torch-tp-sp" with torch's SequenceParallel)
     ("pipeline" is accepted as the strategy name: it means parallel.schedule, 1f1b by default)
 
 Layouts: ``data`` (every rank a replica reading its own shard), ``pipeline`` (world/pp_size
 replicas of a pp_size-stage pipeline; every stage of a replica reads the same shard),
 ``model`` (one model split over every rank, one shard), ``ps`` (the first world − servers
 ranks are data-parallel workers, the last ``servers`` ranks hold the parameters: ``-n W``
-means W workers, and :func:`ranks_needed` adds the servers).
+means W workers, and :func:`ranks_needed` adds the servers), ``mesh`` (dp × pp × tp; all
+tp ranks and pp stages of one dp replica read the same shard: world / (tp · pp) shards).
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ from disttrain.train.strategies.pipeline import (
     build_model_parallel_strategy,
     build_pipeline_strategy,
 )
+from disttrain.train.strategies.tensor import build_mesh_strategy, check_mesh, mesh_settings
 from disttrain.train.strategies.torch_pipeline import build_torch_gpipe
+from disttrain.train.strategies.torch_tensor import build_torch_tp
 from disttrain.train.strategies.zero import build_zero1, build_zero2, build_zero3
 
 Builder = Callable[[BuildContext], Strategy]
@@ -61,14 +68,18 @@ OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
     "bucket_cap_mb": "--bucket-cap-mb", "find_unused_parameters": "--find-unused-parameters",
     "broadcast_buffers": "broadcast_buffers", "compression": "--compression",
     "algorithm": "--algorithm", "schedule": "--schedule", "microbatches": "--microbatches",
-    "partition": "--partition", "pp_size": "--pp-size", "servers": "--servers",
+    "partition": "--partition", "pp_size": "--pp", "servers": "--servers",
+    "tp_size": "--tp", "dp_size": "--dp", "sequence_parallel": "--sequence-parallel",
+    "zero": "--zero",
     "staleness": "--staleness", "straggler": "--straggler",
     "straggler_every": "--straggler RANK:FACTOR:EVERY",
 }
 TORCH_DP = frozenset({"bucket_cap_mb", "find_unused_parameters", "broadcast_buffers"})
 PIPELINE = frozenset({"schedule", "microbatches", "partition", "pp_size"})
 PS = frozenset({"servers", "straggler", "straggler_every"})
-LAYOUTS = ("data", "pipeline", "model", "ps")
+MESH = frozenset({"tp_size", "dp_size", "pp_size", "sequence_parallel", "zero", "algorithm",
+                  "schedule", "microbatches", "partition"})
+LAYOUTS = ("data", "pipeline", "model", "ps", "mesh")
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,8 @@ class StrategySpec:
         if self.layout == "pipeline":
             pp = config.parallel.pp_size if config is not None else None
             return world_size // (pp or world_size)
+        if self.layout == "mesh":
+            return mesh_settings(config, world_size).shape.dp if config is not None else 1
         return world_size
 
     def check_world(self, world_size: int, name: str) -> None:
@@ -108,8 +121,8 @@ class StrategySpec:
         _check_options(config.parallel, self.options, name)
         pp = config.parallel.pp_size
         if self.layout == "pipeline" and pp is not None and world_size % pp:
-            raise ValueError(f"--pp-size {pp} does not divide the world size {world_size}: "
-                             f"the ranks form world_size/pp_size pipelines of pp_size stages")
+            raise ValueError(f"--pp {pp} does not divide the world size {world_size}: the ranks "
+                             f"form world_size/pp pipelines of pp stages")
         if self.layout == "ps" and world_size <= num_servers(config):
             raise ValueError(f"strategy {name!r} with {num_servers(config)} server(s) needs "
                              f"at least one worker, but the job has {world_size} rank(s); "
@@ -213,6 +226,22 @@ STRATEGIES: dict[str, StrategySpec] = {
     "ps-ssp": StrategySpec(build_parameter_server_strategy, "parameter server, stale-"
                            "synchronous SGD (at most --staleness steps ahead)",
                            PS | {"staleness"}, "ps", check=_check_ps),
+    "tp": StrategySpec(build_mesh_strategy, "tensor parallel over every rank: attention by "
+                       "heads, MLP column-then-row, vocabulary-parallel embedding and loss",
+                       frozenset({"algorithm", "sequence_parallel"}), "mesh", check=check_mesh),
+    "tp-sp": StrategySpec(build_mesh_strategy, "tensor parallel with sequence parallelism "
+                          "(LayerNorm regions split along the sequence)",
+                          frozenset({"algorithm", "sequence_parallel"}), "mesh",
+                          check=check_mesh),
+    "3d": StrategySpec(build_mesh_strategy, "data × pipeline × tensor parallel on one mesh "
+                       "(--dp, --pp, --tp; --zero 1/2 over dp)", MESH, "mesh",
+                       check=check_mesh),
+    "torch-tp": StrategySpec(build_torch_tp, "torch.distributed.tensor.parallel (Colwise/"
+                             "RowwiseParallel) on the same model (baseline)",
+                             frozenset({"sequence_parallel"}), "mesh", check=check_mesh),
+    "torch-tp-sp": StrategySpec(build_torch_tp, "torch.distributed.tensor.parallel with "
+                                "SequenceParallel (baseline)", frozenset({"sequence_parallel"}),
+                                "mesh", check=check_mesh),
 }
 
 PLANNED: dict[str, str] = {}

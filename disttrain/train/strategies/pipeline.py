@@ -6,8 +6,8 @@ Forward and backward are interleaved by the schedule, so the step is ``pipe.trai
 it returns the batch's loss on every rank and leaves gradients in ``.grad``.
 
 Data: all stages of one pipeline must see the same batch (stage 0 its inputs, the last
-stage its targets), so the sampler shards by the pipeline replica (``grid.dp_rank`` of
-``grid.dp_size``), not by rank. Evaluation runs ``eval_forward`` (the last stage gets the
+stage its targets), so the sampler shards by the pipeline replica (``mesh.dp_rank`` of
+``mesh.dp_size``), not by rank. Evaluation runs ``eval_forward`` (the last stage gets the
 output) and ``share_from_last`` gives its scores to every rank.
 
 Bytes per rank per step (what :func:`pipeline_theory` computes, exact): stage s < p−1 sends
@@ -176,15 +176,15 @@ class PipelineStrategy(Strategy):
         if list(state["layers"]) != list(stage_layers(self.module)):
             raise ValueError(f"checkpoint {path}: stage {self.settings.stage} held layers "
                              f"{state['layers']}, here it holds {list(stage_layers(self.module))}"
-                             f"; resume with the same --partition and --pp-size")
+                             f"; resume with the same --partition and --pp")
         self.module.load_state_dict(state["model"])
         if isinstance(self.optimizer, torch.optim.Optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
 
     # ------------------------------------------------------------------ measurements
     def communicators(self) -> list[Communicator]:
-        grid = getattr(self.pipe, "grid", None)
-        comms = [self.comm] + ([grid.pp_comm, grid.dp_comm] if grid is not None else [])
+        mesh = getattr(self.pipe, "mesh", None)
+        comms = [self.comm] + (mesh.communicators() if mesh is not None else [])
         unique: dict[int, Communicator] = {}
         for c in comms:
             if c is not None:
@@ -224,9 +224,9 @@ def build_pipeline_strategy(ctx: BuildContext) -> Strategy:
     pipe = build_pipeline(ctx.module, comm, schedule=config.strategy, microbatches=m,
                           partition=_partition(ctx), pp_size=config.parallel.pp_size,
                           sample=sample)
-    grid = pipe.grid
-    settings = PipelineSettings(config.strategy, m, grid.stage, grid.pp_size, grid.dp_rank,
-                                grid.dp_size)
+    mesh = pipe.mesh
+    settings = PipelineSettings(config.strategy, m, mesh.pp_rank, mesh.pp_size, mesh.dp_rank,
+                                mesh.dp_size)
     return PipelineStrategy(ctx, pipe, settings)
 
 

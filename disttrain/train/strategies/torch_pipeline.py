@@ -43,7 +43,7 @@ class TorchGPipeStrategy(Strategy):
         from torch.distributed.pipelining import PipelineStage
 
         from disttrain.parallel.pipeline import layers_of
-        from disttrain.parallel.pipeline.grid import agreed_balance
+        from disttrain.parallel.pipeline.collectives import agreed_balance
         from disttrain.parallel.pipeline.partition import stage_module
 
         comm = ctx.require_comm("torch-gpipe")

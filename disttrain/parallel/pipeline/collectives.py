@@ -1,13 +1,6 @@
-"""The pp × dp rank grid: pipelines of ``pp_size`` stages, replicated ``dp_size`` times.
-
-Rank ``r`` is stage ``r % pp_size`` of pipeline replica ``r // pp_size``; the ranks of one
-pipeline are contiguous. For pp = 2, dp = 2::
-
-              stage 0   stage 1
-    replica 0  rank 0 →  rank 1      ← pipeline group (activations and gradients, P2P)
-    replica 1  rank 2 →  rank 3
-                  ↕         ↕
-             dp group   dp group     ← gradient all-reduce among copies of one stage
+"""The pipeline's collectives over the mesh (:mod:`disttrain.parallel.mesh`): the ranks agree on
+the split before any stage is built, and the copies of a stage in a pp × dp grid average
+their gradients after each step.
 
 Each replica trains on its own share of the global batch; after the pipeline step the
 copies of each stage average their gradients over their dp group, which makes the update
@@ -18,52 +11,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from disttrain.comm import Communicator
+from disttrain.parallel.mesh import check_agreement
 from disttrain.parallel.pipeline import partition as part
 from disttrain.parallel.pipeline.link import DTYPES
-
-
-@dataclass(frozen=True)
-class PipelineGrid:
-    """This rank's place in the grid and its two sub-communicators."""
-
-    pp_size: int
-    dp_size: int
-    stage: int  # = pp_rank
-    dp_rank: int
-    pp_comm: Communicator | None  # None when pp_size == 1 (no pipeline neighbours)
-    dp_comm: Communicator | None  # None when dp_size == 1 (nothing to average)
-    world: Communicator
-
-
-def make_grid(comm: Communicator, pp_size: int | None = None) -> PipelineGrid:
-    """Split ``comm``'s ranks into pipelines of ``pp_size`` stages (default: all ranks form
-    one pipeline). Every rank must call this with the same ``pp_size``: groups are created
-    in the same order everywhere (all pipeline groups, then all dp groups)."""
-    world = comm.world_size
-    pp = world if pp_size is None else pp_size
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world % pp:
-        raise ValueError(f"pp_size={pp_size!r} must be a positive divisor of the world size "
-                         f"{world} (pipelines of pp_size stages, world_size/pp_size replicas)")
-    check_agreement(comm, [pp], "pp_size")  # groups built from different sizes would hang
-    dp = world // pp
-    stage, dp_rank = comm.rank % pp, comm.rank // pp
-    pp_comm = comm if dp == 1 else None
-    dp_comm = comm if pp == 1 else None
-    if pp > 1 and dp > 1:
-        for replica in range(dp):
-            group = comm.new_group([replica * pp + s for s in range(pp)])
-            pp_comm = group if group is not None else pp_comm
-        for s in range(pp):
-            group = comm.new_group([replica * pp + s for replica in range(dp)])
-            dp_comm = group if group is not None else dp_comm
-    return PipelineGrid(pp, dp, stage, dp_rank, pp_comm if pp > 1 else None,
-                        dp_comm if dp > 1 else None, comm)
 
 
 def all_reduce_gradients(parameters: Iterable[nn.Parameter], comm: Communicator, *,
@@ -106,30 +61,6 @@ def all_reduce_gradients(parameters: Iterable[nn.Parameter], comm: Communicator,
         else:
             p.grad.copy_(averaged)
     return []
-
-
-def check_agreement(comm: Communicator, values: Sequence[int], what: str, *,
-                    fix: str = "every rank must be started with the same settings and the "
-                               "same model",
-                    error: type[Exception] = ValueError) -> None:
-    """Raise ``error`` on every rank if the ranks of ``comm`` disagree about ``values`` (e.g.
-    stage count, micro-batches, balance), which would otherwise hang or mix up tensors
-    later; the message lists each rank's values and ends with ``fix``."""
-    mine = torch.tensor(list(values), dtype=torch.int64)
-    size = torch.tensor([mine.numel()], dtype=torch.int64)
-    sizes = torch.zeros(comm.world_size, dtype=torch.int64)
-    comm.all_gather(sizes, size)
-    width = int(sizes.max())
-    padded = torch.full((width,), -1, dtype=torch.int64)
-    padded[:mine.numel()] = mine
-    table = torch.zeros(comm.world_size * width, dtype=torch.int64)
-    comm.all_gather(table, padded)
-    rows = [tuple(row[:int(n)]) for row, n in
-            zip(table.view(comm.world_size, width).tolist(), sizes.tolist())]
-    if any(row != rows[0] for row in rows):
-        listing = "; ".join(f"rank {comm.global_ranks[r]}: {list(row)}"
-                            for r, row in enumerate(rows))
-        raise error(f"the ranks disagree about {what} ({listing}); {fix}")
 
 
 def agreed_balance(comm: Communicator, layers: Sequence[nn.Module], num_stages: int,

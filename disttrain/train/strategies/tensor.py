@@ -1,0 +1,368 @@
+"""Tensor parallelism in the shared loop: ``tp``, ``tp-sp`` and ``3d`` (dp × pp × tp).
+
+Every rank builds the whole TransformerLM (same seed), finds its place in the mesh
+(:mod:`disttrain.parallel.mesh`: ``tp`` and ``tp-sp`` put every rank in one tensor-parallel
+group, ``3d`` reads ``--dp``, ``--pp``, ``--tp``) and keeps its tensor-parallel shard
+(:func:`~disttrain.parallel.tensor.apply_tensor_parallel`). Then, along the other two
+dimensions:
+
+* **pp = 1**: the shard trains as one model; across dp replicas ``DataParallel`` averages
+  its gradients during backward, or ZeRO-1/2 shards its optimizer state (and gradients)
+  over the dp group (``--zero``);
+* **pp > 1**: the pipeline engine cuts the shard's layers into stages; its pp groups carry
+  the activations (each tp rank talks to the same tp rank of the next stage: without SP
+  every tp rank sends the whole activation, with SP its slice of the sequence) and its dp
+  groups average each stage's gradients.
+
+Data: all ranks of one dp replica (its tp ranks and pp stages) read the same shard of the
+batch. Loss: the vocabulary-parallel cross-entropy (logits never leave their rank while
+training). Sequence parallelism: after backward the gradients of the replicated parameters
+of the sequence-split regions are summed over the tp group. Evaluation gathers the logits
+over the tp group (it scores the full vocabulary).
+
+Bytes per rank per step (``theory_bytes_per_step``, fp32): the TP collectives of this
+rank's layers (:func:`~disttrain.parallel.tensor.theory.tp_step_collectives`, exact for
+the ring), plus the dp gradient all-reduce (ring, 2(d − 1)/d of the shard's gradients) or
+ZeRO's reduce-scatter + all-gather, plus, with pp > 1, the pipeline's messages.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.comm import Communicator
+from disttrain.parallel.mesh import DeviceMesh, MeshShape, build_mesh
+from disttrain.parallel.tensor import apply_tensor_parallel, full_state_dict
+from disttrain.parallel.tensor import theory as tp_theory
+from disttrain.parallel.tensor.transformer import (
+    ParallelBlock,
+    lm_shape,
+    reduce_sequence_parallel_grads,
+    sequence_parallel_parameters,
+)
+from disttrain.train.config import TrainConfig
+from disttrain.train.strategies.base import (
+    Autocast,
+    Batch,
+    BuildContext,
+    LossFn,
+    Stepper,
+    Strategy,
+    atomic_save,
+    missing_state,
+    param_bytes,
+    ring_all_reduce_bytes,
+    safe_load,
+)
+from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
+from disttrain.train.transformer import TransformerLM
+
+TP_ONLY = ("tp", "tp-sp")
+
+
+@dataclass(frozen=True)
+class MeshSettings:
+    """How a mesh strategy runs, read from the config and the world size."""
+
+    shape: MeshShape
+    sequence_parallel: bool
+    zero: int | None
+    algorithm: str | None
+
+
+def mesh_settings(config: TrainConfig, world_size: int) -> MeshSettings:
+    opts = config.parallel
+    if config.strategy in TP_ONLY or config.strategy.startswith("torch-tp"):
+        shape = MeshShape(tp=world_size)
+    else:
+        shape = MeshShape.infer(world_size, opts.dp_size, opts.pp_size, opts.tp_size)
+    sp = opts.sequence_parallel or config.strategy.endswith("-sp")
+    return MeshSettings(shape, sp, opts.zero, opts.algorithm)
+
+
+class ActivationProbe:
+    """What autograd saves in the first training forward of one block (parameters left
+    out, each storage once), and, for disttrain's blocks (``formula``: inputs ``(T, B, H)``,
+    or ``(T/t, B, H)`` with sequence parallelism), the formula's figure for that input."""
+
+    def __init__(self, block: nn.Module, tp: int, sequence_parallel: bool,
+                 formula: bool = True) -> None:
+        self.tp, self.sequence_parallel, self.with_formula = tp, sequence_parallel, formula
+        self.measured: int | None = None
+        self.formula: int | None = None
+        self._params = {_storage(p).data_ptr() for p in block.parameters()}
+        self._seen: dict[int, int] = {}
+        self._context: Any = None
+        self._handles = [block.register_forward_pre_hook(self._start),
+                         block.register_forward_hook(self._stop)]
+        self._block = block
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = _storage(t)
+        if storage.data_ptr() not in self._params:
+            self._seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    def _start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not torch.is_grad_enabled() or not module.training:
+            return
+        x = args[0]
+        if self.with_formula:
+            length = x.shape[0] * (self.tp if self.sequence_parallel else 1)
+            attention: Any = self._block.attention
+            self.formula = tp_theory.block_activation_bytes(
+                length, x.shape[1], x.shape[2], attention.n_heads * self.tp, self.tp,
+                self.sequence_parallel, x.element_size())
+        self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._context.__enter__()
+
+    def _stop(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._context is None:
+            return
+        self._context.__exit__(None, None, None)
+        self.measured = sum(self._seen.values())
+        self.close()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def extras(self) -> dict[str, Any]:
+        return {"activation_bytes_per_block": self.measured,
+                "activation_bytes_per_block_formula": self.formula}
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage holding ``t``'s elements on this rank (a DTensor's: its local shard's;
+    torch's baselines save DTensors)."""
+    local = getattr(t, "_local_tensor", t)
+    return local.untyped_storage()
+
+
+def probe_first_block(module: nn.Module, tp: int, sp: bool) -> ActivationProbe | None:
+    block = next((m for m in module.modules() if isinstance(m, ParallelBlock)), None)
+    return ActivationProbe(block, tp, sp) if block is not None else None
+
+
+class TensorParallelStrategy(Strategy):
+    """This rank's TP shard (pp = 1), data-parallel over the mesh's dp group."""
+
+    collective_eval = True  # forward runs TP collectives: every rank scores alike
+
+    def __init__(self, ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings) -> None:
+        from disttrain.parallel import DataParallel, ZeRO1, ZeRO2, ZeroConfig
+
+        self.mesh, self.settings = mesh, settings
+        shard = None if mesh.tp is None else apply_tensor_parallel(
+            ctx.module, mesh.tp, settings.sequence_parallel, settings.algorithm)
+        module: nn.Module = shard if shard is not None else ctx.module
+        self.shard, self.zero = shard, None
+        model, optimizer = module, None
+        stepper: Stepper
+        if settings.zero and mesh.dp is not None:
+            config = ZeroConfig(algorithm=settings.algorithm, broadcast_from_rank0=False)
+            self.zero = (ZeRO1 if settings.zero == 1 else ZeRO2)(module, mesh.dp,
+                                                                 ctx.make_optimizer, config)
+            stepper = self.zero
+        else:
+            if mesh.dp is not None:
+                model = DataParallel(module, mesh.dp, algorithm=settings.algorithm)
+            optimizer = ctx.make_optimizer(module.parameters())
+            stepper = optimizer
+        super().__init__(module, stepper, ctx.comm, model)
+        self._sp_params = sequence_parallel_parameters(module) if settings.sequence_parallel \
+            and shard is not None else []
+        self.probe = probe_first_block(module, mesh.tp_size, settings.sequence_parallel)
+        self.theory_bytes_per_step = self._theory(ctx)
+
+    # ------------------------------------------------------------------ data
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
+    # ------------------------------------------------------------------ training
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.shard is not None:
+            return self.shard.loss(output, target)
+        return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        if self.zero is not None:
+            return self.zero.no_sync()
+        sync = getattr(self.model, "no_sync", None)
+        return sync() if sync is not None else nullcontext()
+
+    def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn,
+                   autocast: Autocast) -> torch.Tensor:
+        """The base step with the vocabulary-parallel loss, and the sequence-parallel
+        gradients summed over tp before the update."""
+        self.model.train()
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float32)
+        last = len(micro_batches) - 1
+        for i, (inputs, targets) in enumerate(micro_batches):
+            with self.no_sync() if i < last else nullcontext():
+                with self.phase("forward"), autocast():
+                    loss = self.loss(self.model(inputs), targets) / len(micro_batches)
+                with self.phase("backward"):
+                    loss.backward()
+            total += loss.detach().float()
+        if self.shard is not None:
+            reduce_sequence_parallel_grads(self._sp_params, self.shard.group)
+        with self.phase("optimizer"):
+            self.optimizer.step()
+        return total
+
+    # ------------------------------------------------------------------ evaluation
+    def predict(self, inputs: Any) -> torch.Tensor | None:
+        output: torch.Tensor = self.module(inputs)
+        return self.shard.full_logits(output) if self.shard is not None else output
+
+    def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
+        """Every tp rank scored the same replica's shard: sum over the dp group only."""
+        if self.mesh.dp is not None:
+            self.mesh.dp.all_reduce(totals)
+        return totals
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state_file(self, path: str) -> str:
+        return os.path.join(path, f"state-tp{self.mesh.tp_rank:05d}-of-{self.mesh.tp_size:05d}"
+                                  f".pt")
+
+    def save_state(self, path: str, rank: int) -> None:
+        if self.mesh.dp_rank == 0:  # the dp replicas of a shard are identical
+            atomic_save(self.state_dict(), self._state_file(path))
+
+    def load_state(self, path: str, rank: int) -> None:
+        file = self._state_file(path)
+        if not os.path.exists(file):
+            raise missing_state(path, f"{os.path.basename(file)} (tp rank {self.mesh.tp_rank} "
+                                      f"of {self.mesh.tp_size})")
+        self.load_state_dict(safe_load(file))
+
+    # ------------------------------------------------------------------ measurements
+    def _theory(self, ctx: BuildContext) -> float | None:
+        config = ctx.config
+        if config.precision != "fp32":
+            return None  # mixed precision: bf16 activations, fp32 gradients of f
+        micro, seq = config.micro_batch(self.mesh.dp_size), ctx.sample[0].shape[-1]
+        shape = tp_theory.LMShape(**lm_shape(ctx.module))
+        sent = float(tp_theory.bytes_sent(
+            tp_theory.tp_step_collectives(shape, micro, seq, self.mesh.tp_size,
+                                          self.settings.sequence_parallel, config.accumulate),
+            self.mesh.tp_size, self.mesh.tp_rank))
+        d = self.mesh.dp_size
+        if self.zero is not None:
+            padded = sum(g.layout.padded_total for g in self.zero.shard_groups())
+            per_op = (d - 1) / d * padded * 4
+            sent += per_op * (2 if self.settings.zero == 1 else config.accumulate + 1)
+        else:
+            sent += ring_all_reduce_bytes(d, param_bytes(self.module))
+        return sent
+
+    def communicators(self) -> list[Communicator]:
+        return self.mesh.communicators()
+
+    def extras(self, warmup_steps: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"dp_size": self.mesh.dp_size, "pp_size": 1,
+                               "tp_size": self.mesh.tp_size,
+                               "sequence_parallel": self.settings.sequence_parallel,
+                               "zero_stage": self.settings.zero}
+        if self.probe is not None:
+            out.update(self.probe.extras())
+        return out
+
+    def trained_module(self) -> nn.Module:
+        """The unsplit TransformerLM (its shards gathered over tp: a collective)."""
+        if self.shard is None:
+            return self.module
+        full = TransformerLM(**lm_shape(self.shard))
+        full.load_state_dict(full_state_dict(self.shard, self.shard.group))
+        return full
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+        remove = getattr(self.zero, "remove_hooks", None)
+        if remove is not None:
+            remove()
+
+
+def build_mesh_strategy(ctx: BuildContext) -> Strategy:
+    """``tp``, ``tp-sp`` and ``3d``: the mesh, then the shard trained by pp = 1 or a
+    pipeline."""
+    config = ctx.config
+    comm = ctx.require_comm(config.strategy)
+    settings = mesh_settings(config, comm.world_size)
+    mesh = build_mesh(comm, settings.shape)
+    if mesh.pp_size == 1:  # collectives only (a pipeline's messages tune the I/O themselves)
+        comm.expect_workload("collectives")
+        return TensorParallelStrategy(ctx, mesh, settings)
+    from disttrain.train.strategies.tensor_pipeline import TensorPipelineStrategy
+
+    m = config.parallel.microbatches or DEFAULT_MICROBATCHES
+    return TensorPipelineStrategy(ctx, mesh, settings, m, config.parallel.schedule or "1f1b")
+
+
+def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
+    """What can be checked before any rank starts: the model, its sizes, the mesh's."""
+    from disttrain.parallel.tensor.transformer import check_divisible, check_sequence
+    from disttrain.train.data import build_dataset
+    from disttrain.train.models import MODELS, build_model
+
+    name, opts = config.strategy, config.parallel
+    settings = mesh_settings(config, world_size)
+    shape, tp = settings.shape, settings.shape.tp
+    if config.model in MODELS and config.model != "transformer":
+        raise ValueError(f"strategy {name!r} splits a transformer's attention heads, MLP and "
+                         f"vocabulary; model {config.model!r} is not a TransformerLM: use "
+                         f"--model transformer --dataset synthetic-lm")
+    if config.model == "transformer" and tp > 1:
+        model = build_model("transformer", build_dataset(config.dataset, config.data).info)
+        check_divisible(model, tp)
+        if settings.sequence_parallel:
+            check_sequence(lm_shape(model)["max_len"], tp)
+    if settings.zero is not None:
+        if shape.dp == 1 or shape.pp > 1:
+            raise ValueError(f"--zero {settings.zero} shards over the dp groups of a mesh with "
+                             f"pp = 1; this mesh has dp {shape.dp}, pp {shape.pp}: use --dp ≥ 2 "
+                             f"and --pp 1, or drop --zero")
+        if settings.zero == 2 and settings.sequence_parallel:
+            raise ValueError("--zero 2 drops each gradient once it is reduce-scattered over "
+                             "dp, before sequence parallelism sums its LayerNorm gradients "
+                             "over tp: use --zero 1 with --sequence-parallel")
+        if config.checkpoint_dir is not None:
+            raise ValueError("checkpoints of ZeRO inside a mesh are not written yet; drop "
+                             "--checkpoint-dir or --zero")
+    if shape.pp > 1:
+        if config.accumulate != 1:
+            raise ValueError(f"strategy {name!r} with --pp {shape.pp} runs each step as one "
+                             f"batch through its stages; --accumulate must be 1 (pipelines "
+                             f"split batches with --microbatches)")
+        if opts.partition == "time":
+            raise ValueError("--partition time times layers alone, but a TP shard's layers "
+                             "communicate: use params or layer counts per stage")
+        m = opts.microbatches or DEFAULT_MICROBATCHES
+        if config.global_batch // dp < m:
+            raise ValueError(f"global batch {config.global_batch} gives each of the {dp} "
+                             f"replica(s) {config.global_batch // dp} samples, fewer than {m} "
+                             f"micro-batches; use --microbatches {config.global_batch // dp} "
+                             f"or less, or a larger --global-batch")
+    elif opts.microbatches is not None or opts.schedule is not None or (
+            opts.partition is not None):
+        raise ValueError("--microbatches, --schedule and --partition apply to the pipeline "
+                         "dimension: give --pp ≥ 2 with them")
