@@ -53,7 +53,7 @@ from disttrain.parallel.pipeline.link import (
     StageLink,
 )
 from disttrain.parallel.pipeline.schedules import SCHEDULES, get_schedule
-from disttrain.parallel.pipeline.stage import Stage
+from disttrain.parallel.pipeline.stage import Stage, device_of
 from disttrain.parallel.pipeline.step import StepRun, begin_step
 
 log = logging.getLogger(__name__)
@@ -72,12 +72,14 @@ class PipelineParallel:
     """
 
     def __init__(self, module: nn.Sequential, grid: PipelineGrid, config: PipelineConfig,
-                 balance: Sequence[int] | None = None) -> None:
+                 balance: Sequence[int] | None = None, device: torch.device | None = None
+                 ) -> None:
         self.grid = grid
         self.config = config
         self.balance = tuple(balance) if balance is not None else None
         self.stage = Stage(module, grid.stage, grid.pp_size)
-        self.link = StageLink(grid.pp_comm, grid.stage) if grid.pp_comm is not None else None
+        self.link = (StageLink(grid.pp_comm, grid.stage, device)
+                     if grid.pp_comm is not None else None)
         self.schedule = get_schedule(config.schedule, grid.pp_size, config.microbatches)
         self.last_step: StepStats | None = None
         self.totals = PipelineTotals()
@@ -277,4 +279,5 @@ def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
     if comm.rank == 0:
         log.info("pipeline: %d stages × %d replicas, balance %s, schedule %s, %d micro-batches",
                  grid.pp_size, grid.dp_size, list(balance), config.schedule, config.microbatches)
-    return PipelineParallel(part.stage_module(layers, balance, grid.stage), grid, config, balance)
+    return PipelineParallel(part.stage_module(layers, balance, grid.stage), grid, config, balance,
+                            device_of(layers))

@@ -185,6 +185,8 @@ class PipelineStrategy(Strategy):
     def communicators(self) -> list[Communicator]:
         grid = getattr(self.pipe, "grid", None)
         comms = [self.comm] + ([grid.pp_comm, grid.dp_comm] if grid is not None else [])
+        link = self.pipe.link
+        comms += link.communicators() if link is not None else []  # the message channels
         unique: dict[int, Communicator] = {}
         for c in comms:
             if c is not None:
