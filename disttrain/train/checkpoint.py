@@ -44,14 +44,16 @@ class Resumed:
 
 
 def save(directory: str, step: int, strategy: Strategy, comm: Communicator | None,
-         meta: dict[str, Any], sampler: dict[str, int]) -> str:
-    """Write the checkpoint of ``step`` from every rank; returns its path."""
+         meta: dict[str, Any], sampler: dict[str, int], scaler: Any = None) -> str:
+    """Write the checkpoint of ``step`` from every rank; returns its path (``scaler``: fp16's
+    loss scaler, whose scale the run continues with)."""
     rank = comm.rank if comm is not None else 0
     path = os.path.join(directory, f"step-{step:08d}")
     os.makedirs(path, exist_ok=True)
     strategy.save_state(path, rank)
-    atomic_save({"rng": torch.get_rng_state(), "sampler": sampler},
-          os.path.join(path, f"rank-{rank:05d}.pt"))
+    extra = {"loss_scaler": scaler.state_dict()} if scaler is not None else {}
+    atomic_save({"rng": torch.get_rng_state(), "sampler": sampler, **extra},
+                os.path.join(path, f"rank-{rank:05d}.pt"))
     if rank == 0:
         atomic_save({**meta, "step": step}, os.path.join(path, "meta.pt"))
     if comm is not None and comm.world_size > 1:
@@ -75,8 +77,10 @@ def latest(directory: str) -> str | None:
     return os.path.join(directory, name)
 
 
-def load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any]) -> Resumed:
-    """Restore ``strategy`` and this rank's RNG from ``path``; check the run is the same one."""
+def load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any],
+         scaler: Any = None) -> Resumed:
+    """Restore ``strategy``, this rank's RNG and fp16's loss ``scaler`` from ``path``; check
+    the run is the same one."""
     saved = safe_load(os.path.join(path, "meta.pt"))
     for key, value in meta.items():
         if key != "world_size" and saved.get(key) != value:
@@ -93,4 +97,6 @@ def load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any]) -> Resu
         return Resumed(int(saved["step"]), None, path)
     rank_state = safe_load(rank_file)
     torch.set_rng_state(rank_state["rng"])
+    if scaler is not None and "loss_scaler" in rank_state:
+        scaler.load_state_dict(rank_state["loss_scaler"])
     return Resumed(int(saved["step"]), dict(rank_state["sampler"]), path)
