@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disttrain.train.device import check_device
 from disttrain.train.strategies import STRATEGIES
 
 REFERENCE = "single"
@@ -83,6 +84,8 @@ class BenchConfig:
     straggler: tuple[tuple[int, float], ...] = ()  # parameter-server rows: slowed workers
     straggler_every: int | None = None  # ... each slow-down moving to the next worker every N
     bind_cores: bool = False  # pin each rank to a core of its own (when ranks ≤ cores)
+    device: str = "auto"  # where every rank trains (disttrain.train.device)
+    backend: str = "auto"  # torch.distributed backend of the ranks (auto: by the device)
     extra: dict[str, str] = field(default_factory=dict)  # recorded in the environment
 
     def __post_init__(self) -> None:
@@ -106,6 +109,9 @@ class BenchConfig:
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be ≥ 0 (0: only at the end), got "
                              f"{self.eval_every}")
+        check_device(self.device)
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         known = experiments()
