@@ -69,4 +69,6 @@ class AlgorithmChooser:
             return self._transport.native_group is not None
         if name == "shm":
             return shm_algorithms.supports(self._transport)
+        if name == "hierarchical":  # shared memory inside a node: host memory only
+            return self._transport.device_type == "cpu"
         return True

@@ -134,12 +134,14 @@ def all_to_all(
 
 def barrier(ctx: CollectiveContext) -> None:
     """Everyone tells rank 0, rank 0 tells everyone: 2(p−1) one-byte messages."""
-    token = torch.zeros(1, dtype=torch.uint8)
+    device = ctx.transport.device_type
+    token = torch.zeros(1, dtype=torch.uint8, device=device)
     if ctx.rank == 0:
         peers = range(1, ctx.world_size)
-        ctx.wait_all([ctx.irecv(torch.empty(1, dtype=torch.uint8), r, step=0) for r in peers])
+        ctx.wait_all([ctx.irecv(torch.empty(1, dtype=torch.uint8, device=device), r, step=0)
+                      for r in peers])
         ctx.wait_all([ctx.isend(token, r, step=1) for r in peers])
     else:
         ctx.send(token, 0, step=0)
-        ctx.recv(torch.empty(1, dtype=torch.uint8), 0, step=1)
+        ctx.recv(torch.empty(1, dtype=torch.uint8, device=device), 0, step=1)
 
