@@ -148,3 +148,19 @@ def test_fp16_is_refused_where_updates_bypass_the_loop():
 
     with pytest.raises(ValueError, match=r"needs dynamic loss scaling.*ps-sync.*bf16"):
         checked_setup(quiet(steps=1, strategy="ps-sync", precision="fp16"), 2)
+
+
+def test_the_local_backend_follows_the_device_and_refuses_nccl_on_shared_gpus(monkeypatch):
+    from disttrain.train.device import local_backend
+
+    assert local_backend("auto", "cpu", "torch", 4) == "gloo"
+    assert local_backend(None, "cpu", "shm", 2) == "gloo"
+    with pytest.raises(ValueError, match="--transport shm moves bytes itself"):
+        local_backend("nccl", "cpu", "shm", 2)
+    # as seen on a machine with one GPU (the checks of the counts, not CUDA itself)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert local_backend("auto", "cuda", "torch", 1) == "nccl"
+    assert local_backend("gloo", "cuda", "torch", 2) == "gloo"
+    with pytest.raises(ValueError, match=r"2 ranks would share 1 GPU.*--backend gloo"):
+        local_backend("auto", "cuda", "torch", 2)
