@@ -3,7 +3,7 @@ run passes here, and a check that fails or hangs is a FAIL line and a non-zero e
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
@@ -16,13 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def _modules():
+    """scripts/gpu_check_lib.py and gpu_check_groups.py (the script's own imports)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module("gpu_check_lib"), importlib.import_module(
+            "gpu_check_groups")
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
 
 
 def test_the_quick_dry_run_passes_every_check():
@@ -33,23 +34,23 @@ def test_the_quick_dry_run_passes_every_check():
     names = [line.split()[1] for line in lines]
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert all(line.startswith("PASS") for line in lines), done.stdout
-    gpu_check = _module()
-    options = gpu_check.Options("cpu", "gloo", quick=True)
-    assert names == [n for g in gpu_check.GROUPS for n in gpu_check.check_names(g, options)]
+    lib, groups = _modules()
+    options = lib.Options("cpu", "gloo", quick=True)
+    assert names == [n for g in groups.GROUPS for n in lib.check_names(g, options)]
     assert '"failed": 0' in done.stdout.splitlines()[-1]
 
 
 def test_a_failing_or_hanging_check_is_a_fail_line(capsys):
-    gpu_check = _module()
+    lib, _ = _modules()
 
     def wrong() -> str:
-        raise gpu_check.CheckFailed("rank 1 differs from the single process")
+        raise lib.CheckFailed("rank 1 differs from the single process")
 
-    gpu_check.run_check("demo:wrong", wrong, 5)
+    lib.run_check("demo:wrong", wrong, 5)
     start = time.monotonic()
-    gpu_check.run_check("demo:hang", lambda: time.sleep(60) or "", 1)
+    lib.run_check("demo:hang", lambda: time.sleep(60) or "", 1)
     assert time.monotonic() - start < 10
-    gpu_check.run_check("demo:fine", lambda: "ok", 5)
+    lib.run_check("demo:fine", lambda: "ok", 5)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("FAIL  demo:wrong") and "differs" in out[0]
     assert out[1].startswith("FAIL  demo:hang") and "TimeoutError" in out[1]
