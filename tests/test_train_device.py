@@ -164,3 +164,16 @@ def test_the_local_backend_follows_the_device_and_refuses_nccl_on_shared_gpus(mo
     assert local_backend("gloo", "cuda", "torch", 2) == "gloo"
     with pytest.raises(ValueError, match=r"2 ranks would share 1 GPU.*--backend gloo"):
         local_backend("auto", "cuda", "torch", 2)
+
+
+def test_fp16_resumes_with_its_loss_scale(tmp_path, huge_scale):
+    """The scale is part of the checkpoint: a run stopped after 3 steps (2²⁴ backed off to
+    some 2^k) and resumed takes the same steps as one that ran through."""
+    config = quiet(precision="fp16", global_batch=32, checkpoint_dir=str(tmp_path))
+    whole = train(dataclasses.replace(config, steps=8, checkpoint_dir=None))
+    train(dataclasses.replace(config, steps=3))
+    resumed = train(dataclasses.replace(config, steps=8, resume=True))
+    assert resumed.start_step == 3
+    assert resumed.extras["loss_scale"] == whole.extras["loss_scale"] < HUGE_SCALE
+    for name, tensor in params(resumed).items():
+        torch.testing.assert_close(tensor, params(whole)[name])
