@@ -1,4 +1,10 @@
-"""Shared process pools: starting ranks is slow on 2 cores, so each world size starts once."""
+"""Shared process pools: starting ranks is slow on 2 cores, so each world size starts once.
+
+Tests marked ``@pytest.mark.nccl_rules`` run twice: on the plain pools (``[gloo]``) and on
+pools whose communicators match messages by NCCL's rules (``[nccl-rules]``,
+:mod:`disttrain.comm.nccl_rules`). ``DISTTRAIN_NCCL_RULES=1 pytest`` runs every test under
+the rules.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +14,17 @@ import pytest
 
 from tests.dist import DistPool
 
+MODES = {"gloo": None, "nccl-rules": True}  # id → DistPool(nccl_rules=...) (None: the env's)
+
 
 class Pools:
-    def __init__(self) -> None:
+    def __init__(self, nccl_rules: bool | None = None) -> None:
         self._pools: dict[int, DistPool] = {}
+        self.nccl_rules = nccl_rules
 
     def __call__(self, world_size: int) -> DistPool:
         if world_size not in self._pools:
-            self._pools[world_size] = DistPool(world_size)
+            self._pools[world_size] = DistPool(world_size, nccl_rules=self.nccl_rules)
         return self._pools[world_size]
 
     def close(self) -> None:
@@ -23,8 +32,24 @@ class Pools:
             pool.close()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "nccl_rules: run the test on the plain pools and again "
+                                       "under NCCL's matching rules (disttrain.comm.nccl_rules)")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "pools" in metafunc.fixturenames and metafunc.definition.get_closest_marker("nccl_rules"):
+        metafunc.parametrize("pools", list(MODES), indirect=True)
+
+
 @pytest.fixture(scope="session")
-def pools() -> Iterator[Pools]:
-    shared = Pools()
+def _all_pools() -> Iterator[dict[str, Pools]]:
+    shared = {mode: Pools(rules) for mode, rules in MODES.items()}
     yield shared
-    shared.close()
+    for pools in shared.values():
+        pools.close()
+
+
+@pytest.fixture
+def pools(request: pytest.FixtureRequest, _all_pools: dict[str, Pools]) -> Pools:
+    return _all_pools[getattr(request, "param", "gloo")]

@@ -70,13 +70,14 @@ def _init_torch(rank: int, world_size: int, store: str, comm_timeout_s: float) -
 
 
 def _pool_worker(rank: int, world_size: int, store: str, conn: Any, comm_timeout_s: float,
-                 env: dict[str, str]) -> None:
+                 env: dict[str, str], nccl_rules: bool | None = None) -> None:
     adopt_environment(env)
     try:
         _init_torch(rank, world_size, store, comm_timeout_s)
         from disttrain.comm import CommConfig, Communicator
 
-        comm = Communicator.from_torch(config=CommConfig(timeout_s=comm_timeout_s))
+        rules = {} if nccl_rules is None else {"nccl_rules": nccl_rules}  # None: the env's
+        comm = Communicator.from_torch(config=CommConfig(timeout_s=comm_timeout_s, **rules))
         conn.send(("ready", None))
     except BaseException:
         conn.send(("err", traceback.format_exc()))
@@ -101,9 +102,11 @@ def _pool_worker(rank: int, world_size: int, store: str, conn: Any, comm_timeout
 class DistPool:
     """``world_size`` live ranks; ``run(fn, *args)`` → list of per-rank results."""
 
-    def __init__(self, world_size: int, comm_timeout_s: float = COMM_TIMEOUT_S) -> None:
+    def __init__(self, world_size: int, comm_timeout_s: float = COMM_TIMEOUT_S, *,
+                 nccl_rules: bool | None = None) -> None:
         self.world_size = world_size
         self.comm_timeout_s = comm_timeout_s
+        self.nccl_rules = nccl_rules  # the ranks' communicator: CommConfig(nccl_rules=...)
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -116,7 +119,7 @@ class DistPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_pool_worker, daemon=True,
                                args=(rank, self.world_size, store, child, self.comm_timeout_s,
-                                     environment()))
+                                     environment(), self.nccl_rules))
             proc.start()
             child.close()
             self._procs.append(proc)

@@ -79,6 +79,10 @@ def test_info_reports_this_machine(tmp_path):
     assert len(facts["cpu"]["numa_nodes"]) == len(numa)
     assert facts["gpus"]["count"] == (torch.cuda.device_count() if torch.cuda.is_available()
                                       else 0)
+    if torch.version.cuda is None:  # a CPU build: no NCCL to report
+        assert facts["nccl_version"] is None
+    else:
+        assert facts["nccl_version"].count(".") == 2
     assert facts["calibration"]["stored"] is True
     assert facts["calibration"]["transports"]["torch"]["alpha"] == pytest.approx(42e-6)
     assert facts["launch"]["placement"]["rank"] == 1
@@ -123,3 +127,12 @@ def test_launched_ps_sync_run_reports_from_worker_zero(capfd):
     assert "[rank 0] result strategy=ps-sync world_size=3 global_batch=32 steps=4" in out
     assert "[rank 0] ps mode=sync workers=2 servers=1 staleness={0: 8}" in out
     assert "[rank 2] result" not in out  # the server's loop reports nothing
+
+
+def test_the_nccl_version_reads_both_forms_torch_has_returned(monkeypatch):
+    from disttrain.launch import info
+
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    assert info.nccl_version() == "2.21.5"
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: 22105)
+    assert info.nccl_version() == "2.21.5"

@@ -191,6 +191,19 @@ def test_timeout_debug_and_backend_resolution():
         choose_backend("tcp", {}, cuda_available=False)
 
 
+def test_the_backend_follows_the_device_unless_overridden():
+    assert choose_backend(None, {}, cuda_available=True, device="cpu") == "gloo"
+    assert choose_backend("auto", {}, cuda_available=True, device="cuda") == "nccl"
+    assert choose_backend(None, {}, cuda_available=True, device="cuda:1") == "nccl"
+    assert choose_backend(None, {}, cuda_available=False, device="auto") == "gloo"
+    # Gloo under a GPU job (the Communicator stages CUDA tensors through host memory)
+    assert choose_backend("gloo", {}, cuda_available=True, device="cuda") == "gloo"
+    assert choose_backend(None, {"DISTTRAIN_BACKEND": "gloo"}, cuda_available=True,
+                          device="cuda") == "gloo"
+    with pytest.raises(PlacementError, match="device 'cuda' needs CUDA"):
+        choose_backend(None, {}, cuda_available=False, device="cuda")
+
+
 def test_exit_timeout_resolution():
     assert resolve_exit_timeout(None, {}) == DEFAULT_EXIT_TIMEOUT_S
     assert resolve_exit_timeout(None, {"DISTTRAIN_EXIT_TIMEOUT": "4.5"}) == 4.5

@@ -88,6 +88,7 @@ def assert_replicas_match(results: list[dict[str, Any]], expected: list[torch.Te
             assert torch.equal(got, first), f"rank {rank} differs from rank 0"
 
 
+@pytest.mark.nccl_rules
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -201,6 +202,7 @@ def unused_with_opt_in(comm: Communicator) -> dict[str, Any]:
             "grads_none": grads_none, "buckets": len(ddp.buckets)}
 
 
+@pytest.mark.nccl_rules
 def test_find_unused_parameters_matches_one_process(pools):
     p = 3
     results = pools(p).run(unused_with_opt_in)
@@ -272,6 +274,7 @@ def record_launches(comm: Communicator) -> dict[str, Any]:
             "hidden": report.hidden_fraction}
 
 
+@pytest.mark.nccl_rules
 def test_first_bucket_is_launched_while_backward_still_runs(pools):
     for res in pools(2).run(record_launches):
         n = res["n_params"]

@@ -5,6 +5,7 @@ neighbours expect."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,7 +61,8 @@ def test_a_header_with_unknown_fields_or_negative_sizes_is_malformed(field):
 
 
 class _TwoRanks:
-    world_size, global_ranks = 2, [4, 5]
+    world_size, global_ranks, device = 2, [4, 5], torch.device("cpu")
+    transport = SimpleNamespace(in_order=False)  # channels are tags of this communicator
 
 
 @pytest.mark.parametrize("failed", [-1, 2, 99])
@@ -79,12 +81,13 @@ class _RefusingComm:
     """Three stages' communicator, seen from stage 1, on which Gloo refuses every post
     (the connections to both neighbours are closed)."""
 
-    world_size, global_ranks = 3, [4, 5, 6]
+    world_size, global_ranks, device = 3, [4, 5, 6], torch.device("cpu")
+    transport = SimpleNamespace(in_order=False)  # channels are tags of this communicator
 
     def __init__(self) -> None:
         self.posts: list[int] = []
 
-    def isend(self, tensor, peer, tag):  # type: ignore[no-untyped-def]
+    def isend(self, tensor, peer, tag=0):  # type: ignore[no-untyped-def]
         from disttrain.comm.errors import PeerFailedError
 
         self.posts.append(peer)
@@ -116,9 +119,9 @@ def test_a_refused_post_names_both_stages_and_every_neighbour_is_still_told():
 
 
 # ---------------------------------------------------------------- on real ranks
-def _messages(comm) -> tuple[int, int]:
-    sent = comm.stats.snapshot().get("send", {})
-    return sent.get("msgs_sent", 0), sent.get("bytes_sent", 0)
+def _messages(comms) -> tuple[int, int]:
+    sent = [c.stats.snapshot().get("send", {}) for c in comms]
+    return sum(s.get("msgs_sent", 0) for s in sent), sum(s.get("bytes_sent", 0) for s in sent)
 
 
 def count_messages(comm) -> list[tuple[int, int]]:
@@ -128,14 +131,15 @@ def count_messages(comm) -> list[tuple[int, int]]:
     x, y = torch.randn(12, 6, dtype=torch.float64), torch.randint(0, 4, (12,))
     per_step = []
     for _ in range(3):
-        before = _messages(comm)
+        before = _messages(pipe.link.communicators())
         pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None,
                         F.cross_entropy)
-        after = _messages(comm)
+        after = _messages(pipe.link.communicators())
         per_step.append((after[0] - before[0], after[1] - before[1]))
     return per_step
 
 
+@pytest.mark.nccl_rules
 def test_one_message_per_tensor_once_sizes_are_known(pools):
     for per_step in pools(2).run(count_messages):
         (first, first_bytes), *later = per_step
@@ -183,6 +187,7 @@ def changing_sizes(comm, schedule: str) -> None:
         torch.testing.assert_close(p.detach(), params[name], msg=f"param {name}")
 
 
+@pytest.mark.nccl_rules
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_changing_batch_sizes_and_evaluations_match_single_process(pools, schedule):
     pools(3).run(changing_sizes, schedule)
@@ -214,6 +219,7 @@ def failure_after_sizes_are_known(comm) -> list[str]:
     return [_capture(lambda: pipe.train_step(x, y, F.cross_entropy)) for _ in range(3)]
 
 
+@pytest.mark.nccl_rules
 def test_a_failure_after_sizes_are_known_reaches_both_neighbours(pools):
     per_rank = pools(3).run(failure_after_sizes_are_known)
     for rank, (first, second, third) in enumerate(per_rank):

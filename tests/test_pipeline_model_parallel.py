@@ -36,6 +36,7 @@ def check_model_parallel(comm, partition) -> tuple[int, ...]:
     return tuple(sorted({int(name.split(".")[0]) for name, _ in mp.module.named_parameters()}))
 
 
+@pytest.mark.nccl_rules
 @pytest.mark.parametrize(("p", "partition"), [(2, "params"), (3, [3, 2, 2])])
 def test_model_parallel_equals_single_process(pools, p, partition):
     layers = pools(p).run(check_model_parallel, partition)
@@ -68,6 +69,7 @@ def mp_eval_failure(comm) -> list[str]:
             _capture(lambda: mp.eval_forward(bad if mp.is_first else None))]
 
 
+@pytest.mark.nccl_rules
 def test_model_parallel_eval_failure_reaches_the_other_rank(pools):
     """Without the failure report, rank 1 waited for the activation until the timeout."""
     (first, first_again), (second, second_again) = pools(2).run(mp_eval_failure)

@@ -94,6 +94,7 @@ CASES = {
 }
 
 
+@pytest.mark.nccl_rules
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_pipeline_equals_single_process(pools, p):
     per_rank = pools(p).run(check_equivalence, CASES[p])
@@ -124,6 +125,7 @@ def check_grid(comm, schedule: str, pp_size: int) -> tuple[int, int]:
     ("1f1b", 2, [(0, 0), (1, 0), (0, 1), (1, 1)]),
     ("1f1b", 1, [(0, 0), (0, 1), (0, 2), (0, 3)]),  # no pipeline: four data-parallel copies
 ])
+@pytest.mark.nccl_rules
 def test_pp_dp_grid_equals_single_process(pools, schedule, pp_size, places):
     assert pools(4).run(check_grid, schedule, pp_size) == places
 
@@ -259,6 +261,7 @@ def backward_failure(comm) -> str:
     return first + " | then: " + _capture(lambda: pipe.train_step(x, y, F.cross_entropy))
 
 
+@pytest.mark.nccl_rules
 def test_failure_in_backward_reaches_the_other_stage(pools):
     first, last = pools(2).run(backward_failure)
     assert "backward exploded" not in first and "StageFailedError" in first

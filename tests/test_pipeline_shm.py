@@ -1,6 +1,7 @@
 """The pipeline over the shared-memory transport: the same equivalence with single-process
 training as over Gloo (GPipe and 1F1B, uneven micro-batches, evaluation), and a changing
-batch size (RESHAPE headers, payloads on the second tag) with evaluations in between."""
+batch size (RESHAPE headers, each payload right behind its header) with evaluations in
+between."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def test_pipeline_on_shared_memory_equals_single_process(pools, p, cases):
 
 
 def batch_sizes_on_shm(_comm: Communicator) -> list[float]:
-    """Train with batch sizes 12, 9, 12 (new sizes: RESHAPE headers, payload on a second
-    tag) and compare each step's loss with single-process training on that batch."""
+    """Train with batch sizes 12, 9, 12 (new sizes: RESHAPE headers, each payload right
+    behind its header) and compare each step's loss with single-process training on that batch."""
     comm = Communicator(make_transport("shm"), CommConfig(timeout_s=20))
     try:
         pipe = build_pipeline(make_model(), comm, schedule="1f1b", microbatches=4,

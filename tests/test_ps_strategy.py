@@ -44,6 +44,7 @@ def rank_train(comm: Any, config: TrainConfig) -> tuple[dict[str, torch.Tensor],
     return state, result.without_model()
 
 
+@pytest.mark.nccl_rules
 def test_ps_sync_strategy_equals_single_on_the_global_batch(pools: Any) -> None:
     # one evaluation mid-training; two micro-batches per worker and step, pushed once
     config = quiet(steps=6, global_batch=32, accumulate=2, eval_every=3)
@@ -70,6 +71,7 @@ def test_ps_sync_strategy_equals_single_on_the_global_batch(pools: Any) -> None:
     assert extras["dense_bytes_per_step"] == 2 * params  # push and pull of every value
 
 
+@pytest.mark.nccl_rules
 def test_ps_ssp_strategy_keeps_its_bound_with_a_straggler(pools: Any) -> None:
     options = ParallelOptions(servers=2, staleness=1, straggler=((1, 3.0),))
     config = quiet(strategy="ps-ssp", steps=8, global_batch=32, eval_every=0,

@@ -59,6 +59,7 @@ def _sync_run(pools: Any) -> list[dict[str, Any]]:
     return pools(3).run(ps_train, 1, STEPS, B, mode="sync")  # type: ignore[no-any-return]
 
 
+@pytest.mark.nccl_rules
 @pytest.mark.parametrize(("servers", "world", "opt"), [(1, 3, "sgd"), (2, 4, "adam")])
 def test_sync_equals_one_process_on_the_global_batch(pools: Any, servers: int, world: int,
                                                      opt: str) -> None:
@@ -89,6 +90,7 @@ def test_sync_equals_data_parallel(pools: Any) -> None:
     _assert_params(_sync_run(pools), ddp)
 
 
+@pytest.mark.nccl_rules
 def test_ssp_with_bound_zero_is_sync(pools: Any) -> None:
     ssp = pools(3).run(ps_train, 1, STEPS, B, mode="ssp", staleness=0)
     sync_params = _workers(_sync_run(pools))[0]["params"]
@@ -136,6 +138,7 @@ def _linreg_loss(params: list[torch.Tensor]) -> float:
         return float(loss_of("linreg", model, x, y))
 
 
+@pytest.mark.nccl_rules
 def test_async_converges_and_records_staleness(pools: Any) -> None:
     steps = 25
     results = pools(3).run(ps_train, 1, steps, B, model_name="linreg", opt="plain-sgd",
@@ -150,6 +153,7 @@ def test_async_converges_and_records_staleness(pools: Any) -> None:
     assert _staleness(_sync_run(pools)).max == 0
 
 
+@pytest.mark.nccl_rules
 def test_sparse_embeddings_train_exactly_and_send_a_tenth_of_dense(pools: Any) -> None:
     steps, b = 3, 16
     sparse = pools(4).run(ps_train, 2, steps, b, model_name="clicks", sparse=True, mode="sync")

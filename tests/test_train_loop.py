@@ -191,7 +191,7 @@ def test_a_rank_reports_the_peak_that_went_into_the_maximum(monkeypatch):
     import disttrain.train.loop as loop
 
     reads = itertools.count(1)
-    monkeypatch.setattr(loop, "peak_memory_bytes", lambda: next(reads) << 20)
+    monkeypatch.setattr(loop, "peak_memory_bytes", lambda device=None: next(reads) << 20)
     result = train(quiet(model="lenet", steps=2, global_batch=8))
     assert result.peak_mem_bytes == result.peak_mem_bytes_max > 0
 

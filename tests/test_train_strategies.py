@@ -71,6 +71,7 @@ def assert_matches(per_rank, reference, *, split: bool = False) -> None:
 
 
 # ---------------------------------------------------------------- ZeRO
+@pytest.mark.nccl_rules
 @pytest.mark.parametrize("strategy,accumulate", [("zero1", 1), ("zero2", 2), ("zero3", 2)])
 def test_zero_matches_single_and_sends_the_formula(pools, strategy, accumulate):
     config = quiet(steps=4, global_batch=48, accumulate=accumulate, optimizer="adam", lr=2e-3)
@@ -116,6 +117,7 @@ def test_zero_checkpoint_resumes_on_another_world_size_and_stage(pools, tmp_path
     ("1f1b", [2, 1]),  # stage s holds at most p − s
     ("model-parallel", [1, 1]),
 ])
+@pytest.mark.nccl_rules
 def test_pipelines_match_single(pools, strategy, peak_stashed):
     config = quiet(steps=4)
     reference = train(config)
@@ -134,6 +136,7 @@ def test_pipelines_match_single(pools, strategy, peak_stashed):
         assert 0 < result.extras["idle_fraction"] < 1
 
 
+@pytest.mark.nccl_rules
 def test_pp_dp_grid_matches_single(pools):
     """4 ranks = 2 replicas of a 2-stage 1F1B pipeline: replica r reads shard r of each
     global batch, and the stages average gradients over their dp group."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disttrain.train.device import check_device
 from disttrain.train.strategies import STRATEGIES
 
 REFERENCE = "single"
@@ -94,6 +95,8 @@ class BenchConfig:
     bind_cores: bool = False  # pin each rank to a core of its own (when ranks ≤ cores)
     tp_size: int = 2  # "3d" rows: ranks per tensor-parallel group
     pp_size: int = 1  # "3d" rows: pipeline stages (dp = world / (tp · pp))
+    device: str = "auto"  # where every rank trains (disttrain.train.device)
+    backend: str = "auto"  # torch.distributed backend of the ranks (auto: by the device)
     extra: dict[str, str] = field(default_factory=dict)  # recorded in the environment
 
     def __post_init__(self) -> None:
@@ -121,6 +124,9 @@ class BenchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name[:2]} must be an integer ≥ 1, got {value!r}")
+        check_device(self.device)
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         known = experiments()

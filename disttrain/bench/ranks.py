@@ -93,7 +93,7 @@ def bind_plan(world_size: int) -> list[int] | None:
 
 def _rank_main(out: Any, control: Any, env: dict[str, str], rank: int, world_size: int,
                store: str, transport: str, timeout_s: float, job: Job, args: tuple[Any, ...],
-               core: int | None) -> None:
+               core: int | None, backend: str = "gloo", device: str = "cpu") -> None:
     adopt_environment(env)
     if core is not None:  # first, so every thread the rank starts (Gloo's too) inherits it
         os.sched_setaffinity(0, {core})
@@ -110,7 +110,11 @@ def _rank_main(out: Any, control: Any, env: dict[str, str], rank: int, world_siz
         import torch.distributed as dist
 
         torch.set_num_threads(1)  # ranks share the machine's cores
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+        if device != "cpu":  # cuda:rank (every rank here is local), before NCCL starts
+            from disttrain.train.device import select_local_gpu
+
+            select_local_gpu(device, rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         comm = make_communicator(transport, timeout_s)
@@ -132,10 +136,11 @@ class RankGroup:
 
     def __init__(self, world_size: int, job: Job, args: tuple[Any, ...], *, transport: str,
                  timeout_s: float, describe: Callable[[int], str] = str,
-                 bind_cores: bool = False) -> None:
+                 bind_cores: bool = False, backend: str = "gloo", device: str = "cpu") -> None:
         """``bind_cores``: pin rank r to one core of its own (:func:`bind_plan`), as
         DeepSpeed's ``--bind_cores_to_rank`` does; otherwise the kernel may keep two ranks
-        on one core for a whole run while the other idles, which makes runs bimodal."""
+        on one core for a whole run while the other idles, which makes runs bimodal.
+        ``backend`` and ``device`` (``disttrain.train.device``): rank r on ``cuda:r``."""
         self.world_size, self.timeout_s, self._describe = world_size, timeout_s, describe
         self._tmp = tempfile.TemporaryDirectory(prefix="disttrain-bench-")
         store = os.path.join(self._tmp.name, "store")
@@ -149,7 +154,7 @@ class RankGroup:
         try:
             for rank in range(world_size):
                 self._start(ctx, (rank, world_size, store, transport, timeout_s, job, args,
-                                  None if cores is None else cores[rank]))
+                                  None if cores is None else cores[rank], backend, device))
         except BaseException:  # e.g. Ctrl-C while starting: stop the ranks already running
             self.close()
             raise

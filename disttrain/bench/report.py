@@ -167,7 +167,8 @@ def environment(config: Any, command: str) -> dict[str, Any]:
     """Where and how the table was made (recorded in every JSON row)."""
     import torch
 
-    return {"command": command, "torch": torch.__version__, "backend": "gloo",
+    return {"command": command, "torch": torch.__version__,
+            "backend": getattr(config, "backend", "gloo"), "device": _device(config),
             "transport": config.transport, "cpu": cpu_model(), "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "platform": platform.platform(),
             "commit": git_commit(), "model": config.model, "dataset": config.dataset,
@@ -179,6 +180,16 @@ def environment(config: Any, command: str) -> dict[str, Any]:
             "gloo_io_threads": gloo_threads.policy_from_env(),
             "warmup_steps": config.warmup_steps,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _device(config: Any) -> str:
+    """``cpu``, or the GPU's name when the ranks train on one."""
+    import torch
+
+    name = getattr(config, "device", "cpu")
+    if name == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda ({torch.cuda.get_device_name()})"
 
 
 def write_json(path: Path, rows: list[Row], env: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ from disttrain.bench.experiments import REFERENCE, BenchConfig, Run, plan
 from disttrain.bench.ranks import BenchError, RankGroup
 from disttrain.comm import Communicator
 from disttrain.train import ParallelOptions, StepRecord, TrainConfig, TrainResult, train
+from disttrain.train.device import local_backend
 from disttrain.train.loop import checked_setup
 from disttrain.train.strategies.base import PhaseRecorder
 
@@ -61,12 +62,17 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
                        parallel=parallel, epochs=epochs, steps=steps,
                        global_batch=config.global_batch, seed=config.seed,
                        warmup_steps=config.warmup_steps, eval_every=config.eval_every,
-                       log_every=0, progress=False)
+                       log_every=0, progress=False, device=config.device)
 
 
 def transport_of(config: BenchConfig, run: Run) -> str:
     return "torch" if run.experiment.is_baseline or run.experiment.name == REFERENCE else (
         config.transport)
+
+
+def backend_of(config: BenchConfig, run: Run) -> str:
+    """The run's torch.distributed backend (raises ValueError when it cannot run here)."""
+    return local_backend(config.backend, config.device, transport_of(config, run), run.ranks)
 
 
 def algorithm_of(config: BenchConfig, run: Run) -> str | None:
@@ -120,7 +126,8 @@ def run_once(config: BenchConfig, run: Run, trace: bool,
     with RankGroup(run.ranks, _train_job, (tconfig, trace),
                    transport=transport_of(config, run), timeout_s=config.timeout_s,
                    describe=lambda _: f"{run.label}: training",
-                   bind_cores=config.bind_cores) as group:
+                   bind_cores=config.bind_cores, backend=backend_of(config, run),
+                   device=config.device) as group:
         final = None
         for reports in group.reports():  # to the end: the ranks then exit on their own
             if "result" in reports[0]:

@@ -84,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "multiple of the cores (every row alike, like DeepSpeed's "
                         "--bind_cores_to_rank): otherwise the kernel may keep two ranks on "
                         "one core for a whole run")
+    parser.add_argument("--device", default=d.device, metavar="{auto,cpu,cuda}",
+                        help="where every rank trains (as in disttrain run: auto is this "
+                        "rank's GPU when CUDA is available)")
+    parser.add_argument("--backend", default=d.backend, choices=("auto", "gloo", "nccl"),
+                        help="torch.distributed backend of the ranks (auto follows --device; "
+                        "gloo lets several ranks share one GPU)")
     parser.add_argument("--eval-every", type=int, default=d.eval_every,
                         help="steps between evaluations, the accuracy curves (default "
                         "%(default)s; 0: only at the end, so nothing makes parameter-server "
@@ -128,19 +134,26 @@ def list_experiments() -> str:
 
 
 def make_config(args: argparse.Namespace) -> BenchConfig:
+    from disttrain.bench.strategy_bench import backend_of
     from disttrain.bench.transports import check_transport
     from disttrain.train.cli import straggler_options
+    from disttrain.train.device import require_available
 
     check_transport(args.transport)
     gloo_threads.policy_from_env()  # a typo in DISTTRAIN_GLOO_IO_THREADS: said here, once
-    return BenchConfig(strategies=args.strategies, world_sizes=args.world_sizes,
-                       model=args.model, dataset=args.dataset, epochs=args.epochs, steps=args.steps,
-                       global_batch=args.global_batch, repeat=args.repeat,
-                       transport=args.transport, algorithm=args.algorithm,
-                       timeout_s=args.timeout, eval_every=args.eval_every,
-                       servers=args.servers, staleness=args.staleness,
-                       bind_cores=args.bind_cores, tp_size=args.tp_size, pp_size=args.pp_size,
-                       **straggler_options(args.straggler))
+    config = BenchConfig(strategies=args.strategies, world_sizes=args.world_sizes,
+                         model=args.model, dataset=args.dataset, epochs=args.epochs,
+                         steps=args.steps, global_batch=args.global_batch, repeat=args.repeat,
+                         transport=args.transport, algorithm=args.algorithm,
+                         timeout_s=args.timeout, eval_every=args.eval_every,
+                         servers=args.servers, staleness=args.staleness,
+                         bind_cores=args.bind_cores, tp_size=args.tp_size, pp_size=args.pp_size,
+                         device=args.device, backend=args.backend,
+                         **straggler_options(args.straggler))
+    require_available(config.device)
+    for planned in plan(config):  # every run's backend can run here (NCCL: a GPU per rank)
+        backend_of(config, planned)
+    return config
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -28,14 +28,15 @@ def agreed_costs(transport: Transport, local: LinkCosts, timeout_s: float) -> Li
     ctx = CollectiveContext(transport, TrafficStats(), op="agree_costs", seq=0,
                             algorithm="tree", timeout_s=timeout_s, chunk_bytes=1 << 20,
                             tag_base=AGREE_TAG)
+    device = transport.device_type  # NCCL moves CUDA tensors only
     payload = costs_to_bytes(local) if transport.rank == 0 else b""
-    length = torch.tensor([len(payload)], dtype=torch.int64)
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     tree.broadcast(ctx, length, 0)
     size = int(length.item())
     if not 0 < size <= MAX_COSTS_BYTES:
         raise CommError(f"rank 0 announced {size} bytes of cost-model data; expected "
                         f"1..{MAX_COSTS_BYTES} (are all ranks running the same disttrain?)")
-    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if transport.rank == 0
-           else torch.empty(size, dtype=torch.uint8))
+    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+           if transport.rank == 0 else torch.empty(size, dtype=torch.uint8, device=device))
     tree.broadcast(ctx, buf, 0)
     return local if transport.rank == 0 else costs_from_bytes(bytes(buf.tolist()))

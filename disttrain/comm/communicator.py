@@ -35,6 +35,7 @@ from disttrain.comm.ops import ReduceOp, check_dtype, finish_
 from disttrain.comm.p2p_work import P2PWork
 from disttrain.comm.selection import AlgorithmChooser
 from disttrain.comm.signature import signature_of, verify_signature
+from disttrain.comm.staging import on_current_stream, staged
 from disttrain.comm.stats import TrafficStats
 from disttrain.comm.transport import Transport, check_workload
 from disttrain.comm.work import ProgressThread, Work
@@ -71,10 +72,12 @@ class Communicator:
     @classmethod
     def from_torch(cls, group: Any | None = None, config: CommConfig | None = None) -> Communicator:
         """A communicator over an initialized torch.distributed group (default: WORLD)."""
+        from disttrain.comm.nccl_rules import NcclRulesTransport
         from disttrain.comm.transports.torch_p2p import TorchTransport
 
         config = config or CommConfig()
-        return cls(TorchTransport(group, timeout_s=config.timeout_s), config)
+        kind = NcclRulesTransport if config.nccl_rules else TorchTransport
+        return cls(kind(group, timeout_s=config.timeout_s), config)
 
     # ----------------------------------------------------------------- identity
     @property
@@ -88,6 +91,14 @@ class Communicator:
     @property
     def global_ranks(self) -> tuple[int, ...]:
         return self.transport.global_ranks
+
+    @property
+    def device(self) -> torch.device:
+        """Where this communicator's transport moves tensors: the CPU (Gloo, shared memory)
+        or this rank's GPU (NCCL). Tensors elsewhere are staged (:mod:`.staging`)."""
+        kind = self.transport.device_type
+        return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else (
+            torch.device(kind))
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, "
@@ -140,6 +151,8 @@ class Communicator:
                 raise
             self.flight_recorder.ended(record)
 
+        if self.transport.device_type == "cuda":  # NCCL: follow the caller's stream
+            task = on_current_stream(task)
         return self._progress.run(task, async_op, self.config.timeout_s, op=op, seq=seq,
                                   name=name)
 
@@ -151,6 +164,7 @@ class Communicator:
         return checks.rank_arg("root", root, self.world_size)
 
     # ----------------------------------------------------------------- collectives
+    @staged(inout=("tensor",))
     def all_reduce(self, tensor: torch.Tensor, op: str | ReduceOp = "sum", *,
                    algorithm: str | None = None, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` over all ranks; every rank gets the result, in place."""
@@ -160,6 +174,7 @@ class Communicator:
         return self._reducing("all_reduce", algorithm, checks.nbytes(t),
                               lambda: signature_of(t, rop), async_op, flat, flat, rop)
 
+    @staged(inout=("tensor",))
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *, algorithm: str | None = None,
                   async_op: bool = False) -> Work | None:
         """Copy ``tensor`` from ``root`` to every rank, in place."""
@@ -167,6 +182,7 @@ class Communicator:
         return self._plain("broadcast", algorithm, checks.nbytes(t),
                            lambda: signature_of(t, root=root), async_op, checks.flat(t), root)
 
+    @staged(inout=("tensor",))
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: str | ReduceOp = "sum", *,
                algorithm: str | None = None, async_op: bool = False) -> Work | None:
         """Reduce onto ``root`` (in place there); other ranks' tensors are left unchanged."""
@@ -179,6 +195,7 @@ class Communicator:
                               flat if is_root else None, flat if is_root else flat.clone(), root,
                               rop)
 
+    @staged(out=("output",))
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, *,
                    algorithm: str | None = None, async_op: bool = False) -> Work | None:
         """``output`` = every rank's ``tensor`` concatenated in rank order (flat)."""
@@ -186,6 +203,7 @@ class Communicator:
         return self._plain("all_gather", algorithm, checks.nbytes(out), lambda: signature_of(t),
                            async_op, checks.flat(out), checks.flat(t))
 
+    @staged(out=("output",))
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor,
                        op: str | ReduceOp = "sum", *, algorithm: str | None = None,
                        async_op: bool = False) -> Work | None:
@@ -197,6 +215,7 @@ class Communicator:
         return self._reducing("reduce_scatter", algorithm, checks.nbytes(t),
                               lambda: signature_of(t, rop), async_op, fo, fo, checks.flat(t), rop)
 
+    @staged(inout=("output",))  # off the root an output passed in must keep its values
     def gather(self, output: torch.Tensor | None, tensor: torch.Tensor, root: int = 0, *,
                algorithm: str | None = None, async_op: bool = False) -> Work | None:
         """On ``root``, ``output`` = every rank's ``tensor`` in rank order; elsewhere unused."""
@@ -208,6 +227,7 @@ class Communicator:
         return self._plain("gather", algorithm, checks.nbytes(t) * self.world_size,
                            lambda: signature_of(t, root=root), async_op, fo, checks.flat(t), root)
 
+    @staged(out=("output",))
     def scatter(self, output: torch.Tensor, tensor: torch.Tensor | None, root: int = 0, *,
                 algorithm: str | None = None, async_op: bool = False) -> Work | None:
         """``tensor`` on ``root`` is world_size blocks; rank r receives block r in ``output``."""
@@ -220,6 +240,7 @@ class Communicator:
                            lambda: signature_of(out, root=root), async_op, checks.flat(out), ft,
                            root)
 
+    @staged(out=("output",))
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor,
                    output_split_sizes: list[int] | None = None,
                    input_split_sizes: list[int] | None = None, *,
@@ -304,10 +325,12 @@ class Communicator:
         if self._failure is None:
             self._failure = exc
 
+    @staged()
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to rank ``dst``; returns a handle with ``wait()``."""
         return self._p2p("send", tensor, dst, tag)
 
+    @staged(out=("tensor",))
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         """Start receiving into ``tensor`` from rank ``src``; returns a handle with ``wait()``."""
         return self._p2p("recv", tensor, src, tag)

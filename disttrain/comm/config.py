@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.comm import algorithms
@@ -18,6 +19,9 @@ class CommConfig:
     chunk_bytes: int | None = None  # ring streaming sub-chunk; None: from the cost model
     debug_checks: bool = False  # compare op/shape/dtype across ranks before each collective
     flight_recorder_size: int = 256
+    # the torch transport matches messages by NCCL's rules (test mode, disttrain.comm.
+    # nccl_rules); default: DISTTRAIN_NCCL_RULES=1 in the environment
+    nccl_rules: bool = field(default_factory=lambda: nccl_rules_from_env(os.environ))
 
     def __post_init__(self) -> None:
         if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
@@ -30,6 +34,8 @@ class CommConfig:
                              f"got {self.chunk_bytes!r}")
         if not isinstance(self.debug_checks, bool):
             raise ValueError(f"debug_checks must be True or False, got {self.debug_checks!r}")
+        if not isinstance(self.nccl_rules, bool):
+            raise ValueError(f"nccl_rules must be True or False, got {self.nccl_rules!r}")
         if not _is_int(self.flight_recorder_size) or self.flight_recorder_size < 1:
             raise ValueError(f"flight_recorder_size must be an int ≥ 1, "
                              f"got {self.flight_recorder_size!r}")
@@ -37,6 +43,16 @@ class CommConfig:
         if self.algorithm != "auto" and self.algorithm not in known:
             raise ValueError(f"algorithm={self.algorithm!r} is unknown; choose 'auto' or one of: "
                              f"{', '.join(sorted(known))}")
+
+
+def nccl_rules_from_env(env: Any) -> bool:
+    """Whether ``DISTTRAIN_NCCL_RULES`` turns the NCCL-rules test mode on (1/true/yes/on)."""
+    value = env.get("DISTTRAIN_NCCL_RULES", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"DISTTRAIN_NCCL_RULES={value!r}: set it to 1 (on) or 0 (off)")
 
 
 def _is_int(value: Any) -> bool:

@@ -74,6 +74,8 @@ class ScratchArena:
             return None
         buf = self._buffers.get(device)
         if buf is None or buf.numel() < end:
+            if buf is not None and buf.is_cuda:  # freed once its regions go: not before
+                buf.record_stream(torch.cuda.current_stream())  # this stream's kernels end
             size = min(self.max_bytes, -(-end // (1 << 20)) * (1 << 20))  # whole MiB
             buf = self._buffers[device] = torch.empty(size, dtype=torch.uint8, device=device)
         return buf
@@ -272,8 +274,20 @@ class CollectiveContext:
         self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, step: int = 0
     ) -> None:
         """Exchange with two peers at once (both directions of a link busy)."""
-        pendings = [self.irecv(recv, src, step), self.isend(send, dst, step)]
-        self.wait_all(pendings)
+        if dst == src:
+            self.wait_all(self.exchange(send, recv, dst, step))
+        else:
+            self.wait_all([self.irecv(recv, src, step), self.isend(send, dst, step)])
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, peer: int,
+                 step: int = 0) -> list[Pending]:
+        """Post a send to and a receive from the same ``peer``, the lower rank sending
+        first. Where a pair's messages run one after the other in posting order (NCCL), a
+        receive posted first on both sides would wait forever for a send queued behind the
+        other side's receive; this order pairs each send with the other side's receive."""
+        if self.rank < peer:
+            return [self.isend(send, peer, step), self.irecv(recv, peer, step)]
+        return [self.irecv(recv, peer, step), self.isend(send, peer, step)]
 
 
 def describe_wait(what: str, kind: str, peer: int) -> str:

@@ -2,10 +2,11 @@
 
 An explicit name always wins (if it can run on the transport); ``CommConfig(algorithm=…)``
 applies where the collective has that algorithm (``CommConfig(algorithm="ring")`` still
-broadcasts); otherwise ``auto``: ``shm`` on the shared-memory transport, else the α-β-γ cost
-model's pick among the runnable algorithms. Every rank must decide alike, which is why
-``auto`` decides by sizes that every rank knows and by costs that every rank agreed on
-(:mod:`disttrain.comm.agreement`).
+broadcasts); otherwise ``auto``: ``shm`` on the shared-memory transport, ``native`` on NCCL
+(its kernels beat anything driven from Python, and the calibrated costs are CPU ones), else
+the α-β-γ cost model's pick among the runnable algorithms. Every rank must decide alike,
+which is why ``auto`` decides by sizes that every rank knows and by costs that every rank
+agreed on (:mod:`disttrain.comm.agreement`).
 
 The transport, configuration and costs of a communicator never change, so decisions are
 remembered: choosing costs a dictionary lookup on every call after the first.
@@ -53,6 +54,8 @@ class AlgorithmChooser:
         if name == "auto":
             if "shm" in runnable:
                 return "shm"
+            if self._transport.device_type == "cuda" and "native" in runnable:
+                return "native"  # NCCL's own kernels: the cost model is Gloo's, on CPUs
             candidates = [a for a in runnable if a not in AUTO_NEVER]
             return choose(op, self._transport.world_size, nbytes, self._costs, candidates)
         algorithms.get(op, name)  # raises a ValueError listing the choices
@@ -66,4 +69,6 @@ class AlgorithmChooser:
             return self._transport.native_group is not None
         if name == "shm":
             return shm_algorithms.supports(self._transport)
+        if name == "hierarchical":  # shared memory inside a node: host memory only
+            return self._transport.device_type == "cpu"
         return True

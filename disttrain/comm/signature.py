@@ -43,11 +43,11 @@ def verify_signature(ctx: CollectiveContext, op: str, seq: int, signature: Seque
     mine = [seq, _crc(op), *signature, *[-1] * (len(_FIELDS) - 2 - len(signature))]
     width = len(_FIELDS)
     p, me = ctx.world_size, ctx.rank
-    table = torch.zeros(p, width, dtype=torch.int64)
-    table[me] = torch.tensor(mine, dtype=torch.int64)
-    pending = [ctx.irecv(table[r], r) for r in range(p) if r != me]
-    pending += [ctx.isend(table[me], r) for r in range(p) if r != me]
-    ctx.wait_all(pending)
+    device = ctx.transport.device_type  # NCCL moves CUDA tensors only
+    table = torch.zeros(p, width, dtype=torch.int64, device=device)
+    table[me] = torch.tensor(mine, dtype=torch.int64, device=device)
+    # each pair in the order both agree on (NCCL runs a pair's messages in posting order)
+    ctx.wait_all([q for r in range(p) if r != me for q in ctx.exchange(table[me], table[r], r)])
     rows = table.tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
     for r in range(p):

@@ -99,6 +99,14 @@ class Transport(ABC):
         """The device type tensors must live on (``cpu`` for Gloo, ``cuda`` for NCCL)."""
         return "cpu"
 
+    @property
+    def in_order(self) -> bool:
+        """True when the messages between two ranks match in the order they were posted,
+        whatever their tags, and each rank's sends and receives to one peer run one after
+        the other, each waiting for its match (NCCL; the NCCL-rules test mode). Algorithms
+        must then post the messages of a pair in an order both ranks agree on."""
+        return False
+
     def zeros(self, numel: int, dtype: torch.dtype, only_if_useful: bool = False
               ) -> torch.Tensor:
         """A zero-filled flat tensor for :meth:`Communicator.shared_zeros`: an ordinary one

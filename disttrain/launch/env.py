@@ -21,7 +21,7 @@ from disttrain.launch import slurm
 LOOPBACK = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 300.0  # init_process_group and every blocking wait of the communicator
 DEFAULT_EXIT_TIMEOUT_S = 30.0  # how long a failing rank may take to exit (hooks.bound_exit)
-BACKENDS = ("gloo", "nccl", "mpi")
+BACKENDS = ("gloo", "nccl", "mpi")  # and "auto": follow the device
 _TRUE = {"1", "true", "yes", "on"}
 
 
@@ -229,14 +229,25 @@ def resolve_debug(debug: bool | None, env: Mapping[str, str]) -> bool:
             or env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL")
 
 
-def choose_backend(requested: str | None, env: Mapping[str, str], cuda_available: bool) -> str:
-    """NCCL when CUDA is available, else Gloo; ``requested`` or $DISTTRAIN_BACKEND wins."""
+def choose_backend(requested: str | None, env: Mapping[str, str], cuda_available: bool,
+                   device: str | None = None) -> str:
+    """The backend follows the device: NCCL for ``cuda`` (``cuda:N``), Gloo for ``cpu``;
+    with no device (or ``auto``), NCCL when CUDA is available, else Gloo. ``requested`` or
+    $DISTTRAIN_BACKEND wins (Gloo serves a GPU job too: the Communicator stages CUDA
+    tensors through pinned host memory)."""
     name = (requested or env.get("DISTTRAIN_BACKEND") or "").strip().lower()
-    if not name:
+    if device is not None and device.startswith("cuda") and not cuda_available:
+        raise PlacementError(f"device {device!r} needs CUDA, which is not available here; use "
+                             f"device 'cpu' (or 'auto')")
+    if not name or name == "auto":
+        if device is not None and device.startswith("cuda"):
+            return "nccl"
+        if device == "cpu":
+            return "gloo"
         return "nccl" if cuda_available else "gloo"
     if name not in BACKENDS:
-        raise PlacementError(f"backend {name!r} is unknown; choose one of {', '.join(BACKENDS)} "
-                             "(argument backend= or DISTTRAIN_BACKEND)")
+        raise PlacementError(f"backend {name!r} is unknown; choose auto or one of "
+                             f"{', '.join(BACKENDS)} (argument backend= or DISTTRAIN_BACKEND)")
     if name == "nccl" and not cuda_available:
         raise PlacementError("backend 'nccl' needs CUDA, which is not available here; use "
                              "'gloo' (or leave the backend unset to choose automatically)")

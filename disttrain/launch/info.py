@@ -1,7 +1,8 @@
 """``disttrain info``: what to check first when a distributed run misbehaves.
 
-Versions, which torch.distributed backends this build has (Gloo, NCCL, MPI), CPU cores and
-NUMA nodes, GPUs and how they are connected (peer access and ``nvidia-smi topo -m``), the
+Versions, which torch.distributed backends this build has (Gloo, NCCL, MPI) and the NCCL
+version, CPU cores and NUMA nodes, GPUs and how they are connected (peer access and
+``nvidia-smi topo -m``, bounded by a timeout), the
 calibrated transport costs that ``algorithm="auto"`` uses, and where this process would
 stand in a job (the launch variables it sees). ``--json`` prints the same as one object.
 """
@@ -54,6 +55,7 @@ def collect() -> dict[str, Any]:
         "disttrain": disttrain.__version__,
         "torch": torch.__version__,
         "backends": backends(),
+        "nccl_version": nccl_version(),
         "cpu": cpu(),
         "gpus": gpus(),
         "gpu_topology": nvidia_topology(),
@@ -69,6 +71,21 @@ def backends() -> dict[str, bool]:
         return {"gloo": False, "nccl": False, "mpi": False}
     return {"gloo": bool(dist.is_gloo_available()), "nccl": bool(dist.is_nccl_available()),
             "mpi": bool(dist.is_mpi_available())}
+
+
+def nccl_version() -> str | None:
+    """The NCCL this torch was built with (``torch.cuda.nccl.version()``), e.g. ``2.21.5``;
+    None in a build without CUDA/NCCL."""
+    import torch
+
+    try:
+        version: Any = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError, ImportError):  # a CPU build has no NCCL binding
+        return None
+    if isinstance(version, tuple):
+        return ".".join(str(part) for part in version)
+    code = int(version)  # older torch: 2.21.5 as 22105 (major·10000 + minor·100 + patch)
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
 
 
 def numa_nodes(root: Path = _NODE_DIR) -> list[dict[str, Any]]:
@@ -95,7 +112,8 @@ def gpus() -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
-        return {"cuda_available": False, "count": 0, "devices": [], "peer_access": []}
+        return {"cuda_available": False, "count": 0, "devices": [], "peer_access": [],
+                "cuda_build": torch.version.cuda}
     count = torch.cuda.device_count()
     devices = []
     for i in range(count):
@@ -154,7 +172,8 @@ def render(facts: dict[str, Any]) -> str:
     lines = [
         f"disttrain {facts['disttrain']}  torch {facts['torch']}  python {facts['python']}",
         f"host       {facts['host']} ({facts['platform']})",
-        "backends   " + "  ".join(f"{k}: {'yes' if v else 'no'}" for k, v in b.items()),
+        "backends   " + "  ".join(f"{k}: {'yes' if v else 'no'}" for k, v in b.items())
+        + (f"  (NCCL {facts['nccl_version']})" if facts.get("nccl_version") else ""),
         f"cpu        {c['logical_cores']} logical cores, {c['usable_cores']} usable, torch "
         f"threads {c['torch_threads']}",
         f"numa       {len(c['numa_nodes'])} node(s)" + "".join(
@@ -168,7 +187,8 @@ def render(facts: dict[str, Any]) -> str:
             f"{i}→{[j for j, ok in enumerate(row) if ok and j != i]}"
             for i, row in enumerate(g["peer_access"])))
     else:
-        lines.append("gpus       none (CUDA not available)")
+        lines.append(f"gpus       none (CUDA not available; torch built with CUDA "
+                     f"{g.get('cuda_build') or 'none'})")
     if facts["gpu_topology"]:
         lines += ["topology (nvidia-smi topo -m):", facts["gpu_topology"]]
     lines.append(f"costs      {cal['path']}" + ("" if cal["stored"] else " (none stored: "

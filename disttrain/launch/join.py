@@ -7,7 +7,9 @@ arguments, or in a plain ``python train.py`` (a world of one)::
     comm.all_reduce(grad)
     disttrain.shutdown(comm)
 
-It picks NCCL when CUDA is available (else Gloo), bounds the rendezvous and every later
+It picks the backend by the device (``device="cuda"``: NCCL on this rank's GPU,
+``cuda:LOCAL_RANK``; ``"cpu"``: Gloo; ``None``/``"auto"``: NCCL when CUDA is available, else
+Gloo; ``backend=`` or $DISTTRAIN_BACKEND overrides), bounds the rendezvous and every later
 wait by a timeout (``timeout_s``, else $DISTTRAIN_TIMEOUT, else 5 minutes; the start-up by
 ``init_timeout_s``, else $DISTTRAIN_INIT_TIMEOUT, else the larger of the two), turns on desync
 checks with ``debug=True`` or DISTTRAIN_DEBUG=1, and installs the failure hooks of
@@ -40,7 +42,7 @@ class InitError(RuntimeError):
     """This process could not join the job (its peers or the master are unreachable)."""
 
 
-def init(backend: str | None = None, *, rank: int | None = None,
+def init(backend: str | None = None, *, device: str | None = None, rank: int | None = None,
          world_size: int | None = None, local_rank: int | None = None,
          master_addr: str | None = None, master_port: int | None = None,
          timeout_s: float | None = None, init_timeout_s: float | None = None,
@@ -61,8 +63,10 @@ def init(backend: str | None = None, *, rank: int | None = None,
     start_timeout = envmod.resolve_init_timeout(init_timeout_s, timeout, environ)
     debug_checks = envmod.resolve_debug(debug, environ)
     exit_timeout = envmod.resolve_exit_timeout(exit_timeout_s, environ)
-    name = envmod.choose_backend(backend, environ, torch.cuda.is_available())
-    if name == "nccl":
+    name = envmod.choose_backend(backend, environ, torch.cuda.is_available(), device)
+    if name == "nccl" or (device or "auto").startswith("cuda") or (
+            device in (None, "auto") and torch.cuda.is_available()):
+        # cuda:LOCAL_RANK, shared round-robin when ranks outnumber GPUs (Gloo only)
         torch.cuda.set_device(place.local_rank % torch.cuda.device_count())
     if dist.is_initialized():
         _check_existing(place)

@@ -12,6 +12,10 @@ halved; after ``growth_interval`` clean steps S doubles::
 
 The found-inf flag is all-reduced (max) through the communicator, so every rank skips the
 same steps and the replicas stay identical even if only one rank's gradients overflowed.
+:meth:`LossScaler.attach` routes an optimizer's own ``step()`` through the scaler (the
+training loop's ``--precision fp16`` does this for every strategy's update, a ZeRO shard's
+included); a rank with nothing to update still takes part in the decision
+(:meth:`LossScaler.no_step`).
 """
 
 from __future__ import annotations
@@ -28,17 +32,15 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(device_type: str = "cpu", dtype: str | None = "bf16") -> AbstractContextManager[Any]:
-    """A ``torch.autocast`` context for the forward pass: ``"bf16"`` on CPU, ``"fp16"`` or
-    ``"bf16"`` on CUDA; ``None`` (or ``"fp32"``) disables it."""
+    """A ``torch.autocast`` context for the forward pass: ``"bf16"`` or ``"fp16"`` on CUDA or
+    CPU (fp16 on CPU is slow: it is there to test fp16 training where there is no GPU);
+    ``None`` (or ``"fp32"``) disables it."""
     if dtype in (None, "fp32"):
         return nullcontext()
     if dtype not in _DTYPES:
         raise ValueError(f"mixed-precision dtype must be 'bf16', 'fp16' or None, got {dtype!r}")
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"autocast device_type must be 'cpu' or 'cuda', got {device_type!r}")
-    if device_type == "cpu" and dtype == "fp16":
-        raise ValueError("fp16 autocast is for CUDA; on CPU use dtype='bf16' (same range as "
-                         "fp32, no loss scaling needed)")
     return torch.autocast(device_type=device_type, dtype=_DTYPES[dtype])
 
 
@@ -95,10 +97,32 @@ class LossScaler:
                  if p.grad is not None]
         if self.enabled and grads:
             torch._foreach_mul_(grads, 1.0 / self.scale_value)
-        local = any(not bool(torch.isfinite(g).all()) for g in grads) if self.enabled else False
+        # one host sync for all the gradients (on a GPU, each check would be one)
+        local = self.enabled and bool(grads) and not bool(
+            torch.stack([torch.isfinite(g).all() for g in grads]).all())
         found = self._agree(local)
         self._found_inf[key] = found
         return found
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Route ``optimizer.step()`` through this scaler: before it, the gradients are
+        unscaled and, when any rank found an inf/nan, dropped (``None``: the step changes
+        nothing, not even Adam's step count); after it, the scale is updated."""
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(lambda *_: self.update())
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.unscale_(optimizer):
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+
+    def no_step(self) -> None:
+        """This step's decision and scale update on a rank that updates nothing (a pipeline
+        stage without parameters): it must take part, or the others wait for it."""
+        if self.enabled:
+            self._found_inf[-1] = self._agree(False)
+            self.update()
 
     def _agree(self, local: bool) -> bool:
         """Max over ranks of the local flag: one rank's overflow makes every rank skip."""

@@ -26,7 +26,7 @@ from disttrain.parallel.pipeline import partition as part
 from disttrain.parallel.pipeline.collectives import agreed_balance
 from disttrain.parallel.pipeline.config import StepStats
 from disttrain.parallel.pipeline.link import EVAL, TRAIN, Direction, PipelineError, StageLink
-from disttrain.parallel.pipeline.stage import Stage
+from disttrain.parallel.pipeline.stage import Stage, device_of
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ACTIVATION, GRADIENT = Direction.ACTIVATION, Direction.GRADIENT
@@ -35,10 +35,11 @@ ACTIVATION, GRADIENT = Direction.ACTIVATION, Direction.GRADIENT
 class ModelParallel:
     """This rank's share of the layers; every rank of ``comm`` is one stage."""
 
-    def __init__(self, module: nn.Sequential, comm: Communicator) -> None:
+    def __init__(self, module: nn.Sequential, comm: Communicator,
+                 device: torch.device | None = None) -> None:
         self.comm = comm
         self.stage = Stage(module, comm.rank, comm.world_size)
-        self.link = StageLink(comm, comm.rank)
+        self.link = StageLink(comm, comm.rank, device)
         self.last_step: StepStats | None = None
         self._call = 0
         self._failure: BaseException | None = None
@@ -167,4 +168,4 @@ def build_model_parallel(model: Any, comm: Communicator, *,
     layers = part.layers_of(model)
     balance = agreed_balance(comm, layers, comm.world_size, partition, sample,
                              [comm.world_size], "the model split")
-    return ModelParallel(part.stage_module(layers, balance, comm.rank), comm)
+    return ModelParallel(part.stage_module(layers, balance, comm.rank), comm, device_of(layers))

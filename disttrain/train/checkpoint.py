@@ -52,14 +52,16 @@ class Resumed:
 
 
 def save(directory: str, step: int, strategy: Strategy, comm: Communicator | None,
-         meta: dict[str, Any], sampler: dict[str, int]) -> str:
-    """Write the checkpoint of ``step`` from every rank; returns its path."""
+         meta: dict[str, Any], sampler: dict[str, int], scaler: Any = None) -> str:
+    """Write the checkpoint of ``step`` from every rank; returns its path (``scaler``: fp16's
+    loss scaler, whose scale the run continues with)."""
     rank = comm.rank if comm is not None else 0
     world_size = comm.world_size if comm is not None else 1
     path = os.path.join(directory, f"step-{step:08d}")
     os.makedirs(path, exist_ok=True)
     strategy.save_state(path, rank)
-    atomic_save({"rng": torch.get_rng_state(), "sampler": sampler},
+    extra = {"loss_scaler": scaler.state_dict()} if scaler is not None else {}
+    atomic_save({"rng": torch.get_rng_state(), "sampler": sampler, **extra},
                 os.path.join(path, f"rank-{rank:05d}.pt"))
     if rank == 0:
         atomic_save({**meta, "step": step}, os.path.join(path, "meta.pt"))
@@ -117,16 +119,19 @@ def advice(directory: str, unusable: str | None = None) -> str:
     return f"{earlier}start afresh in another --checkpoint-dir"
 
 
-def load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any]) -> Resumed:
-    """Restore ``strategy`` and this rank's RNG from ``path``; check the run is the same one."""
+def load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any],
+         scaler: Any = None) -> Resumed:
+    """Restore ``strategy``, this rank's RNG and fp16's loss ``scaler`` from ``path``; check
+    the run is the same one."""
     try:
-        return _load(path, strategy, rank, meta)
+        return _load(path, strategy, rank, meta, scaler)
     except CheckpointError as exc:
         raise CheckpointError(exc.problem, advice(os.path.dirname(path),
                                                   os.path.basename(path))) from None
 
 
-def _load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any]) -> Resumed:
+def _load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any],
+          scaler: Any) -> Resumed:
     checkpoint_files.verify(path, rank, int(meta.get("world_size", 1)))
     saved = checkpoint_files.load(os.path.join(path, "meta.pt"))
     if not isinstance(saved, dict) or not isinstance(saved.get("step"), int):
@@ -147,4 +152,6 @@ def _load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any]) -> Res
         return Resumed(saved["step"], None, path)
     rank_state = checkpoint_files.load(rank_file)
     torch.set_rng_state(rank_state["rng"])
+    if scaler is not None and "loss_scaler" in rank_state:
+        scaler.load_state_dict(rank_state["loss_scaler"])
     return Resumed(saved["step"], dict(rank_state["sampler"]), path)

@@ -30,6 +30,7 @@ from typing import Any
 from disttrain.comm import CommConfig
 from disttrain.train.config import OPTIMIZERS, PRECISIONS, ParallelOptions, TrainConfig
 from disttrain.train.data import DATASETS, DataOptions
+from disttrain.train.device import local_backend, require_available, select_local_gpu
 from disttrain.train.models import MODELS
 from disttrain.train.registry import resolve
 from disttrain.train.result import TrainResult
@@ -63,7 +64,15 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--momentum", type=float, default=defaults.momentum)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="fp32; bf16 or fp16 autocast (fp16 with dynamic loss scaling)")
+    p.add_argument("--device", default="auto", metavar="{auto,cpu,cuda}",
+                   help="where each rank trains: auto (this rank's GPU, cuda:LOCAL_RANK, when "
+                        "CUDA is available, else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="torch.distributed backend of the ranks started here: auto follows "
+                        "--device (cuda: nccl, cpu: gloo); gloo under --device cuda stages "
+                        "CUDA tensors through pinned host memory (several ranks per GPU)")
     _loop_arguments(p)
     _data_and_parallel_arguments(p)
     p.add_argument("--transport", choices=("torch", "shm", "auto"), default="torch",
@@ -190,7 +199,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         parallel=parallel, epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
         accumulate=args.accumulate, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
-        precision=args.precision, eval_every=args.eval_every, log_every=args.log_every,
+        precision=args.precision, device=args.device, eval_every=args.eval_every,
+        log_every=args.log_every,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, tensorboard_dir=args.tensorboard, progress=args.progress)
 
@@ -267,18 +277,21 @@ def run(args: argparse.Namespace) -> int:
         if not in_job:  # -n counts workers; a parameter-server run adds its servers
             world_size = ranks_needed(config, world_size)
         checked_setup(config, world_size)
+        require_available(config.device)  # a one-line error, before any rank starts
         resolve(MODELS, config.model, "model")
         resolve(DATASETS, config.dataset, "dataset")
         comm_config = CommConfig(timeout_s=args.comm_timeout)
         if in_job:
-            result: TrainResult | None = spawn.run_in_job(config, comm_config)
+            result: TrainResult | None = spawn.run_in_job(config, comm_config, args.backend)
             if result is not None and result.rank != 0:
                 result = None
         elif world_size == 1 and not get_strategy(config.strategy).needs_comm:
+            select_local_gpu(config.device, 0)
             result = train(config)
         else:
+            backend = local_backend(args.backend, config.device, args.transport, world_size)
             result = spawn.run_local(config, world_size, comm_config, args.timeout,
-                                     args.transport)[0]
+                                     args.transport, backend)[0]
     except (ValueError, ImportError) as exc:  # bad settings, or a missing optional package
         print(f"disttrain run: error: {exc}", file=sys.stderr)
         return 2

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from disttrain.train.data import DataOptions
+from disttrain.train.device import check_device
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")  # fp16: with dynamic loss scaling (the loop's)
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -138,6 +139,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 0  # model init (same on every rank) and data order
     precision: str = "fp32"
+    device: str = "auto"  # "auto", "cpu", "cuda" (this rank's GPU) or "cuda:N" (train/device.py)
     eval_every: int | None = None  # None: after each epoch; 0: only at the end; N: every N steps
     log_every: int = 10  # steps between metrics lines (0: none)
     warmup_steps: int = 1  # first steps left out of samples/s
@@ -164,6 +166,7 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")
+        check_device(self.device)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1 or self.weight_decay < 0:

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from disttrain.train.data import fetch, size
+from disttrain.train.device import to_device
 from disttrain.train.sampler import DistributedSampler
 from disttrain.train.strategies import LossFn, Strategy
 from disttrain.train.strategies.base import Autocast
@@ -38,8 +39,10 @@ def batch_count(total: int, shards: int, batch_size: int, min_rows: int) -> int:
 
 
 def evaluate(strategy: Strategy, dataset: Dataset[Any], loss_fn: LossFn, autocast: Autocast,
-             batch_size: int = 256) -> tuple[float, float]:
-    """``(accuracy, mean loss)`` over all of ``dataset``, the same on every rank."""
+             batch_size: int = 256, device: torch.device | None = None) -> tuple[float, float]:
+    """``(accuracy, mean loss)`` over all of ``dataset``, the same on every rank (batches
+    moved to ``device``, the CPU by default)."""
+    device = device if device is not None else torch.device("cpu")
     total = size(dataset)
     sampler = DistributedSampler(total, strategy.dp_size, strategy.dp_rank, shuffle=False,
                                  pad=False)
@@ -56,7 +59,7 @@ def evaluate(strategy: Strategy, dataset: Dataset[Any], loss_fn: LossFn, autocas
             for part in torch.tensor_split(indices, batches):
                 if len(part) == 0 and not strategy.collective_eval:
                     continue
-                inputs, targets = fetch(dataset, part)
+                inputs, targets = to_device(fetch(dataset, part), device)
                 with autocast():
                     output = strategy.predict(inputs)
                 count = targets.numel()

@@ -14,6 +14,13 @@ micro-batches each), so N replicas × b samples see exactly the samples one proc
 with batch N·b: that is what makes every strategy comparable with the single-process
 reference. A replica is a rank for data parallelism and ZeRO, a whole pipeline for the
 pipeline strategies (all its stages read the same shard).
+
+Devices: the model is moved to the rank's device (``config.device``, :mod:`.device`) before
+the strategy wraps it, and every batch is moved there as it is fetched; on CUDA the peak
+memory is ``torch.cuda.max_memory_allocated``, counted from the start of the run. With
+``precision="fp16"`` a :class:`~disttrain.parallel.mixed_precision.LossScaler` over the
+strategy's communicator scales every loss and checks every update (``Strategy.
+use_loss_scaler``); its scale and skipped steps are in the result's ``extras``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +40,7 @@ from disttrain.comm import Communicator
 from disttrain.train import checkpoint
 from disttrain.train.config import TrainConfig
 from disttrain.train.data import DatasetSplits, build_dataset, fetch, size
+from disttrain.train.device import resolve_device, to_device
 from disttrain.train.evaluate import evaluate
 from disttrain.train.metrics import (
     ProgressBar,
@@ -110,12 +119,18 @@ class _Run:
         self.micro = checked_setup(config, self.world_size)
         if spec.needs_comm and comm is None:
             raise ValueError(f"strategy {config.strategy!r} needs a communicator")
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":  # the run's own peak, not an earlier run's
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.data: DatasetSplits = build_dataset(config.dataset, config.data)
         torch.manual_seed(config.seed)  # identical initial parameters on every rank
-        module = build_model(config.model, self.data.info)
-        sample = fetch(self.data.train, list(range(min(self.micro, size(self.data.train)))))
+        module = build_model(config.model, self.data.info).to(self.device)
+        sample = to_device(fetch(self.data.train,
+                                 list(range(min(self.micro, size(self.data.train))))),
+                           self.device)
         self.strategy: Strategy = spec.build(
             BuildContext(module, comm, optimizer_factory(config), config, sample))
+        self.scaler = _loss_scaler(config, comm, self.strategy)
         if phases is not None:
             self.strategy.phases = phases
             phases.communicators = self.strategy.communicators()
@@ -142,7 +157,7 @@ class _Run:
                              f"split ({len(self.sampler) * self.strategy.dp_size} samples); "
                              f"use a smaller global_batch")
         self.total_steps = config.steps or (config.epochs or 1) * self.steps_per_epoch
-        self.autocast = autocast_factory(config.precision)
+        self.autocast = autocast_factory(config.precision, self.device.type)
         self.meta = {"model": config.model, "dataset": config.dataset,
                      "data": dataclasses.asdict(config.data), "global_batch": config.global_batch,
                      "seed": config.seed, "world_size": self.world_size}
@@ -165,7 +180,7 @@ class _Run:
         if path is None:
             log.info("no checkpoint in %s yet: starting from step 0", directory)
             return
-        resumed = checkpoint.load(path, self.strategy, self.rank, self.meta)
+        resumed = checkpoint.load(path, self.strategy, self.rank, self.meta, self.scaler)
         self.step = self.start_step = resumed.step
         if resumed.sampler is not None:
             self.sampler.load_state_dict(resumed.sampler)
@@ -204,8 +219,8 @@ class _Run:
         start_time = time.perf_counter()
         sent_before = self._bytes_sent()
         hidden_before = self._bytes_unobserved()
-        micro = [fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro])
-                 for m in range(self.config.accumulate)]
+        micro = [to_device(fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro]),
+                           self.device) for m in range(self.config.accumulate)]
         if self.whole_step and self.phases is not None:
             with self.phases.span("train_step"):
                 loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
@@ -248,14 +263,14 @@ class _Run:
         window = self.step_times[-self.config.log_every:]
         samples_per_s = self.config.global_batch * len(window) / max(sum(window), 1e-12)
         line = format_line(record.step, record.epoch, record.loss, samples_per_s,
-                           self._bytes_sent(), peak_memory_bytes())
+                           self._bytes_sent(), peak_memory_bytes(self.device))
         log.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s", line)
         self.tensorboard.scalars(record.step, {"train/loss": record.loss,
                                                "train/samples_per_s": samples_per_s})
 
     def _evaluate(self) -> None:
         accuracy, loss = evaluate(self.strategy, self.data.test, loss_fn, self.autocast,
-                                  batch_size=max(self.micro, 256))
+                                  batch_size=max(self.micro, 256), device=self.device)
         epoch = max(self.step - 1, 0) // self.steps_per_epoch
         self.evaluations.append(EvalPoint(self.step, epoch, accuracy, loss))
         if self.rank == 0:
@@ -272,7 +287,7 @@ class _Run:
         if final and self.step == self.start_step:
             return  # nothing new since the checkpoint we resumed from
         checkpoint.save(directory, self.step, self.strategy, self.comm, self.meta,
-                        self._position())
+                        self._position(), self.scaler)
 
     # ------------------------------------------------------------------ the result
     def _gathered(self, peak: int) -> tuple[float, list[float | None]]:
@@ -296,13 +311,16 @@ class _Run:
     def _result(self) -> TrainResult:
         # read once: the peak can still grow while the maxima are gathered, and a rank's own
         # peak must never exceed the maximum reported over all ranks
-        peak = peak_memory_bytes()
+        peak = peak_memory_bytes(self.device)
         final_loss, (peak_max, sent_max, theory_max) = self._gathered(peak)
         warm = self.config.warmup_steps
         timed = self.step_times[warm:] if len(self.step_times) > warm else self.step_times
         samples_per_s = self.config.global_batch * len(timed) / sum(timed) if timed else 0.0
         last_eval = self.evaluations[-1] if self.evaluations else None
         extras = self.strategy.extras(warm)
+        if self.scaler is not None:
+            extras = {**extras, "loss_scale": self.scaler.scale_value,
+                      "skipped_steps": self.scaler.skipped_steps}
         return TrainResult(
             strategy=self.config.strategy, rank=self.rank, world_size=self.world_size,
             dp_size=self.strategy.dp_size, global_batch=self.config.global_batch,
@@ -320,4 +338,16 @@ class _Run:
     def close(self) -> None:
         self.tensorboard.close()
         self.strategy.close()
+
+
+def _loss_scaler(config: TrainConfig, comm: Communicator | None, strategy: Strategy) -> Any:
+    """fp16: the dynamic loss scaler every update of ``strategy`` goes through, deciding
+    over ``comm`` (all ranks, every stage of every pipeline) which steps to skip."""
+    if config.precision != "fp16":
+        return None
+    from disttrain.parallel.mixed_precision import LossScaler
+
+    scaler = LossScaler(comm)
+    strategy.use_loss_scaler(scaler)
+    return scaler
 

@@ -42,10 +42,12 @@ class StepRecord:
     bytes_sent: int | None  # bytes this rank sent through disttrain.comm during the step
 
 
-def peak_memory_bytes() -> int:
-    """Peak memory of this process: CUDA allocator peak if CUDA is in use, else peak RSS."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
+def peak_memory_bytes(device: torch.device | None = None) -> int:
+    """Peak memory of this process on ``device``: the CUDA allocator's peak for a GPU (since
+    the last ``torch.cuda.reset_peak_memory_stats``, which the loop calls when a run
+    starts), else the process's peak RSS."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

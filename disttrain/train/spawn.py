@@ -1,9 +1,10 @@
 """Run the training loop on ranks: local processes started here, or the ranks of a launched job.
 
 ``run_local`` spawns ``world_size`` processes on this machine. They meet through a ``file://``
-store in a fresh temporary directory (no port to clash with other jobs), use Gloo, and send
-their :class:`TrainResult` back through a pipe to this process (their parent). A rank that
-raises or dies is named, the others are stopped, and :class:`RankFailedError` says which.
+store in a fresh temporary directory (no port to clash with other jobs), use the given
+backend (Gloo, or NCCL with a GPU per rank: rank r trains on ``cuda:r``), and send their
+:class:`TrainResult` back through a pipe to this process (their parent). A rank that raises
+or dies is named, the others are stopped, and :class:`RankFailedError` says which.
 
 ``run_in_job`` is for processes started by ``torchrun``, ``disttrain launch`` or Slurm, where
 ``RANK``/``WORLD_SIZE`` are already in the environment.
@@ -24,6 +25,7 @@ from typing import Any
 
 from disttrain.comm import CommConfig, Communicator
 from disttrain.train.config import TrainConfig
+from disttrain.train.device import select_local_gpu
 from disttrain.train.loop import train
 from disttrain.train.result import TrainResult
 
@@ -56,7 +58,8 @@ def make_comm(transport: str, comm_config: CommConfig) -> Communicator:
 
 
 def _worker(rank: int, world_size: int, store: str, config: TrainConfig,
-            comm_config: CommConfig, transport: str, log_level: int, conn: Any) -> None:
+            comm_config: CommConfig, transport: str, log_level: int, conn: Any,
+            backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
@@ -64,7 +67,8 @@ def _worker(rank: int, world_size: int, store: str, config: TrainConfig,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(_threads_per_rank(world_size))
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+        select_local_gpu(config.device, rank)  # cuda:rank: every rank here is local
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=comm_config.timeout_s))
         comm = make_comm(transport, comm_config)
@@ -83,11 +87,13 @@ def _worker(rank: int, world_size: int, store: str, config: TrainConfig,
 
 
 def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | None = None,
-              timeout_s: float | None = None, transport: str = "torch") -> list[TrainResult]:
+              timeout_s: float | None = None, transport: str = "torch",
+              backend: str = "gloo") -> list[TrainResult]:
     """Train on ``world_size`` new local processes; returns every rank's result (rank order).
 
     ``timeout_s`` bounds the whole run (None: no limit; every collective is still bounded by
-    ``comm_config.timeout_s``); ``transport`` is how disttrain.comm moves bytes."""
+    ``comm_config.timeout_s``); ``transport`` is how disttrain.comm moves bytes, over the
+    torch.distributed ``backend`` (:func:`~disttrain.train.device.local_backend`)."""
     comm_config = comm_config or CommConfig()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="disttrain-run-") as tmp:
@@ -97,7 +103,7 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker, name=f"disttrain-rank{rank}", daemon=True,
                                args=(rank, world_size, store, config, comm_config, transport,
-                                     logging.getLogger().getEffectiveLevel(), child))
+                                     logging.getLogger().getEffectiveLevel(), child, backend))
             proc.start()
             child.close()
             procs.append(proc)
@@ -202,12 +208,14 @@ def in_launched_job() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def run_in_job(config: TrainConfig, comm_config: CommConfig | None = None) -> TrainResult:
-    """Train as one rank of an already launched job (environment variables set)."""
+def run_in_job(config: TrainConfig, comm_config: CommConfig | None = None,
+               backend: str | None = None) -> TrainResult:
+    """Train as one rank of an already launched job (environment variables set); the
+    backend follows ``config.device`` unless ``backend`` (or $DISTTRAIN_BACKEND) says."""
     import torch.distributed as dist
 
     comm_config = comm_config or CommConfig()
-    comm = _init_from_environment(comm_config)
+    comm = _init_from_environment(comm_config, config.device, backend)
     try:
         return train(config, comm)
     finally:
@@ -216,7 +224,8 @@ def run_in_job(config: TrainConfig, comm_config: CommConfig | None = None) -> Tr
             dist.destroy_process_group()
 
 
-def _init_from_environment(comm_config: CommConfig) -> Communicator:
+def _init_from_environment(comm_config: CommConfig, device: str = "auto",
+                           backend: str | None = None) -> Communicator:
     import torch.distributed as dist
 
     try:
@@ -224,7 +233,8 @@ def _init_from_environment(comm_config: CommConfig) -> Communicator:
     except ImportError:  # an installation without disttrain.launch: plain env:// below
         pass
     else:
-        return init(timeout_s=comm_config.timeout_s)
+        return init(None if backend == "auto" else backend, device=device,
+                    timeout_s=comm_config.timeout_s)
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://",
                                 timeout=datetime.timedelta(seconds=comm_config.timeout_s))

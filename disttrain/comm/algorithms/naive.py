@@ -8,7 +8,8 @@ bytes in total, (p−1)V per rank, against the ring's 2(p−1)V/p per rank::
     r1 ──V──▶ r0, r2, r3      then reduces the p vectors in rank order (0, 1, …, p−1)
     …                          so every rank computes the identical result
 
-One step, so it can win for tiny messages where latency (α) dominates.
+One step, so it can win for tiny messages where latency (α) dominates. Each pair posts its
+two messages lower rank first (``CollectiveContext.exchange``), the order NCCL needs.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, op: ReduceOp) -> No
     if p == 1:
         return
     bufs = {peer: ctx.scratch_like(tensor) for peer in range(p) if peer != me}
-    pending: list[Pending] = [ctx.irecv(bufs[peer], peer) for peer in bufs]
-    pending += [ctx.isend(tensor, peer) for peer in bufs]
-    ctx.wait_all(pending)
+    ctx.wait_all([q for peer in bufs for q in ctx.exchange(tensor, bufs[peer], peer)])
     mine = ctx.scratch_copy(tensor)
     _reduce_in_rank_order(tensor, [mine if r == me else bufs[r] for r in range(p)], op)
 
@@ -94,9 +93,8 @@ def scatter(
 def all_gather(ctx: CollectiveContext, output: torch.Tensor, tensor: torch.Tensor) -> None:
     p, me, n = ctx.world_size, ctx.rank, tensor.numel()
     output[me * n : (me + 1) * n].copy_(tensor)
-    pending = [ctx.irecv(output[r * n : (r + 1) * n], r) for r in range(p) if r != me]
-    pending += [ctx.isend(tensor, r) for r in range(p) if r != me]
-    ctx.wait_all(pending)
+    ctx.wait_all([q for r in range(p) if r != me
+                  for q in ctx.exchange(tensor, output[r * n : (r + 1) * n], r)])
 
 
 def reduce_scatter(
@@ -104,9 +102,8 @@ def reduce_scatter(
 ) -> None:
     p, me, n = ctx.world_size, ctx.rank, output.numel()
     bufs = {peer: ctx.scratch_like(output) for peer in range(p) if peer != me}
-    pending = [ctx.irecv(bufs[peer], peer) for peer in bufs]
-    pending += [ctx.isend(tensor[r * n : (r + 1) * n], r) for r in range(p) if r != me]
-    ctx.wait_all(pending)
+    ctx.wait_all([q for r in bufs
+                  for q in ctx.exchange(tensor[r * n : (r + 1) * n], bufs[r], r)])
     mine = tensor[me * n : (me + 1) * n]
     _reduce_in_rank_order(output, [mine if r == me else bufs[r] for r in range(p)], op)
 
@@ -125,22 +122,26 @@ def all_to_all(
     out_blocks = [output[out_offsets[j] : out_offsets[j] + out_splits[j]] for j in range(p)]
     in_blocks = [tensor[in_offsets[j] : in_offsets[j] + in_splits[j]] for j in range(p)]
     out_blocks[me].copy_(in_blocks[me])
-    pending = []
+    pending: list[Pending] = []
     for shift in range(1, p):  # staggered partners so no rank is flooded first
         src, dst = (me - shift) % p, (me + shift) % p
-        pending.append(ctx.irecv(out_blocks[src], src))
-        pending.append(ctx.isend(in_blocks[dst], dst))
+        if src == dst:  # the partner opposite (even p): both directions on one pair
+            pending += ctx.exchange(in_blocks[dst], out_blocks[src], dst)
+        else:  # the pair (me, src) sees these in the order (src, me) posts them too
+            pending += [ctx.irecv(out_blocks[src], src), ctx.isend(in_blocks[dst], dst)]
     ctx.wait_all(pending)
 
 
 def barrier(ctx: CollectiveContext) -> None:
     """Everyone tells rank 0, rank 0 tells everyone: 2(p−1) one-byte messages."""
-    token = torch.zeros(1, dtype=torch.uint8)
+    device = ctx.transport.device_type
+    token = torch.zeros(1, dtype=torch.uint8, device=device)
     if ctx.rank == 0:
         peers = range(1, ctx.world_size)
-        ctx.wait_all([ctx.irecv(torch.empty(1, dtype=torch.uint8), r, step=0) for r in peers])
+        ctx.wait_all([ctx.irecv(torch.empty(1, dtype=torch.uint8, device=device), r, step=0)
+                      for r in peers])
         ctx.wait_all([ctx.isend(token, r, step=1) for r in peers])
     else:
         ctx.send(token, 0, step=0)
-        ctx.recv(torch.empty(1, dtype=torch.uint8), 0, step=1)
+        ctx.recv(torch.empty(1, dtype=torch.uint8, device=device), 0, step=1)
 

@@ -17,6 +17,11 @@ and every rank is sending and receiving at the same time. Every receive of the w
 collective is posted before the first send (see :func:`post_reduce_scatter`), and in an
 all-reduce each sub-chunk of the owned segment starts its all-gather journey as soon as its
 last reduction is done, while the next sub-chunk is still being reduced.
+
+Where a pair's messages match in posting order whatever their tags (NCCL, see
+``Transport.in_order``), three ranks or more still work unchanged: each pair carries one
+direction only, and the receives are posted in the order the left neighbour sends. Two
+ranks exchange each phase in one rank-ordered swap instead.
 """
 
 from __future__ import annotations
@@ -131,13 +136,36 @@ def all_gather_inplace(
     ctx.wait_all(sends)
 
 
+def _pair_in_order(ctx: CollectiveContext) -> bool:
+    """Two ranks on a transport that runs a pair's messages in posting order (NCCL): every
+    ring message goes both ways over the one pair, and the receives posted ahead on both
+    sides would wait for sends queued behind them. Each phase is then one exchange."""
+    return ctx.world_size == 2 and ctx.transport.in_order
+
+
+def _pair_reduce(ctx: CollectiveContext, buf: torch.Tensor, mine: tuple[int, int],
+                 other: tuple[int, int], op: ReduceOp) -> None:
+    """Two ranks: give the other rank its segment ``other``, reduce ours in place."""
+    landing = ctx.scratch(mine[1] - mine[0], buf)
+    ctx.wait_all(ctx.exchange(buf[other[0]:other[1]], landing, 1 - ctx.rank))
+    combine_(buf[mine[0]:mine[1]], landing, op)
+
+
 def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, op: ReduceOp) -> None:
     p = ctx.world_size
     if p == 1:
         return
     bounds = segment_bounds(tensor.numel(), p)
-    gathers = post_all_gather(ctx, tensor, bounds, owned_shift=1, step_offset=p)
+    if _pair_in_order(ctx):
+        mine, other = bounds[ctx.rank], bounds[1 - ctx.rank]
+        _pair_reduce(ctx, tensor, mine, other, op)
+        ctx.wait_all(ctx.exchange(tensor[mine[0]:mine[1]], tensor[other[0]:other[1]],
+                                  1 - ctx.rank))
+        return
+    # reduce-scatter receives first: where tags are ignored (NCCL) the left neighbour's
+    # messages match in the order it sends them, all of the reduce-scatter's first
     scatters = post_reduce_scatter(ctx, tensor, bounds, owned_shift=1)
+    gathers = post_all_gather(ctx, tensor, bounds, owned_shift=1, step_offset=p)
     right, first_sends = (ctx.rank + 1) % p, []
 
     def start_gather(a: int, b: int) -> None:  # a sub-chunk is final: it can travel now
@@ -155,7 +183,9 @@ def reduce_scatter(
     n = output.numel()
     work = ctx.scratch_copy(tensor)  # the input stays untouched, as torch leaves it
     bounds = [(i * n, (i + 1) * n) for i in range(ctx.world_size)]
-    if ctx.world_size > 1:
+    if _pair_in_order(ctx):
+        _pair_reduce(ctx, work, bounds[ctx.rank], bounds[1 - ctx.rank], op)
+    elif ctx.world_size > 1:
         posted = post_reduce_scatter(ctx, work, bounds, owned_shift=0)
         reduce_scatter_inplace(ctx, work, bounds, op, owned_shift=0, posted=posted)
     output.copy_(work[ctx.rank * n : (ctx.rank + 1) * n])
@@ -165,6 +195,10 @@ def all_gather(ctx: CollectiveContext, output: torch.Tensor, tensor: torch.Tenso
     n = tensor.numel()
     output[ctx.rank * n : (ctx.rank + 1) * n].copy_(tensor)
     if ctx.world_size == 1:
+        return
+    if _pair_in_order(ctx):
+        peer = 1 - ctx.rank
+        ctx.wait_all(ctx.exchange(tensor, output[peer * n : (peer + 1) * n], peer))
         return
     bounds = [(i * n, (i + 1) * n) for i in range(ctx.world_size)]
     posted = post_all_gather(ctx, output, bounds, owned_shift=0)

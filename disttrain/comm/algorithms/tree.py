@@ -126,6 +126,6 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, op: ReduceOp) -> No
 
 
 def barrier(ctx: CollectiveContext) -> None:
-    token = torch.zeros(1, dtype=torch.uint8)
+    token = torch.zeros(1, dtype=torch.uint8, device=ctx.transport.device_type)
     reduce(ctx, token, 0, ReduceOp.MAX)
     broadcast(ctx, token, 0)

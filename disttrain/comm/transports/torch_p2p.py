@@ -163,6 +163,11 @@ class TorchTransport(Transport):
     def device_type(self) -> str:
         return self._device_type
 
+    @property
+    def in_order(self) -> bool:
+        """NCCL ignores tags and runs a pair's sends and receives in posting order."""
+        return self._device_type == "cuda"
+
     # The group's own send/recv take group ranks, as these methods do. dist.isend/irecv
     # would reach the same calls after argument handling that costs about as much again as
     # the call itself (29 against 15 µs to post a message here), on every message of every
@@ -196,17 +201,22 @@ class TorchTransport(Transport):
                                    **order)
         except RuntimeError as exc:  # the members' store barrier: a timeout, or a lost peer
             _reraise(exc)
-        return TorchTransport(group, self.timeout_s)
+        return type(self)(group, self.timeout_s)  # a subclass's rules hold in its groups
 
     def _agree_on_group_count(self, ranks: Sequence[int]) -> None:
         """Pad this process's process-group count to the members' maximum (see module doc)."""
         names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
         if names is None or len(ranks) == 1:
             return
-        mine = torch.tensor([len(names)], dtype=torch.int64)
-        theirs = {r: torch.zeros(1, dtype=torch.int64) for r in ranks if r != self._rank}
-        pending = [(r, _naming(r, self.irecv, t, r, _SETUP_TAG)) for r, t in theirs.items()]
-        pending += [(r, _naming(r, self.isend, mine, r, _SETUP_TAG)) for r in theirs]
+        device = self._device_type  # NCCL moves CUDA tensors only
+        mine = torch.tensor([len(names)], dtype=torch.int64, device=device)
+        theirs = {r: torch.zeros(1, dtype=torch.int64, device=device)
+                  for r in ranks if r != self._rank}
+        pending = []
+        for r, t in theirs.items():  # lower rank sends first: NCCL matches in posting order
+            posts = [(self.isend, mine), (self.irecv, t)]
+            pending += [(r, _naming(r, post, tensor, r, _SETUP_TAG))
+                        for post, tensor in (posts if self._rank < r else posts[::-1])]
         for peer, work in pending:
             _naming(peer, work.wait, self.timeout_s)
         target = max(int(t) for t in [mine, *theirs.values()])

@@ -10,7 +10,11 @@ Request flow (see :mod:`.protocol`)::
       │◄──────────── values (TAG_REPLY_PAYLOAD) ─│ only for an OK PULL / SPARSE_PULL
 
 The reply-payload receive is posted only after an OK reply header has arrived, so a rejected
-request never leaves a receive behind.
+request never leaves a receive behind. Both sides post each message of a request in the
+order of the flow above (a receive only after the sends before it): NCCL ignores the tags,
+matches a pair's messages in posting order and runs them one after the other, so a reply
+receive posted ahead of the request would wait for ever on the worker's own queue
+(:mod:`disttrain.comm.nccl_rules`). The tags still name the four streams on Gloo.
 """
 
 from __future__ import annotations
@@ -98,16 +102,16 @@ class Channel:
         doing = f"this worker waited for the answer to {h.describe()}"
         wait = functools.partial(self._await, timeout_s=timeout_s)
         reply = empty_header()
-        reply_work = self._post(self.comm.irecv, reply, TAG_REPLY, doing)
         sends = [self._post(self.comm.isend, h.to_tensor(), TAG_REQUEST, doing)]
+        reply_work = self._post(self.comm.irecv, reply, TAG_REPLY, doing)
         if req.payloads:
             yield from wait(reply_work, doing)
             settle(sends, self.peer, self.rank, doing)
             self._check(decode_reply(reply, self.rank, h, Msg.GRANT), h)
-            reply = empty_header()
-            reply_work = self._post(self.comm.irecv, reply, TAG_REPLY, doing)
             sends += [self._post(self.comm.isend, p, TAG_REQUEST_PAYLOAD, doing)
                       for p in req.payloads]
+            reply = empty_header()
+            reply_work = self._post(self.comm.irecv, reply, TAG_REPLY, doing)
         yield from wait(reply_work, doing)
         settle(sends, self.peer, self.rank, doing)  # the server answered: it has them all
         answer = decode_reply(reply, self.rank, h, Msg.REPLY)

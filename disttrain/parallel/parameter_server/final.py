@@ -20,8 +20,9 @@ def finish(comm: Communicator, roles: PSRoles, part: Partition, module: nn.Modul
     (BatchNorm statistics are kept by each worker; the servers hold parameters only)."""
     me = roles.role(comm.rank)
     buffers = list(module.buffers())
-    mine = [b.detach().double().reshape(-1) for b in buffers] if me.kind == "worker" else [
-        torch.zeros(b.numel(), dtype=torch.float64) for b in buffers]
+    # one small host-side vector whatever the device (the communicator stages it for NCCL)
+    mine = [b.detach().double().reshape(-1).cpu() for b in buffers] if me.kind == "worker" \
+        else [torch.zeros(b.numel(), dtype=torch.float64) for b in buffers]
     total = torch.cat([torch.tensor([loss], dtype=torch.float64), *mine])
     comm.all_reduce(total)
     total /= roles.num_workers

@@ -32,7 +32,9 @@ stray payload behind in the transport (HTTP's ``Expect: 100-continue`` works the
 Every request gets exactly one REPLY; a REPLY with STATUS ≠ OK is a rejection, logged on the
 server, which goes on serving. The exception is PEER_FAILED: a server that stops because a
 peer failed answers the requests it holds at a consistency gate with it (KEY: that rank).
-Tags keep the four streams apart (:data:`TAG_REQUEST` …).
+On Gloo, tags name the four streams (:data:`TAG_REQUEST` …); NCCL ignores tags and matches a
+pair's messages in posting order, so both sides post every message of a request in the
+order of the flow (:mod:`.channel`), which keeps the streams apart there too.
 """
 
 from __future__ import annotations

@@ -60,11 +60,12 @@ class ServerIO:
 
     def payloads(self, rank: int, h: Header,
                  sizes: list[tuple[int, torch.dtype]]) -> Generator[Wait, None, list[Any]]:
-        """GRANT request ``h``, then receive its payloads (sizes already validated)."""
+        """GRANT request ``h``, then receive its payloads (sizes already validated). The
+        receives come after the GRANT, in the order the worker sends (see :mod:`.channel`)."""
         buffers = [torch.empty(n, dtype=dtype) for n, dtype in sizes]
+        self._send(rank, [self._answer(h, Msg.GRANT)], "sending a GRANT")
         works = [self._post(self.comm.irecv, b, rank, TAG_REQUEST_PAYLOAD, "granting a payload")
                  for b in buffers]
-        self._send(rank, [self._answer(h, Msg.GRANT)], "sending a GRANT")
         for work in works:
             yield from self._await(work, rank, "receiving a granted payload")
         self._settle(rank, "sending a GRANT")

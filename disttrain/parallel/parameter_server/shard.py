@@ -89,7 +89,7 @@ class ServerShard:
                   or (n > 1 and not bool((ids[1:] > ids[:-1]).all()))):
             raise ProtocolError(Status.BAD_ROWS, f"row ids must be strictly increasing and in "
                                 f"[{seg.row_start}, {seg.row_end}) on server {self.server}")
-        return ids - seg.row_start
+        return (ids - seg.row_start).to(self.param.device)
 
     def _rows(self, data: torch.Tensor, seg: Segment) -> torch.Tensor:
         row = self.partition.specs[seg.tensor].row_size
@@ -110,12 +110,13 @@ class ServerShard:
         return self._pending[key]
 
     def add_dense(self, key: UpdateKey, where: slice, grad: torch.Tensor) -> None:
-        self._pending_for(key).grad[where] += grad
+        # a message arrives where the transport moves bytes; the shard may live elsewhere
+        self._pending_for(key).grad[where] += grad.to(self.param.device)
 
     def add_rows(self, key: UpdateKey, seg: Segment, local_ids: torch.Tensor,
                  grad_rows: torch.Tensor) -> None:
         rows = self._rows(self._pending_for(key).grad, seg)
-        rows.index_add_(0, local_ids, grad_rows.view(local_ids.numel(), -1))
+        rows.index_add_(0, local_ids, grad_rows.to(rows.device).view(local_ids.numel(), -1))
 
     def contribute(self, key: UpdateKey, pulled_version: int) -> None:
         """A worker finished its part of update ``key``, computed on ``pulled_version``."""

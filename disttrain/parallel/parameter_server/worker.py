@@ -192,8 +192,9 @@ class PSWorker:
 
         def store(h: Header, values: torch.Tensor | None) -> None:
             assert values is not None
-            with torch.no_grad():
-                param.view(param.shape[0], row)[ids] = values.view(ids.numel(), row)
+            with torch.no_grad():  # the reply lands where the transport moves bytes
+                param.view(param.shape[0], row)[ids.to(param.device)] = values.view(
+                    ids.numel(), row).to(param.device)
             self._note_read(s, h)
 
         return Request(Msg.SPARSE_PULL, key=tensor, count=ids.numel(),

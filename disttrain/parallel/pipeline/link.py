@@ -1,15 +1,16 @@
 """Messages between neighbouring pipeline stages: one message per activation or gradient.
 
-Activations go to stage s+1 and gradients to stage s−1 on the pipeline's communicator, each
-as one message, a 128-byte header then the tensor's bytes (:mod:`.wire`). The header is what
-keeps a broken pipeline from hanging or corrupting silently:
+Activations go to stage s+1 and gradients to stage s−1, each as one message, a 128-byte
+header then the tensor's bytes (:mod:`.wire`). The header is what keeps a broken pipeline
+from hanging or corrupting silently:
 
 * call number, mode and micro-batch number are checked against what the receiver's own
   schedule expects, so ranks running different schedules, micro-batch counts or steps get
   an error naming both stages, not a wrong pairing of tensors;
-* train and eval calls use their own tags, so a stage evaluating while its neighbour trains
-  waits (and times out naming both stages) instead of receiving a message of a size it did
-  not post (Gloo aborts the process on that);
+* train activations, eval activations and gradients each travel on a channel of their
+  own, so a stage evaluating while its neighbour trains waits (and times out naming both
+  stages) instead of receiving a message of a size it did not post (Gloo aborts the
+  process on that);
 * shape and dtype travel with every tensor, so nothing is declared ahead and a stage whose
   output changed shape cannot be misread;
 * a stage that fails sends ``status = FAILED`` to its neighbours, who raise
@@ -18,14 +19,29 @@ keeps a broken pipeline from hanging or corrupting silently:
 * ``value`` carries one float64: gradient headers carry the loss known so far, so the loss
   travels from the last stage to all others with the gradients (no collective to hang in).
 
+**Channels.** A channel is a tag of the pipeline's communicator where tags keep messages
+apart (Gloo, shared memory), and a sub-communicator of its own (``Communicator.new_group``,
+made once by every stage) where they do not: NCCL has no tags, matches a pair's messages in
+the order they are posted, and runs each rank's sends and receives to one peer one after
+the other, each waiting for its match (``Transport.in_order``;
+:mod:`disttrain.comm.nccl_rules` enforces the same on Gloo). On a channel only one stage
+sends and only its neighbour receives, in the same order on both sides, so no receive can
+block a send queued behind it, whatever the schedule; with both directions on one
+communicator, 1F1B's steady state would deadlock there (each stage's next send queued
+behind a receive the other stage serves only after its own send). The shared-memory
+transport advances a rank's messages only while that rank waits on the same transport,
+which is why it keeps tags on one communicator.
+
 **Sizes.** A receive needs a buffer of the message's exact size before the message arrives.
 Both ends of a channel remember the payload size of the message at each *position* (the
 k-th message of a train or eval call in that direction) and expect the same next time: in
-steady state every tensor is one message, and receives are posted when a call begins
-(:meth:`StageLink.begin`), so they land while the stage computes. When the size changed
-(the first call, a new batch size) the sender fills the expected size with a ``RESHAPE``
-header and sends the payload alone right after, on a second tag; both ends then remember
-the new size. Bytes on the wire in the first call equal those of every later one.
+steady state every tensor is one message, and the receive of the next message is posted as
+soon as the previous one is read (the first when a call begins, :meth:`StageLink.begin`),
+so it lands while the stage computes. When the size changed (the first call, a new batch
+size) the sender fills the expected size with a ``RESHAPE`` header and sends the payload
+alone right after; the receiver, which has posted nothing beyond that header, posts the
+payload's receive next: in the order sent. Both ends then remember the new size. Bytes on
+the wire in the first call equal those of every later one.
 
 Sends are posted and not waited for (``isend``: the schedule never blocks on a send, which
 is what :mod:`simulate` assumes); :meth:`StageLink.flush` waits for them at the end of a
@@ -62,7 +78,6 @@ __all__ = ["DTYPES", "EVAL", "HEADER_BYTES", "MAX_NDIM", "TRAIN", "Direction", "
            "PipelineError", "StageFailedError", "StageLink"]
 
 log = logging.getLogger(__name__)
-_TAG_BASE = 0x7100  # user point-to-point tags; collectives use tags far above
 
 
 class StageFailedError(PipelineError):
@@ -83,13 +98,26 @@ class Direction(enum.Enum):
     def noun(self) -> str:
         return "activation" if self is Direction.ACTIVATION else "gradient"
 
-    def tags(self, mode: int) -> tuple[int, int]:
-        """(message tag, tag of payloads that follow a RESHAPE header) of ``mode``'s calls.
-        Train and eval calls use different tags: a message from a neighbour in the other
-        mode never matches a receive this stage posted (whose size it need not fit, which
-        Gloo punishes by aborting the process), so the wait times out naming both stages."""
-        base = _TAG_BASE + 4 * mode + 2 * self.value
-        return base, base + 1
+
+Channel = tuple[Communicator, int]  # (communicator, tag)
+Channels = Mapping[tuple[Direction, int], Channel]
+_TAG_BASE = 0x7100  # user point-to-point tags; collectives use tags far above
+_KINDS = ((Direction.ACTIVATION, TRAIN), (Direction.ACTIVATION, EVAL),
+          (Direction.GRADIENT, TRAIN))  # eval calls send no gradients
+
+
+def open_channels(comm: Communicator) -> dict[tuple[Direction, int], Channel]:
+    """The channels of a pipeline's messages by (direction, mode): a tag each on ``comm``,
+    or, where the transport matches in posting order whatever the tags, a sub-communicator
+    each (module doc). Collective: every stage of ``comm`` calls it."""
+    if comm.transport.in_order:
+        everyone = list(range(comm.world_size))
+        made = [comm.new_group(everyone) for _ in _KINDS]
+        channels = {kind: (sub, 0) for kind, sub in zip(_KINDS, made) if sub is not None}
+    else:
+        channels = {kind: (comm, _TAG_BASE + i) for i, kind in enumerate(_KINDS)}
+    channels[(Direction.GRADIENT, EVAL)] = channels[(Direction.GRADIENT, TRAIN)]
+    return channels
 
 
 @dataclass(frozen=True)
@@ -130,12 +158,17 @@ def _what(direction: Direction, microbatch: int, mode: int, call: int) -> str:
 class StageLink:
     """Stage ``stage``'s messages with stages ``stage − 1`` and ``stage + 1``; the pipeline
     communicator's rank r is stage r. Every call (train step or evaluation) starts with
-    :meth:`begin`, which says how many messages go each way."""
+    :meth:`begin`, which says how many messages go each way. Building one is collective
+    (every stage opens the channels); received tensors are put on ``device``."""
 
-    def __init__(self, comm: Communicator, stage: int) -> None:
+    def __init__(self, comm: Communicator, stage: int, device: torch.device | None = None,
+                 channels: Channels | None = None) -> None:
         self.comm = comm
         self.stage = stage
         self.num_stages = comm.world_size
+        self.channels = channels if channels is not None else open_channels(comm)
+        self.device = device if device is not None else torch.device("cpu")
+        self.wire = comm.device  # where messages live: where the communicator moves bytes
         self.pending: list[tuple[Work, int, str, torch.Tensor]] = []  # sends in flight
         self._out = {d: _Channel() for d in Direction}
         self._in = {d: _Channel() for d in Direction}
@@ -150,36 +183,45 @@ class StageLink:
         forward = direction is Direction.ACTIVATION
         return self.stage + (1 if forward == sending else -1)
 
+    def communicators(self) -> list[Communicator]:
+        """The channels' communicators (their byte counts are the pipeline's traffic)."""
+        return list({id(c): c for c, _ in self.channels.values()}.values())
+
     def begin(self, mode: int, sends: Mapping[Direction, int],
               recvs: Mapping[Direction, int]) -> None:
         """Start a call: this stage will send ``sends[d]`` and receive ``recvs[d]`` messages
-        in direction ``d``. Posts every receive now, sized as the same position last time."""
+        in direction ``d``. Posts the first receive each way now, sized as the same position
+        last time."""
         self.wait_s = 0.0
         for direction in Direction:
             self._out[direction].begin(mode, sends.get(direction, 0))
             channel = self._in[direction]
             channel.begin(mode, recvs.get(direction, 0))
-            for position in range(channel.count):
-                self._post_recv(direction, position)
+            if channel.count:
+                self._post_recv(direction, 0)
+
+    def _channel(self, direction: Direction, mode: int) -> Channel:
+        return self.channels[(direction, mode)]
 
     def _post_recv(self, direction: Direction, position: int) -> None:
         channel = self._in[direction]
-        buffer = torch.empty(HEADER_BYTES + channel.expected(position), dtype=torch.uint8)
+        buffer = torch.empty(HEADER_BYTES + channel.expected(position), dtype=torch.uint8,
+                             device=self.wire)
         peer = self._peer(direction, sending=False)
-        tag = direction.tags(channel.mode)[0]
-        channel.posted.append((buffer, self._irecv(buffer, peer, tag,
+        chan = self._channel(direction, channel.mode)
+        channel.posted.append((buffer, self._irecv(chan, buffer, peer,
                                                    f"the next {direction.noun}")))
 
-    def _irecv(self, buffer: torch.Tensor, peer: int, tag: int, what: str) -> Work:
+    def _irecv(self, channel: Channel, buffer: torch.Tensor, peer: int, what: str) -> Work:
         try:
-            return self.comm.irecv(buffer, peer, tag)
+            return channel[0].irecv(buffer, peer, channel[1])
         except CommError as exc:  # refused at once: the connection to the peer is closed
             raise PipelineError(f"{self.describe(self.stage)} could not wait for {what} from "
                                 f"{self.describe(peer)}: {exc}") from exc
 
-    def _isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
+    def _isend(self, channel: Channel, tensor: torch.Tensor, peer: int, what: str) -> None:
         try:
-            work = self.comm.isend(tensor, peer, tag)
+            work = channel[0].isend(tensor, peer, channel[1])
         except CommError as exc:  # refused at once: the connection to the peer is closed
             raise PipelineError(f"{self.describe(self.stage)} could not send {what} to "
                                 f"{self.describe(peer)}: {exc}") from exc
@@ -192,11 +234,10 @@ class StageLink:
             raise PipelineError(f"{self.describe(self.stage)} must send one tensor as its "
                                 f"{direction.noun}, got {type(tensor).__name__}; pipeline "
                                 f"stages exchange single tensors")
-        if tensor.dim() > MAX_NDIM or tensor.dtype not in DTYPES or tensor.device.type != "cpu":
+        if tensor.dim() > MAX_NDIM or tensor.dtype not in DTYPES:
             raise PipelineError(f"{self.describe(self.stage)}: cannot send a {direction.noun} "
-                                f"of shape {tuple(tensor.shape)}, dtype {tensor.dtype} on "
-                                f"{tensor.device} (at most {MAX_NDIM} dimensions, dtypes "
-                                f"{DTYPES}, CPU)")
+                                f"of shape {tuple(tensor.shape)} and dtype {tensor.dtype} (at "
+                                f"most {MAX_NDIM} dimensions, dtypes {DTYPES})")
         channel = self._out[direction]
         peer = self._peer(direction, sending=True)
         what = _what(direction, microbatch, mode, call)
@@ -204,13 +245,13 @@ class StageLink:
                         tuple(tensor.shape))
         key = (channel.mode, channel.position)
         expected = channel.expected(channel.position)
-        tags = direction.tags(channel.mode)
+        chan = self._channel(direction, channel.mode)
         if header.nbytes == expected:
-            self._isend(wire.pack(header, tensor, expected), peer, tags[0], what)
+            self._isend(chan, wire.pack(header, tensor, expected, self.wire), peer, what)
         else:  # fill the receiver's buffer with the news, then send the payload alone
-            self._isend(wire.pack(replace(header, status=RESHAPE), None, expected), peer,
-                        tags[0], what)
-            self._isend(wire.as_bytes(tensor), peer, tags[1], what)
+            self._isend(chan, wire.pack(replace(header, status=RESHAPE), None, expected,
+                                        self.wire), peer, what)
+            self._isend(chan, wire.as_bytes(tensor, self.wire), peer, what)
             channel.sizes[key] = header.nbytes
         channel.position += 1
 
@@ -225,10 +266,10 @@ class StageLink:
         buffer, work = channel.posted.popleft()
         self._wait(work, peer, what)
         header = self._check(Header.unpack(buffer), peer, what, (call, mode, microbatch))
-        if header.status == RESHAPE:
-            buffer, offset = torch.empty(header.nbytes, dtype=torch.uint8), 0
-            tag = direction.tags(channel.mode)[1]
-            self._wait(self._irecv(buffer, peer, tag, what), peer, what)
+        if header.status == RESHAPE:  # the payload is the next message on this channel
+            buffer, offset = torch.empty(header.nbytes, dtype=torch.uint8, device=self.wire), 0
+            chan = self._channel(direction, channel.mode)
+            self._wait(self._irecv(chan, buffer, peer, what), peer, what)
             channel.sizes[(channel.mode, channel.position)] = header.nbytes
         elif header.nbytes == buffer.numel() - HEADER_BYTES:
             offset = HEADER_BYTES
@@ -237,7 +278,10 @@ class StageLink:
                                 f"{header.nbytes} bytes of payload in a message of "
                                 f"{buffer.numel()} bytes: the ranks run different versions")
         channel.position += 1
-        return Message(wire.view_payload(buffer, offset, header), header.rows, header.value)
+        if channel.position < channel.count and not channel.posted:  # the next one lands
+            self._post_recv(direction, channel.position)  # while this one is computed on
+        tensor = wire.view_payload(buffer, offset, header).to(self.device)
+        return Message(tensor, header.rows, header.value)
 
     def _check(self, header: Header, peer: int, what: str,
                expected: tuple[int, int, int]) -> Header:
@@ -314,9 +358,9 @@ class StageLink:
                 log.debug("stage %d: nothing left to send to stage %d this call; not told of "
                           "the failure", self.stage, peer)
                 continue
-            notice = wire.pack(header, None, channel.expected(channel.position))
+            notice = wire.pack(header, None, channel.expected(channel.position), self.wire)
             try:
-                tag = direction.tags(channel.mode)[0]
-                self.orphans.append(self.comm.isend(notice, peer, tag))
+                comm, tag = self._channel(direction, channel.mode)
+                self.orphans.append(comm.isend(notice, peer, tag))
             except CommError:  # this neighbour cannot be told (its connection is closed,
                 continue  # or the communicator failed): the other one still may

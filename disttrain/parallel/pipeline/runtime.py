@@ -49,7 +49,7 @@ from disttrain.parallel.pipeline.link import (
     StageLink,
 )
 from disttrain.parallel.pipeline.schedules import SCHEDULES, get_schedule
-from disttrain.parallel.pipeline.stage import Stage
+from disttrain.parallel.pipeline.stage import Stage, device_of
 from disttrain.parallel.pipeline.step import StepRun, begin_step
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,14 @@ class PipelineParallel:
     """
 
     def __init__(self, module: nn.Sequential, mesh: DeviceMesh, config: PipelineConfig,
-                 balance: Sequence[int] | None = None) -> None:
+                 balance: Sequence[int] | None = None, device: torch.device | None = None
+                 ) -> None:
         self.mesh = mesh
         self.config = config
         self.balance = tuple(balance) if balance is not None else None
         self.stage = Stage(module, mesh.pp_rank, mesh.pp_size)
-        self.link = StageLink(mesh.pp, mesh.pp_rank) if mesh.pp is not None else None
+        self.link = (StageLink(mesh.pp, mesh.pp_rank, device)
+                     if mesh.pp is not None else None)
         self.schedule = get_schedule(config.schedule, mesh.pp_size, config.microbatches)
         self.last_step: StepStats | None = None
         self.totals = PipelineTotals()
@@ -278,7 +280,7 @@ def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
                  "micro-batches", pp, mesh.dp_size, mesh.tp_size, list(balance),
                  config.schedule, config.microbatches)
     return PipelineParallel(part.stage_module(layers, balance, mesh.pp_rank), mesh, config,
-                            balance)
+                            balance, device_of(layers))
 
 
 def _pipeline_shape(world_size: int, pp_size: int | None) -> MeshShape:

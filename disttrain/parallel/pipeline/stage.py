@@ -21,7 +21,7 @@ is counted as its first micro-batch of that signature.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -96,9 +96,10 @@ class Stage:
         dtype and storage size), so the saved bytes are counted once per signature."""
         if source is not None and x.is_floating_point():
             x.requires_grad_(True)
+        kind = x.device.type
         key = (tuple(x.shape), x.dtype, x.requires_grad, x.untyped_storage().nbytes(),
-               self.module.training, torch.is_autocast_enabled("cpu"),
-               torch.get_autocast_dtype("cpu"), loss is not None, loss_key)
+               self.module.training, torch.is_autocast_enabled(kind),
+               torch.get_autocast_dtype(kind), loss is not None, loss_key)
         nbytes = self._saved_bytes.get(key)
         saved = _SavedBytes(self._not_activations) if nbytes is None else None
         start = time.perf_counter()
@@ -168,6 +169,15 @@ class _SavedBytes:
     def counting(self) -> Iterator[None]:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield
+
+
+def device_of(modules: Iterable[nn.Module]) -> torch.device:
+    """Where a model computes: the device of its first parameter or buffer (the CPU when it
+    has none). A stage puts what it receives there, also a stage of parameterless layers."""
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            return tensor.device
+    return torch.device("cpu")
 
 
 def _storages(module: nn.Module) -> set[int]:

@@ -13,6 +13,8 @@ message arrives, so :mod:`.link` keeps, on both sides of each channel, the paylo
 the previous message at the same position of the same kind of call, and the header says
 when that guess was wrong (``status = RESHAPE``: the payload follows in a second message).
 The payload starts at byte 128, a multiple of every dtype's size, so it is viewed in place.
+A message lives where the communicator moves bytes (``Communicator.device``: host memory for
+Gloo and shared memory, the GPU for NCCL); the header is packed and read on the host.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class Header:
         """Read and check the header at the start of ``buffer``: the magic number, a known
         status, mode and dtype, at most :data:`MAX_NDIM` sizes, none negative, and a payload
         size they make."""
+        if buffer.device.type != "cpu":  # a message on the GPU: read its header on the host
+            buffer = buffer[:HEADER_BYTES].cpu()
         v = _FORMAT.unpack_from(buffer.numpy().data, 0)
         magic, status, call, mode, microbatch, rows, value, dtype, ndim = v[:9]
         shape = tuple(v[9:9 + ndim]) if 0 <= ndim <= MAX_NDIM else (-1,)
@@ -89,11 +93,17 @@ class Header:
         return header
 
 
-def pack(header: Header, tensor: torch.Tensor | None, payload_bytes: int) -> torch.Tensor:
-    """One message: ``header`` then ``tensor``'s bytes (``tensor`` None: ``payload_bytes``
-    of zeros, to fill a buffer of the size the receiver posted)."""
-    message = torch.empty(HEADER_BYTES + payload_bytes, dtype=torch.uint8)
-    header.pack_into(message)
+def pack(header: Header, tensor: torch.Tensor | None, payload_bytes: int,
+         device: torch.device | str = "cpu") -> torch.Tensor:
+    """One message on ``device``: ``header`` then ``tensor``'s bytes (``tensor`` None:
+    ``payload_bytes`` of zeros, to fill a buffer of the size the receiver posted)."""
+    message = torch.empty(HEADER_BYTES + payload_bytes, dtype=torch.uint8, device=device)
+    if message.device.type == "cpu":
+        header.pack_into(message)
+    else:  # packed on the host, then one small copy
+        host = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        header.pack_into(host)
+        message[:HEADER_BYTES].copy_(host)
     if tensor is None:
         message[HEADER_BYTES:].zero_()
     elif payload_bytes:
@@ -102,9 +112,10 @@ def pack(header: Header, tensor: torch.Tensor | None, payload_bytes: int) -> tor
     return message
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes as a flat uint8 tensor (a view when it is contiguous)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+def as_bytes(tensor: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``tensor``'s bytes on ``device`` as a flat uint8 tensor (a view when it is contiguous
+    and there already)."""
+    return tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
 
 
 def view_payload(buffer: torch.Tensor, offset: int, header: Header) -> torch.Tensor:

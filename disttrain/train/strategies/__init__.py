@@ -93,6 +93,7 @@ class StrategySpec:
     max_world_size: int | None = None
     needs_comm: bool = True
     check: Check | None = None  # further checks before any rank starts
+    loss_scaling: bool = True  # --precision fp16 (the loop's scaler reaches its updates)
 
     def data_parallel_size(self, world_size: int, config: TrainConfig | None = None) -> int:
         """How many ranks read different shards of each global batch."""
@@ -132,6 +133,11 @@ class StrategySpec:
             raise ValueError(f"strategy {name!r} runs each step as one batch through its "
                              f"stages; --accumulate must be 1 (pipelines split batches with "
                              f"--microbatches)")
+        if config.precision == "fp16" and not self.loss_scaling:
+            raise ValueError(f"--precision fp16 needs dynamic loss scaling, which strategy "
+                             f"{name!r} does not take (its updates do not go through the "
+                             f"loop's optimizer step); use --precision bf16 (no scaling "
+                             f"needed) or fp32")
         dp = self.data_parallel_size(world_size, config)
         config.micro_batch(dp)  # raises with the fix when the global batch does not split
         if self.check is not None:
@@ -207,7 +213,7 @@ STRATEGIES: dict[str, StrategySpec] = {
     "zero3": StrategySpec(build_zero3, "ZeRO stage 3: optimizer state, gradients and "
                           "parameters sharded", frozenset({"algorithm"})),
     "torch-zero1": StrategySpec(build_torch_zero1, "torch ZeroRedundancyOptimizer under torch "
-                                "DDP (baseline)", TORCH_DP),
+                                "DDP (baseline)", TORCH_DP, loss_scaling=False),
     "model-parallel": StrategySpec(build_model_parallel_strategy, "layers split over the "
                                    "ranks, one batch at a time", frozenset({"partition"}),
                                    layout="model"),
@@ -218,14 +224,16 @@ STRATEGIES: dict[str, StrategySpec] = {
     "torch-gpipe": StrategySpec(build_torch_gpipe, "torch.distributed.pipelining ScheduleGPipe "
                                 "on the same split (baseline)",
                                 frozenset({"schedule", "microbatches", "partition"}), "model",
-                                check=_check_pipeline),
+                                check=_check_pipeline, loss_scaling=False),
     "ps-sync": StrategySpec(build_parameter_server_strategy, "parameter server, synchronous "
-                            "SGD (workers + --servers ranks)", PS, "ps", check=_check_ps),
+                            "SGD (workers + --servers ranks)", PS, "ps", check=_check_ps,
+                            loss_scaling=False),
     "ps-async": StrategySpec(build_parameter_server_strategy, "parameter server, asynchronous "
-                             "SGD (updates applied on arrival)", PS, "ps", check=_check_ps),
+                             "SGD (updates applied on arrival)", PS, "ps", check=_check_ps,
+                             loss_scaling=False),
     "ps-ssp": StrategySpec(build_parameter_server_strategy, "parameter server, stale-"
                            "synchronous SGD (at most --staleness steps ahead)",
-                           PS | {"staleness"}, "ps", check=_check_ps),
+                           PS | {"staleness"}, "ps", check=_check_ps, loss_scaling=False),
     "tp": StrategySpec(build_mesh_strategy, "tensor parallel over every rank: attention by "
                        "heads, MLP column-then-row, vocabulary-parallel embedding and loss",
                        frozenset({"algorithm", "sequence_parallel"}), "mesh", check=check_mesh),
@@ -238,10 +246,11 @@ STRATEGIES: dict[str, StrategySpec] = {
                        check=check_mesh),
     "torch-tp": StrategySpec(build_torch_tp, "torch.distributed.tensor.parallel (Colwise/"
                              "RowwiseParallel) on the same model (baseline)",
-                             frozenset({"sequence_parallel"}), "mesh", check=check_mesh),
+                             frozenset({"sequence_parallel"}), "mesh", check=check_mesh,
+                             loss_scaling=False),
     "torch-tp-sp": StrategySpec(build_torch_tp, "torch.distributed.tensor.parallel with "
                                 "SequenceParallel (baseline)", frozenset({"sequence_parallel"}),
-                                "mesh", check=check_mesh),
+                                "mesh", check=check_mesh, loss_scaling=False),
 }
 
 PLANNED: dict[str, str] = {}

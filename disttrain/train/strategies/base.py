@@ -125,6 +125,7 @@ class Strategy:
     counts_bytes = True  # comm.stats sees this strategy's traffic
     theory_bytes_per_step: float | None = None  # what one step should send from this rank
     phases: PhaseRecorder | None = None  # set by the loop when a timeline is recorded
+    scaler: Any = None  # fp16: the loop's LossScaler (use_loss_scaler), else None
 
     def __init__(self, module: nn.Module, optimizer: Stepper | None,
                  comm: Communicator | None, model: nn.Module | None = None) -> None:
@@ -163,19 +164,37 @@ class Strategy:
         self.model.train()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), dtype=torch.float32)
+        total: torch.Tensor | None = None
         last = len(micro_batches) - 1
         for i, (inputs, targets) in enumerate(micro_batches):
             with self.no_sync() if i < last else nullcontext():
                 with self.phase("forward"), autocast():
                     loss = loss_fn(self.model(inputs), targets) / len(micro_batches)
                 with self.phase("backward"):  # with DDP, includes the gradient sync
-                    loss.backward()
-            total += loss.detach().float()
+                    (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+            part = loss.detach().float()
+            total = part if total is None else total + part
         if self.optimizer is not None:
             with self.phase("optimizer"):
-                self.optimizer.step()
-        return total
+                self.optimizer.step()  # fp16: through the scaler (use_loss_scaler)
+        elif self.scaler is not None:
+            self.scaler.no_step()
+        return total if total is not None else torch.zeros(())
+
+    def use_loss_scaler(self, scaler: Any) -> None:
+        """fp16 training: every loss is multiplied by ``scaler``'s scale before backward, and
+        the update goes through it (a :class:`~disttrain.parallel.mixed_precision.LossScaler`
+        attached to :meth:`update_optimizer`: gradients unscaled, the step skipped on every
+        rank when any rank's overflowed)."""
+        self.scaler = scaler
+        optimizer = self.update_optimizer()
+        if optimizer is not None:
+            scaler.attach(optimizer)
+
+    def update_optimizer(self) -> torch.optim.Optimizer | None:
+        """The torch optimizer whose ``step()`` applies this rank's update (None: there is
+        none here); a strategy whose optimizer is a wrapper (ZeRO) returns the inner one."""
+        return self.optimizer if isinstance(self.optimizer, torch.optim.Optimizer) else None
 
     def after_step(self) -> None:
         """Called after every step, outside its timing (collect per-step measurements)."""

@@ -106,8 +106,8 @@ class PipelineStrategy(Strategy):
         self.pipe, self.settings = pipe, settings
         self.eval_min_rows = settings.microbatches
         self.steps: list[Any] = []  # StepStats per step
-        sizes = activation_sizes(ctx.module, ctx.sample[0],
-                                 autocast_factory(ctx.config.precision))
+        sizes = activation_sizes(ctx.module, ctx.sample[0], autocast_factory(
+            ctx.config.precision, ctx.sample[0].device.type))
         local_batch = ctx.config.global_batch // settings.dp_size
         theory = pipeline_theory(sizes, stage_layers(pipe.module), settings.stage,
                                  settings.pp_size, settings.microbatches, local_batch)
@@ -131,12 +131,20 @@ class PipelineStrategy(Strategy):
         self.module.train()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+        scale = 1.0 if self.scaler is None else self.scaler.scale_value
+
+        def scaled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return loss_fn(output, target) * scale  # fp16: the gradients come back scaled
+
         with autocast():
             loss = self.pipe.train_step(inputs if self.pipe.is_first else None,
-                                        targets if self.pipe.is_last else None, loss_fn)
+                                        targets if self.pipe.is_last else None,
+                                        loss_fn if self.scaler is None else scaled)
         if self.optimizer is not None:
-            self.optimizer.step()
-        return torch.tensor(loss, dtype=torch.float64)
+            self.optimizer.step()  # fp16: through the scaler (use_loss_scaler)
+        elif self.scaler is not None:
+            self.scaler.no_step()  # a stage without parameters still takes part
+        return torch.tensor(loss / scale, dtype=torch.float64)
 
     def after_step(self) -> None:
         if self.pipe.last_step is not None:
@@ -185,6 +193,8 @@ class PipelineStrategy(Strategy):
     def communicators(self) -> list[Communicator]:
         mesh = getattr(self.pipe, "mesh", None)
         comms = [self.comm] + (mesh.communicators() if mesh is not None else [])
+        link = self.pipe.link
+        comms += link.communicators() if link is not None else []  # the message channels
         unique: dict[int, Communicator] = {}
         for c in comms:
             if c is not None:

@@ -48,6 +48,11 @@ class TorchGPipeStrategy(Strategy):
 
         comm = ctx.require_comm("torch-gpipe")
         group = native_group(comm, "torch-gpipe")
+        device = ctx.sample[0].device
+        if device.type != comm.transport.device_type:  # Gloo would read GPU memory as host's
+            raise ValueError(f"torch-gpipe sends torch's own messages, which disttrain cannot "
+                             f"stage: on {device.type} it needs a backend that moves "
+                             f"{device.type} tensors (--backend nccl for --device cuda)")
         self.microbatches = ctx.config.parallel.microbatches or DEFAULT_MICROBATCHES
         partition = ctx.config.parallel.partition or "params"
         inputs = ctx.sample[0]
@@ -60,8 +65,7 @@ class TorchGPipeStrategy(Strategy):
         super().__init__(module, ctx.make_optimizer(params) if params else None, comm)
         self.full = ctx.module
         self.is_first, self.is_last = comm.rank == 0, comm.rank == comm.world_size - 1
-        self.stage: Any = PipelineStage(module, comm.rank, comm.world_size, torch.device("cpu"),
-                                        group=group)
+        self.stage: Any = PipelineStage(module, comm.rank, comm.world_size, device, group=group)
         self.schedule: Any = None  # made at the first step, when the loss function is known
         self.theory_bytes_per_step = pipeline_theory(
             activation_sizes(ctx.module, inputs), stage_layers(module), comm.rank,

@@ -75,6 +75,11 @@ class ZeroStrategy(Strategy):
     def no_sync(self) -> AbstractContextManager[Any]:
         return self.zero.no_sync()
 
+    def update_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of this rank's shard: fp16's scaler checks the reduced shard
+        gradient there, between the reduce-scatter and the update."""
+        return self.zero.optimizer
+
     def predict(self, inputs: Any) -> torch.Tensor | None:
         output: torch.Tensor = self.model(inputs)  # stage 3: the wrapper gathers each layer
         return output

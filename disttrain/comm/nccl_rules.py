@@ -1,0 +1,161 @@
+"""NCCL's rules for point-to-point messages, enforced on Gloo: a test mode of the torch transport.
+
+A program that runs on Gloo can still hang or mix up its data on NCCL, because NCCL matches
+messages differently. :class:`NcclRulesTransport` moves bytes over Gloo (CPU tensors, any
+machine) but matches them as NCCL does, so the strategy suite fails on CPU, in CI, where it
+would fail on a GPU cluster. Turn it on with ``CommConfig(nccl_rules=True)`` or
+``DISTTRAIN_NCCL_RULES=1`` in the environment of every rank (``Communicator.from_torch``
+then builds it instead of the plain ``torch`` transport). What it enforces, with what NCCL
+does behind each rule (torch's ProcessGroupNCCL, torch 2.x):
+
+1. **Tags are ignored.** NCCL has no tags (pytorch issue 125079): every message between two
+   ranks of one communicator carries the same tag here, so they match in the order posted.
+   Streams that must not mix need their own sub-communicator (``Communicator.new_group``,
+   a process group and an NCCL communicator of their own) or an order both sides agree on.
+2. **One queue per pair.** ProcessGroupNCCL runs every unbatched send and receive between
+   two ranks on one CUDA stream of a two-rank NCCL communicator, each a kernel that waits
+   for its match. Here each pair has a *lane*: its operations start one at a time, in
+   posting order, each after the previous one matched and completed. A receive posted
+   before a send to the same peer on both sides waits forever (then times out naming the
+   operation), as it would on the GPUs; a pair that needs both directions at once must
+   post them in an order both ranks agree on (``CollectiveContext.exchange``: the lower
+   rank sends first).
+3. **Completion is polled.** NCCL's works report ``is_completed()`` as soon as their kernel
+   finished, without a ``wait()`` (Gloo's point-to-point works never do); here too
+   (``polls = True``), so the code path that NCCL takes through
+   :class:`~disttrain.comm.p2p_work.P2PWork` (no helper thread) is the one tested. The data
+   of a receive is written when the lane reaches it, possibly long after the call: code
+   that reads a receive buffer before its work completed reads stale bytes here.
+
+What it does not model: NCCL moves CUDA tensors only (the Communicator stages tensors on
+another device, :mod:`disttrain.comm.staging`, so that difference is invisible to
+strategies); NCCL does not check message sizes (a mismatch is undefined behaviour there;
+Gloo raises here, so a size mismatch fails either way); collective (``native``) calls are
+Gloo's own and unaffected; batched point-to-point (``batch_isend_irecv``) is not used by
+disttrain.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from queue import SimpleQueue
+from typing import Any
+
+import torch
+
+from disttrain.comm.transport import RawWork
+from disttrain.comm.transports.torch_p2p import TorchTransport
+
+log = logging.getLogger(__name__)
+
+ENV = "DISTTRAIN_NCCL_RULES"
+_TAG = 0  # the one tag every message carries: NCCL has none
+_JOIN_S = 1.0  # how long close() waits for an idle lane to stop
+
+
+class _LaneWork:
+    """One send or receive in a lane; completes when the lane ran it and its match came."""
+
+    polls = True  # NCCL's works report completion without a wait()
+
+    def __init__(self, kind: str, tensor: torch.Tensor, peer: int) -> None:
+        self.kind, self.tensor, self.peer = kind, tensor, peer
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self, timeout_s: float) -> None:
+        if not self.done.wait(timeout_s):
+            way = "to" if self.kind == "send" else "from"
+            raise TimeoutError(f"the {self.kind} {way} rank {self.peer} did not complete within "
+                               f"{timeout_s:g}s under NCCL's rules (messages of a pair run one "
+                               f"at a time in posting order, whatever their tags; see "
+                               f"disttrain.comm.nccl_rules)")
+        if self.error is not None:
+            raise self.error
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+class _Lane:
+    """The sends and receives between this rank and one peer, run one after the other in
+    posting order, like the CUDA stream of the pair's NCCL communicator."""
+
+    def __init__(self, post: Callable[[str, torch.Tensor], RawWork], peer: int,
+                 timeout_s: float, name: str) -> None:
+        self._post, self.peer, self._timeout_s = post, peer, timeout_s
+        self._queue: SimpleQueue[_LaneWork | None] = SimpleQueue()
+        self._broken: BaseException | None = None
+        # a daemon: a lane stuck on a dead peer must not keep the process alive
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, work: _LaneWork) -> _LaneWork:
+        self._queue.put(work)
+        return work
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (work := self._queue.get()) is not None:
+            if self._broken is not None:  # a broken pair fails everything after it, as
+                work.error = self._broken  # Gloo's and NCCL's do
+                work.done.set()
+                continue
+            try:
+                self._post(work.kind, work.tensor).wait(self._timeout_s)
+            except BaseException as exc:  # TimeoutError/ConnectionError by the contract
+                work.error = self._broken = exc
+            work.tensor = torch.empty(0)  # the lane keeps no message alive
+            work.done.set()
+
+
+class NcclRulesTransport(TorchTransport):
+    """The ``torch`` transport over Gloo, matching messages by NCCL's rules (module doc).
+    Same name and costs as the plain transport: ``auto`` chooses alike."""
+
+    def __init__(self, group: Any | None = None, timeout_s: float = 1800.0) -> None:
+        super().__init__(group, timeout_s)
+        self._lanes: dict[int, _Lane] = {}
+        self._lanes_lock = threading.Lock()
+        log.debug("rank %d: point-to-point under NCCL's rules (tags ignored, one queue per "
+                  "pair)", self.rank)
+
+    @property
+    def in_order(self) -> bool:
+        return True
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RawWork:
+        return self._lane(dst).submit(_LaneWork("send", tensor, dst))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> RawWork:
+        return self._lane(src).submit(_LaneWork("recv", tensor, src))
+
+    def _lane(self, peer: int) -> _Lane:
+        lane = self._lanes.get(peer)
+        if lane is None:
+            with self._lanes_lock:
+                lane = self._lanes.get(peer)
+                if lane is None:
+                    name = f"disttrain-nccl-rules-r{self.rank}-p{peer}"
+                    lane = self._lanes[peer] = _Lane(functools.partial(self._start, peer=peer),
+                                                     peer, self.timeout_s, name)
+        return lane
+
+    def _start(self, kind: str, tensor: torch.Tensor, *, peer: int) -> RawWork:
+        """Post one message on Gloo now, with the one tag (called by the peer's lane)."""
+        post = TorchTransport.isend if kind == "send" else TorchTransport.irecv
+        return post(self, tensor, peer, _TAG)
+
+    def close(self) -> None:
+        with self._lanes_lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.stop()
+        for lane in lanes:
+            lane.thread.join(_JOIN_S)
+        super().close()
