@@ -9,6 +9,9 @@ accepts, and how its ranks divide the data (its *layout*)::
     "torch-ddp"       torch.nn.parallel.DistributedDataParallel (baseline)
     "zero1/2/3"       disttrain.parallel.zero: sharded optimizer state / + gradients / + params
     "torch-zero1"     torch's ZeroRedundancyOptimizer under torch's DDP (baseline)
+    "torch-fsdp"      torch's FSDP2 (fully_shard): ZeRO stage 3 as PyTorch ships it (baseline)
+    "deepspeed-ddp"   DeepSpeed's engine, ZeRO stage 0 (baseline; needs deepspeed)
+    "deepspeed-zeroS" DeepSpeed's ZeRO stage S = 1, 2, 3 (baselines; need deepspeed)
     "model-parallel"  consecutive layers on consecutive ranks, one batch at a time
     "gpipe", "1f1b"   disttrain.parallel.pipeline with that schedule (pp × dp with pp_size)
     "torch-gpipe"     torch.distributed.pipelining's ScheduleGPipe on the same split (baseline)
@@ -40,8 +43,13 @@ from disttrain.train.strategies.base import (
     optimizer_class,
     optimizer_factory,
 )
-from disttrain.train.strategies.baselines import build_torch_ddp, build_torch_zero1
+from disttrain.train.strategies.baselines import (
+    build_torch_ddp,
+    build_torch_fsdp,
+    build_torch_zero1,
+)
 from disttrain.train.strategies.data_parallel import build_ddp, build_single
+from disttrain.train.strategies.deepspeed_baseline import build_deepspeed, check_installed
 from disttrain.train.strategies.parameter_server import (
     build_parameter_server_strategy,
     num_servers,
@@ -62,7 +70,7 @@ OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
     "broadcast_buffers": "broadcast_buffers", "compression": "--compression",
     "algorithm": "--algorithm", "schedule": "--schedule", "microbatches": "--microbatches",
     "partition": "--partition", "pp_size": "--pp-size", "servers": "--servers",
-    "staleness": "--staleness", "straggler": "--straggler",
+    "staleness": "--staleness", "staleness_lr": "--staleness-lr", "straggler": "--straggler",
     "straggler_every": "--straggler RANK:FACTOR:EVERY",
 }
 TORCH_DP = frozenset({"bucket_cap_mb", "find_unused_parameters", "broadcast_buffers"})
@@ -195,6 +203,16 @@ STRATEGIES: dict[str, StrategySpec] = {
                           "parameters sharded", frozenset({"algorithm"})),
     "torch-zero1": StrategySpec(build_torch_zero1, "torch ZeroRedundancyOptimizer under torch "
                                 "DDP (baseline)", TORCH_DP),
+    "torch-fsdp": StrategySpec(build_torch_fsdp, "torch FSDP2 fully_shard per layer: ZeRO "
+                               "stage 3 (baseline)"),
+    "deepspeed-ddp": StrategySpec(build_deepspeed(0), "DeepSpeed engine, ZeRO stage 0: data "
+                                  "parallel (baseline, needs deepspeed)", check=check_installed),
+    "deepspeed-zero1": StrategySpec(build_deepspeed(1), "DeepSpeed ZeRO stage 1 (baseline, "
+                                    "needs deepspeed)", check=check_installed),
+    "deepspeed-zero2": StrategySpec(build_deepspeed(2), "DeepSpeed ZeRO stage 2 (baseline, "
+                                    "needs deepspeed)", check=check_installed),
+    "deepspeed-zero3": StrategySpec(build_deepspeed(3), "DeepSpeed ZeRO stage 3 (baseline, "
+                                    "needs deepspeed)", check=check_installed),
     "model-parallel": StrategySpec(build_model_parallel_strategy, "layers split over the "
                                    "ranks, one batch at a time", frozenset({"partition"}),
                                    layout="model"),
@@ -209,10 +227,11 @@ STRATEGIES: dict[str, StrategySpec] = {
     "ps-sync": StrategySpec(build_parameter_server_strategy, "parameter server, synchronous "
                             "SGD (workers + --servers ranks)", PS, "ps", check=_check_ps),
     "ps-async": StrategySpec(build_parameter_server_strategy, "parameter server, asynchronous "
-                             "SGD (updates applied on arrival)", PS, "ps", check=_check_ps),
+                             "SGD (updates applied on arrival)", PS | {"staleness_lr"}, "ps",
+                             check=_check_ps),
     "ps-ssp": StrategySpec(build_parameter_server_strategy, "parameter server, stale-"
                            "synchronous SGD (at most --staleness steps ahead)",
-                           PS | {"staleness"}, "ps", check=_check_ps),
+                           PS | {"staleness", "staleness_lr"}, "ps", check=_check_ps),
 }
 
 PLANNED: dict[str, str] = {}
