@@ -58,6 +58,21 @@ def test_views_of_one_storage_count_once():
     assert state.params == 400 and state.grads == 40 and state.total == 440
 
 
+def test_only_the_bytes_the_tensors_span_count():
+    """A buffer mapping every rank's region (shared memory) holds this rank's gradients in
+    its own region: the others' are not this rank's model state."""
+    segment = torch.zeros(4 * 256)  # 4 ranks' regions of 256 floats
+    mine = segment[512:768]
+    grads = [mine[:100].view(10, 10), mine[100:200], mine[150:256]]  # overlapping views
+    state = measure_state({"params": [], "grads": grads, "optimizer": [mine[:10]]})
+    assert state.grads == 256 * 4 and state.optimizer == 0  # the storage is the grads'
+    strided = torch.zeros(10, 10)[:, 0]  # a column spans 91 elements of its storage
+    assert measure_state({"params": [strided]}).params == 91 * 4
+    freed = torch.zeros(100)
+    freed.untyped_storage().resize_(0)  # ZeRO-3's gathered buffers between uses
+    assert measure_state({"params": [freed]}).params == 0
+
+
 @pytest.mark.parametrize("name,expected", [
     ("ddp", 16 * 1000), ("zero1", 8 * 1000 + 8 * 1000 // 4),
     ("zero2", 4 * 1000 + 12 * 1000 // 4), ("zero3", 16 * 1000 // 4)])

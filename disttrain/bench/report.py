@@ -56,7 +56,7 @@ def _sent(row: Row) -> str:
     """Bytes sent per step; ``native`` (or ``+native``) where collectives ran inside
     torch.distributed, which moved their payload without showing its bytes."""
     sent = row.get("bytes_sent_per_rank_per_step")
-    if not row.get("bytes_unobserved"):
+    if sent is None or not row.get("bytes_unobserved"):  # None: torch's code sends, uncounted
         return _size(sent)
     return "native" if not sent else f"{_size(sent)}+native"
 

@@ -8,7 +8,8 @@ and its libraries, several hundred MB that every strategy pays alike):
   (:meth:`~disttrain.train.strategies.base.Strategy.model_state_tensors`), each storage once:
   DDP's gradients are views of its flat buckets, ZeRO's parameters views of one flat
   buffer, and counting views would count one allocation many times. FSDP's and DeepSpeed's
-  sharded tensors (DTensor) are counted by their local shard.
+  sharded tensors (DTensor) are counted by their local shard, and a storage by the bytes
+  the named tensors span (a shared-memory bucket maps every rank's region; its own counts).
 * **peak activation bytes**: the most bytes that autograd held saved for backward at once
   during a step, counted by saved-tensor hooks (each storage once, parameters and views of
   them left out: they are model states). A pipeline's micro-batches in flight are what make
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from disttrain.parallel.zero import memory as zero_memory
-from disttrain.parallel.zero.memory import ModelStateBytes, formula, measure
+from disttrain.parallel.zero.memory import ModelStateBytes, formula
 
 FORMULAS = ("ddp", "zero1", "zero2", "zero3")  # the names parallel.zero.memory.formula knows
 
@@ -43,11 +44,49 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else tensor
 
 
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage that ``tensor`` spans."""
+    size = tensor.element_size()
+    if tensor.numel() == 0:
+        return 0, 0
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride()))
+    start = tensor.storage_offset() * size
+    return start, start + span * size
+
+
 def measure_state(categories: Mapping[str, Iterable[torch.Tensor]]) -> ModelStateBytes:
-    """Bytes of ``params``, ``grads`` and ``optimizer`` tensors, each storage counted once
-    (a storage in two categories counts in the first)."""
-    return measure({name: [local_tensor(t) for t in tensors if isinstance(t, torch.Tensor)]
-                    for name, tensors in categories.items()})
+    """Bytes of ``params``, ``grads`` and ``optimizer`` tensors: for each storage, the bytes
+    the named tensors span (overlaps once), attributed to the first category naming it.
+
+    Spans rather than whole storages, because a storage can be larger than what it holds
+    for the model: a shared-memory buffer maps every rank's region, of which a rank's
+    gradients use its own."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    owner: dict[int, str] = {}
+    for name in ("params", "grads", "optimizer"):
+        for tensor in categories.get(name, ()):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            local = local_tensor(tensor)
+            try:
+                storage = local.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse and other layouts
+                continue
+            key = storage.data_ptr()
+            start, end = _extent(local)
+            end = min(end, storage.nbytes())  # a freed buffer (resized to 0) holds nothing
+            if end > start:
+                spans.setdefault(key, []).append((start, end))
+                owner.setdefault(key, name)
+    totals = {"params": 0, "grads": 0, "optimizer": 0}
+    for key, intervals in spans.items():
+        covered, reach = 0, -1
+        for start, end in sorted(intervals):
+            if end > reach:
+                covered += end - max(start, reach)
+                reach = end
+        totals[owner[key]] += covered
+    return ModelStateBytes(**totals)
 
 
 def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:

@@ -85,8 +85,12 @@ class DeepSpeedStrategy(Strategy):
     counts_bytes = False
 
     def __init__(self, ctx: BuildContext, stage: int) -> None:
-        import deepspeed
-
+        if not torch.cuda.is_available():  # CPU: say so, rather than have DeepSpeed warn
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # DeepSpeed logs and prints (the build of its CPU ops) on stdout, where the
+        # benchmark's table goes: its logger is made at import, on the stream of the moment
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         name = ctx.config.strategy
         comm = ctx.require_comm(name)
@@ -101,7 +105,6 @@ class DeepSpeedStrategy(Strategy):
         for var, value in (("LOCAL_RANK", comm.rank), ("RANK", comm.rank),
                            ("WORLD_SIZE", comm.world_size)):
             os.environ.setdefault(var, str(value))
-        # DeepSpeed prints the build of its CPU ops on stdout, where the benchmark's table goes
         with contextlib.redirect_stdout(sys.stderr):
             engine, ds_optimizer = self._initialize(deepspeed, ctx, optimizer, micro, stage)
         super().__init__(ctx.module, None, comm, engine)
