@@ -49,8 +49,8 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     size = tensor.element_size()
     if tensor.numel() == 0:
         return 0, 0
-    span = 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride()))
-    start = tensor.storage_offset() * size
+    span = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(tensor.shape, tensor.stride()))
+    start = int(tensor.storage_offset()) * size
     return start, start + span * size
 
 
