@@ -26,14 +26,20 @@ def test_the_default_config_is_the_default_preset():
 
 def test_flags_override_the_preset_and_reach_every_row():
     config = BenchConfig.from_preset("lenet-digits", steps=5, lr=0.1, optimizer="adam",
-                                     strategies=("ddp", "ps-async"), staleness_lr="none")
+                                     strategies=("ddp", "ps-sync", "ps-async"),
+                                     staleness_lr="none")
     assert config.length == (None, 5) and config.model == "lenet"
     runs = {run.label: train_config(config, run) for run in plan(config)}
     for tconfig in runs.values():
         assert (tconfig.model, tconfig.dataset, tconfig.optimizer, tconfig.lr, tconfig.steps) \
             == ("lenet", "digits", "adam", 0.1, 5)
     assert runs["ps-async n=2+1"].parallel.staleness_lr == "none"
+    assert runs["ps-sync n=2+1"].parallel.staleness_lr is None  # sync has no staleness
     assert runs["ddp n=2"].parallel.staleness_lr is None
+    from disttrain.train.loop import checked_setup
+
+    for run in plan(config):
+        checked_setup(train_config(config, run), run.ranks)  # none refused
 
 
 def test_every_preset_plans_runnable_rows():

@@ -27,7 +27,14 @@ from typing import Any
 from disttrain.bench.experiments import REFERENCE, BenchConfig, Run, plan
 from disttrain.bench.ranks import BenchError, RankGroup
 from disttrain.comm import Communicator
-from disttrain.train import ParallelOptions, StepRecord, TrainConfig, TrainResult, train
+from disttrain.train import (
+    STRATEGIES,
+    ParallelOptions,
+    StepRecord,
+    TrainConfig,
+    TrainResult,
+    train,
+)
 from disttrain.train.loop import checked_setup
 from disttrain.train.strategies.base import PhaseRecorder
 
@@ -53,7 +60,8 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
         parallel = ParallelOptions(servers=run.servers, straggler=config.straggler,
                                    straggler_every=config.straggler_every,
                                    staleness=config.staleness if exp.takes_staleness else None,
-                                   staleness_lr=config.staleness_lr)
+                                   staleness_lr=config.staleness_lr
+                                   if "staleness_lr" in STRATEGIES[exp.name].options else None)
     epochs, steps = config.length
     return TrainConfig(model=config.model, dataset=config.dataset, data=config.data,
                        strategy=exp.name, parallel=parallel, epochs=epochs, steps=steps,
