@@ -1,6 +1,7 @@
 """The FSDP and DeepSpeed baseline rows train the single process's model: torch's FSDP2
-(``torch-fsdp``) and DeepSpeed's engine at ZeRO stages 0-3 end with the reference's
-parameters after 4 Adam steps on 2 ranks, and hold the model-state bytes their design says.
+(``torch-fsdp``), DeepSpeed's engine at ZeRO stages 0-3 and its pipeline engine end with the
+reference's parameters after 4 Adam steps on 2 ranks, and hold the model-state bytes their
+design says.
 The DeepSpeed tests are skipped when DeepSpeed is not installed (``pip install
 'disttrain[baselines]'``); they run in fresh processes because DeepSpeed keeps process-wide
 state (its communication backend, the launcher's variables it needs)."""
@@ -12,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from disttrain.train import TrainConfig, train
+from disttrain.train import ParallelOptions, TrainConfig, train
 from tests.dist import init_gloo, run_fresh
 from tests.test_train_strategies import assert_matches, params, rank_train
 
@@ -69,6 +70,20 @@ def test_deepspeed_matches_single(reference, stage):
             assert state >= 12 * psi
         else:  # sharded state: below a replica's 16Ψ (DeepSpeed keeps fp32 master
             assert state < 16 * psi  # partitions and flat copies beyond the formula)
+
+
+@pytest.mark.timeout(300)
+def test_deepspeed_pipeline_engine_matches_single(reference):
+    """DeepSpeed's pipeline engine, one stage per rank, 4 micro-batches: each rank ends with
+    its stage's layers as the single process has them, and the same losses."""
+    pytest.importorskip("deepspeed")
+    config = dataclasses.replace(CONFIG, strategy="deepspeed-pipe",
+                                 parallel=ParallelOptions(microbatches=4))
+    per_rank = [({k: torch.from_numpy(v) for k, v in got.items()}, result) for got, result
+                in run_fresh(fresh_train, 2, config, timeout_s=240)]
+    assert_matches(per_rank, reference, split=True)
+    for _, result in per_rank:
+        assert result.losses == pytest.approx(reference.losses, rel=1e-5)
 
 
 def test_deepspeed_rows_are_refused_with_the_install_command_when_missing(monkeypatch):

@@ -34,7 +34,8 @@ REFERENCE = "single"
 TORCH_COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero1", "zero2": "torch-zero1",
                      "zero3": "torch-fsdp", "gpipe": "torch-gpipe"}
 DEEPSPEED_COUNTERPART = {"ddp": "deepspeed-ddp", "zero1": "deepspeed-zero1",
-                         "zero2": "deepspeed-zero2", "zero3": "deepspeed-zero3"}
+                         "zero2": "deepspeed-zero2", "zero3": "deepspeed-zero3",
+                         "1f1b": "deepspeed-pipe"}
 BASELINE_PREFIXES = ("torch-", "deepspeed-")
 # the fastest disttrain has on one machine: shared memory and its own algorithm, whose bytes
 # comm.stats counts (docs/shm_transport.md); --transport torch --algorithm ring measures the

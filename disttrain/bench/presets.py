@@ -17,7 +17,9 @@ description says, with no download:
 * ``distributedtest``: the rows of the DistributedTest benchmark (single, DDP, model
   parallel, pipelined model parallel, ZeRO-DDP through torch, ZeRO, DeepSpeed) on a
   ResNet-50-shaped network (3-4-6-3 bottlenecks at 1/8 width) with Adam on the digits
-  upsampled to MNIST's 28×28, global batch 64 as there (docs/benchmarks.md compares).
+  upsampled to MNIST's 28×28, global batch 64 as there (docs/benchmarks.md compares). Its
+  BatchNorm normalizes each rank's share of the batch, so data-parallel rows differ a
+  little from the single process, as the seed's did.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ PRESETS: dict[str, Preset] = {
         epochs=5, eval_every=22,
         strategies=("ddp", "torch-ddp", "model-parallel", "gpipe", "torch-zero1", "zero1",
                     "zero2", "zero3", "deepspeed-ddp", "deepspeed-zero1", "deepspeed-zero2",
-                    "deepspeed-zero3")),
+                    "deepspeed-zero3", "deepspeed-pipe")),
 }
 DEFAULT_PRESET = "transformer"
 

@@ -12,6 +12,7 @@ accepts, and how its ranks divide the data (its *layout*)::
     "torch-fsdp"      torch's FSDP2 (fully_shard): ZeRO stage 3 as PyTorch ships it (baseline)
     "deepspeed-ddp"   DeepSpeed's engine, ZeRO stage 0 (baseline; needs deepspeed)
     "deepspeed-zeroS" DeepSpeed's ZeRO stage S = 1, 2, 3 (baselines; need deepspeed)
+    "deepspeed-pipe"  DeepSpeed's pipeline engine, one stage per rank (baseline)
     "model-parallel"  consecutive layers on consecutive ranks, one batch at a time
     "gpipe", "1f1b"   disttrain.parallel.pipeline with that schedule (pp × dp with pp_size)
     "torch-gpipe"     torch.distributed.pipelining's ScheduleGPipe on the same split (baseline)
@@ -49,7 +50,12 @@ from disttrain.train.strategies.baselines import (
     build_torch_zero1,
 )
 from disttrain.train.strategies.data_parallel import build_ddp, build_single
-from disttrain.train.strategies.deepspeed_baseline import build_deepspeed, check_installed
+from disttrain.train.strategies.deepspeed_baseline import (
+    build_deepspeed,
+    build_deepspeed_pipe,
+    check_installed,
+    check_pipe,
+)
 from disttrain.train.strategies.parameter_server import (
     build_parameter_server_strategy,
     num_servers,
@@ -213,6 +219,9 @@ STRATEGIES: dict[str, StrategySpec] = {
                                     "needs deepspeed)", check=check_installed),
     "deepspeed-zero3": StrategySpec(build_deepspeed(3), "DeepSpeed ZeRO stage 3 (baseline, "
                                     "needs deepspeed)", check=check_installed),
+    "deepspeed-pipe": StrategySpec(build_deepspeed_pipe, "DeepSpeed's pipeline engine, one "
+                                   "stage per rank (baseline, needs deepspeed)",
+                                   frozenset({"microbatches"}), "model", check=check_pipe),
     "model-parallel": StrategySpec(build_model_parallel_strategy, "layers split over the "
                                    "ranks, one batch at a time", frozenset({"partition"}),
                                    layout="model"),

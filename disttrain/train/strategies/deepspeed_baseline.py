@@ -196,3 +196,123 @@ def build_deepspeed(stage: int) -> Any:
         return DeepSpeedStrategy(ctx, stage)
 
     return build
+
+
+def _pipe_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loop's loss (mean cross-entropy over classes or tokens), for DeepSpeed's last
+    stage, which computes it itself."""
+    return torch.nn.functional.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+
+class DeepSpeedPipeStrategy(Strategy):
+    """DeepSpeed's pipeline engine (``deepspeed.pipe``): the Sequential's layers cut into one
+    stage per rank by parameter count, ``--microbatches`` micro-batches per step under
+    DeepSpeed's 1F1B-style TrainSchedule, ZeRO stage 0. Every rank reads the same batch
+    (layout ``model``); the last stage computes the loss and DeepSpeed broadcasts it."""
+
+    counts_bytes = False
+    collective_eval = True  # evaluation runs the inference schedule on every stage
+
+    def __init__(self, ctx: BuildContext) -> None:
+        from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed
+            from deepspeed.pipe import PipelineModule
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        comm = ctx.require_comm("deepspeed-pipe")
+        comm.expect_workload("p2p")
+        for var, value in (("LOCAL_RANK", comm.rank), ("RANK", comm.rank),
+                           ("WORLD_SIZE", comm.world_size)):
+            os.environ.setdefault(var, str(value))
+        config = ctx.config
+        self.microbatches = config.parallel.microbatches or DEFAULT_MICROBATCHES
+        self._skeleton = empty_copy(ctx.module)
+        with contextlib.redirect_stdout(sys.stderr):
+            deepspeed.init_distributed(dist_backend="gloo")  # adopts the existing group
+            pipe = PipelineModule(layers=list(ctx.module.children()),
+                                  num_stages=comm.world_size, loss_fn=_pipe_loss,
+                                  partition_method="parameters")
+            cls, kwargs = optimizer_class(config)
+            engine, _, _, _ = deepspeed.initialize(
+                model=pipe, optimizer=cls(pipe.parameters(), **kwargs), config={
+                    "train_batch_size": config.global_batch,
+                    "train_micro_batch_size_per_gpu": config.global_batch // self.microbatches,
+                    "gradient_accumulation_steps": self.microbatches,
+                    "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1})
+        super().__init__(pipe, None, comm, engine)
+        self.engine = engine
+        self.theory_bytes_per_step = None
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+    @property
+    def dp_rank(self) -> int:
+        return 0
+
+    def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn,
+                   autocast: Autocast) -> torch.Tensor:
+        inputs, targets = micro_batches[0]
+        chunks = list(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)))
+        with autocast():
+            loss = self.engine.train_batch(iter(chunks))
+        return loss.detach().float()
+
+    def eval_modules(self) -> list[nn.Module]:
+        return [self.engine]
+
+    def predict(self, inputs: Any) -> torch.Tensor | None:
+        """One evaluation batch as one micro-batch through the stages; the last returns
+        the output. DeepSpeed sizes its stage buffers by the first message, so they are
+        reset around every batch of a new size (training's micro-batches included)."""
+        self.engine.reset_activation_shape()
+        self.engine.total_loss = None  # without a loss the engine sums the outputs there
+        dummy = torch.zeros(len(inputs), dtype=torch.long)
+        outputs = self.engine.eval_batch(iter([(inputs, dummy)]), compute_loss=False,
+                                         reduce_output=None, bcast_loss=False,
+                                         num_micro_batches=1)
+        self.engine.reset_activation_shape()
+        self.engine.total_loss = None
+        if not self.engine.is_last_stage():
+            return None
+        return outputs[0] if isinstance(outputs, list) else outputs  # type: ignore[no-any-return]
+
+    def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
+        """Only the last stage scored: the sum over the stages is its scores, everywhere."""
+        assert self.comm is not None
+        self.comm.all_reduce(totals)
+        return totals
+
+    def trained_module(self) -> nn.Module:
+        """This rank's stage: its layers' parameters under the Sequential's own names (a
+        pipeline rank returns its part, like ``gpipe``)."""
+        return self.module
+
+    def close(self) -> None:
+        destroy = getattr(self.engine, "destroy", None)
+        if destroy is not None:
+            destroy()
+        self.model = self.module
+        self.engine = None
+        gc.collect()
+
+
+def build_deepspeed_pipe(ctx: BuildContext) -> Strategy:
+    return DeepSpeedPipeStrategy(ctx)
+
+
+def check_pipe(config: TrainConfig, world_size: int, dp: int) -> None:
+    check_installed(config, world_size, dp)
+    from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
+
+    m = config.parallel.microbatches or DEFAULT_MICROBATCHES
+    if config.global_batch % m:
+        raise ValueError(f"deepspeed-pipe needs equal micro-batches: global batch "
+                         f"{config.global_batch} does not split into {m}; use a --global-batch "
+                         f"that is a multiple of {m}, or other --microbatches")
+    if config.checkpoint_dir is not None:
+        raise ValueError("deepspeed-pipe is a benchmark baseline and writes no checkpoints")
