@@ -6,7 +6,8 @@ Columns (one row per strategy × world size, the global batch the same for every
 * ``speed-up``: samples/s over the single-process reference's; ``eff``: speed-up / ranks;
 * ``vs torch``: samples/s over torch's implementation of the same idea at the same size
   (ddp / torch-ddp, zero1 and zero2 / torch-zero1, zero3 / torch-fsdp, gpipe / torch-gpipe);
-  ``vs DS``: over DeepSpeed's (ddp / deepspeed-ddp, zeroS / deepspeed-zeroS);
+  ``vs DS``: over DeepSpeed's (ddp / deepspeed-ddp, zeroS / deepspeed-zeroS, 1f1b /
+  deepspeed-pipe);
 * ``state``: model-state bytes (parameters, gradients, optimizer state) of the busiest rank,
   counted from the tensors the strategy keeps, each storage once; ``formula``: the ZeRO
   paper's figure for it (``-`` for strategies it does not describe: pipelines, servers);
