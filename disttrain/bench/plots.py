@@ -14,6 +14,7 @@ object-oriented API (no pyplot, no global backend) and text stays text in the SV
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 Row = dict[str, Any]
@@ -71,6 +72,19 @@ def _formatter(fn: Any) -> Any:
     return FuncFormatter(lambda value, _pos: fn(value))
 
 
+def _bytes_axis(axis: Any, largest: float) -> None:
+    """Ticks at round numbers of the binary unit the largest value is in (4, 8, 12 MiB
+    rather than 9.5, 19 MiB), labelled in that unit."""
+    from matplotlib.ticker import MultipleLocator
+
+    unit = next((u for u in (2**30, 2**20, 2**10) if largest >= u), 1)
+    rough = max(largest / unit / 5, 1e-9)
+    magnitude = 10 ** math.floor(math.log10(rough))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= rough)
+    axis.set_major_locator(MultipleLocator(step * unit))
+    axis.set_major_formatter(_formatter(human_bytes))
+
+
 def throughput(rows: list[Row]) -> str:
     fig = _figure(len(rows))
     ax = fig.subplots()
@@ -88,6 +102,10 @@ def throughput(rows: list[Row]) -> str:
     ax.set_title("Throughput")
     ax.margins(x=0.25)
     return _svg(fig)
+
+
+def left_total(left: list[float], acts: list[float]) -> list[float]:
+    return [a + b for a, b in zip(left, acts)]
 
 
 def memory(rows: list[Row]) -> str:
@@ -108,7 +126,7 @@ def memory(rows: list[Row]) -> str:
         ax.plot([f for _, f in formula], [y for y, _ in formula], "k|", markersize=14,
                 label="ZeRO formula (model states)")
     ax.invert_yaxis()
-    ax.xaxis.set_major_formatter(_formatter(human_bytes))
+    _bytes_axis(ax.xaxis, max([*left_total(left, acts), 1.0]))
     ax.set_xlabel("bytes per rank (the busiest rank)")
     ax.set_title("Memory per rank: model states and activations")
     ax.legend(fontsize=8, loc="lower right")
@@ -144,7 +162,7 @@ def wire(rows: list[Row]) -> str:
     ax.barh([v + 0.2 for v in y], theory, height=0.4, color=COLORS[1], label="theory")
     ax.set_yticks(y, labels)
     ax.invert_yaxis()
-    ax.xaxis.set_major_formatter(_formatter(human_bytes))
+    _bytes_axis(ax.xaxis, max([*sent, *theory, 1.0]))
     ax.set_xlabel("bytes the busiest rank sends per step (native and baseline rows: "
                   "not counted)")
     ax.set_title("Bytes on the wire: measured and theory")
