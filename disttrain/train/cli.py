@@ -110,7 +110,8 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
     pipe.add_argument("--schedule", default=None,
                       help="gpipe or 1f1b (with --strategy pipeline; default 1f1b)")
     pipe.add_argument("--microbatches", type=int, default=None,
-                      help="micro-batches per step (gpipe, 1f1b, torch-gpipe; default 8)")
+                      help="micro-batches per step (gpipe, 1f1b, torch-gpipe, deepspeed-pipe; "
+                           "default 8)")
     pipe.add_argument("--partition", default=None,
                       help="layers per stage: params (balance parameter counts, default), "
                            "time (balance measured time) or counts like 3,2,2")

@@ -219,9 +219,6 @@ STRATEGIES: dict[str, StrategySpec] = {
                                     "needs deepspeed)", check=check_installed),
     "deepspeed-zero3": StrategySpec(build_deepspeed(3), "DeepSpeed ZeRO stage 3 (baseline, "
                                     "needs deepspeed)", check=check_installed),
-    "deepspeed-pipe": StrategySpec(build_deepspeed_pipe, "DeepSpeed's pipeline engine, one "
-                                   "stage per rank (baseline, needs deepspeed)",
-                                   frozenset({"microbatches"}), "model", check=check_pipe),
     "model-parallel": StrategySpec(build_model_parallel_strategy, "layers split over the "
                                    "ranks, one batch at a time", frozenset({"partition"}),
                                    layout="model"),
@@ -233,6 +230,9 @@ STRATEGIES: dict[str, StrategySpec] = {
                                 "on the same split (baseline)",
                                 frozenset({"schedule", "microbatches", "partition"}), "model",
                                 check=_check_pipeline),
+    "deepspeed-pipe": StrategySpec(build_deepspeed_pipe, "DeepSpeed's pipeline engine, one "
+                                   "stage per rank (baseline, needs deepspeed)",
+                                   frozenset({"microbatches"}), "model", check=check_pipe),
     "ps-sync": StrategySpec(build_parameter_server_strategy, "parameter server, synchronous "
                             "SGD (workers + --servers ranks)", PS, "ps", check=_check_ps),
     "ps-async": StrategySpec(build_parameter_server_strategy, "parameter server, asynchronous "
