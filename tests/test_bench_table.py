@@ -4,6 +4,7 @@ its Chrome trace and its HTML report; plus ``--list`` and bad arguments."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from disttrain.bench.experiments import BenchConfig, experiments, plan
 from disttrain.bench.html_report import html_report
+from disttrain.bench.presets import DEFAULT_PRESET, PRESETS
 from disttrain.bench.report import environment, markdown_table, text_table, write_json
 from disttrain.bench.strategy_bench import run_table
 from disttrain.bench.trace import chrome_trace, write_traces
@@ -28,9 +30,10 @@ CHROMIUM = Path("/usr/bin/chromium")
 @pytest.fixture(scope="module")
 def outcome():
     """single (n=1), then ddp on 3 ranks (rank 1 fails on purpose), then ddp on 2 ranks."""
-    config = BenchConfig(strategies=("ddp",), world_sizes=(3, 2), steps=6, eval_every=3,
-                         model="tests.bench_table_cases:lenet_failing_on_three_ranks",
-                         warmup_steps=1, timeout_s=30.0, global_batch=24)
+    config = BenchConfig.from_preset(
+        "lenet-digits", strategies=("ddp",), world_sizes=(3, 2), steps=6, eval_every=3,
+        model="tests.bench_table_cases:lenet_failing_on_three_ranks", warmup_steps=1,
+        timeout_s=30.0, global_batch=24, transport="torch", algorithm="ring")
     return config, run_table(config, trace=True)
 
 
@@ -105,8 +108,9 @@ def test_trace_has_spans_from_every_rank(outcome, tmp_path):
 @pytest.mark.timeout(120)
 def test_pipeline_trace_has_one_train_step_span_per_step(tmp_path):
     """A pipeline's step is one call (forward and backward interleaved by the schedule)."""
-    config = BenchConfig(strategies=("gpipe",), world_sizes=(2,), steps=10, eval_every=10,
-                         warmup_steps=1, timeout_s=30.0, global_batch=24)
+    config = BenchConfig.from_preset("lenet-digits", strategies=("gpipe",), world_sizes=(2,),
+                                     steps=10, eval_every=10, warmup_steps=1, timeout_s=30.0,
+                                     global_batch=24)
     progress: list[tuple[str, int]] = []
     result = run_table(config, trace=True, on_progress=lambda run, step: progress.append(
         (run.label, step)))
@@ -143,15 +147,37 @@ def test_trace_labels_collectives_by_communicator():
 
 
 def test_html_report_has_its_plots(outcome):
+    pytest.importorskip("matplotlib")
     page = html_report(outcome[1].rows, {"command": "disttrain bench"})
     for plot in ("plot-throughput", "plot-memory", "plot-accuracy", "plot-bytes"):
-        assert f'<svg id="{plot}"' in page
-    assert "<script" not in page and "http://" not in page.replace(
-        'xmlns="http://www.w3.org/2000/svg"', "")
-    assert page.count('class="bar" data-name="measured"') == 2  # one per finished row
+        start = page.index(f'<figure id="{plot}" class="plot"><svg')
+        assert "</svg></figure>" in page[start:]
+    assert "<script" not in page
+    assert "<?xml" not in page and "<!DOCTYPE svg" not in page  # inline, not a document
+    # human units: the single row's samples/s in thousands, bytes in KiB, as text
+    single = next(r for r in outcome[1].rows if r["strategy"] == "single")
+    assert f"{single['samples_per_s'] / 1e3:.0f}k" in page or "k</text>" in page
+    assert "KiB</text>" in page and "e+0" not in page
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium is not installed "
+def test_html_report_without_matplotlib_keeps_the_table(outcome, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    page = html_report(outcome[1].rows, {"command": "disttrain bench"})
+    assert "Plots need matplotlib: pip install &#x27;disttrain[plots]&#x27;" in page
+    assert "<svg" not in page and "<td>ddp</td>" in page
+
+
+@pytest.mark.skipif(not CHROMIUM.exists() or importlib.util.find_spec("matplotlib") is None,
+                    reason="headless Chromium or matplotlib is not installed "
                     "(/usr/bin/chromium; the test setup installs it: apt-get install -y chromium)")
 @pytest.mark.timeout(120)
 def test_html_report_loads_in_headless_chromium(outcome, tmp_path):
@@ -163,16 +189,22 @@ def test_html_report_loads_in_headless_chromium(outcome, tmp_path):
                          check=True).stdout
     for plot in ("plot-throughput", "plot-memory", "plot-accuracy", "plot-bytes"):
         assert f'id="{plot}"' in dom
-    assert dom.count("<polyline") >= 2 and dom.count("<rect") >= 4
+    assert dom.count("<svg") >= 4 and dom.count("<path") >= 8
 
 
 # ---------------------------------------------------------------------------- the CLI
 def test_list_names_every_registered_strategy(capsys):
     assert main(["bench", "--list"]) == 0
-    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    out = capsys.readouterr().out.splitlines()
+    start = out.index("experiments (--strategies):")
+    listed = [line.split()[0] for line in out[start + 1:]]
     assert sorted(listed) == sorted(STRATEGIES)
     assert listed[0] == "single"
     assert experiments()["ddp"].compare_to == "torch-ddp"
+    assert experiments()["zero3"].compare_to == "torch-fsdp"
+    assert experiments()["zero2"].compare_to_deepspeed == "deepspeed-zero2"
+    presets = [line.split()[0] for line in out[1:start]]
+    assert presets == list(PRESETS) and "[default]" in out[1 + presets.index(DEFAULT_PRESET)]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -229,8 +261,9 @@ def test_parameter_server_rows_add_their_servers_and_take_their_options():
 def test_a_parameter_server_row_reports_the_workers_rate_and_staleness():
     from disttrain.bench.strategy_bench import add_comparisons, make_row, run_once
 
-    config = BenchConfig(strategies=("ps-async",), world_sizes=(2,), steps=6, eval_every=0,
-                         model="mlp", warmup_steps=1, timeout_s=30.0, straggler=((1, 2.0),))
+    config = BenchConfig.from_preset("lenet-digits", strategies=("ps-async",),
+                                     world_sizes=(2,), steps=6, eval_every=0, model="mlp",
+                                     warmup_steps=1, timeout_s=30.0, straggler=((1, 2.0),))
     run = plan(config)[1]  # the reference is left out: it is not what this test is about
     row = make_row(config, run, [run_once(config, run, False)])
     add_comparisons(row, [row])

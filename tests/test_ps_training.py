@@ -109,9 +109,11 @@ def test_ssp_reads_hold_every_update_older_than_the_bound_and_all_that_arrived(
     # Ho et al.'s SSP: a read for clock c holds every update of clocks ≤ c − s − 1 and every
     # update applied before it (own previous clock included); nobody pushes beyond c + s
     steps, s, workers = 10, 1, 2
+    # staleness_lr="none": every applied update raises its slot by the full lr, which is
+    # how _present sees it (the staleness-aware rate would apply late ones at lr/τ)
     results = pools(3).run(ps_train, 1, steps, 1, model_name="counter", opt="plain-sgd",
                            mode="ssp", staleness=s, straggler={1: 5.0}, compute_s=0.01,
-                           record_reads=True)
+                           record_reads=True, staleness_lr="none")
     ran_ahead = 0
     for w, worker in enumerate(_workers(results)):
         for c, read in enumerate(worker["reads"]):

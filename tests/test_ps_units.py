@@ -27,6 +27,7 @@ from disttrain.parallel.parameter_server import (
     servers_from_env,
     specs_of,
 )
+from disttrain.parallel.parameter_server.config import staleness_lr_factor
 from disttrain.parallel.parameter_server.flat import gather_flat, scatter_flat
 from disttrain.parallel.parameter_server.protocol import (
     MAGIC,
@@ -267,6 +268,29 @@ def test_shard_update_equals_the_optimizer_on_the_averaged_gradient(opt: str) ->
     torch.testing.assert_close(shard.param.data,
                                gather_flat(reference, part, lo, hi - lo, torch.float64))
     assert shard.version == 3
+
+
+@pytest.mark.parametrize("rule,factors", [("inverse", [1.0, 1.0, 1 / 2, 1 / 3]),
+                                           ("none", [1.0, 1.0, 1.0, 1.0])])
+def test_staleness_aware_learning_rate(rule: str, factors: list[float]) -> None:
+    """Async updates computed on versions v, each applied at version 3: SGD moves the
+    parameters by lr × factor(3 − v) × gradient, and the optimizer keeps its own rate."""
+    part = partition(specs_of(nn.Linear(2, 2, bias=False), ()), 1)
+    shard = ServerShard(part, 0, torch.zeros(4, dtype=torch.float64),
+                        lambda p: torch.optim.SGD(p, lr=0.5), staleness_lr=rule)
+    shard.version = 3
+    for pulled, factor in zip([3, 2, 1, 0], factors):
+        before = shard.param.data.clone()
+        shard.add_dense((pulled, 0), slice(0, 4), torch.ones(4, dtype=torch.float64))
+        shard.contribute((pulled, 0), pulled_version=pulled)
+        assert shard.apply((pulled, 0)) == [3 - pulled]
+        torch.testing.assert_close(before - shard.param.data,
+                                   torch.full((4,), 0.5 * factor, dtype=torch.float64))
+        shard.version = 3  # every update lands at version 3
+        assert shard.optimizer.param_groups[0]["lr"] == 0.5
+    assert staleness_lr_factor(rule, [0, 0]) == 1.0  # a synchronous clock is never scaled
+    with pytest.raises(ValueError, match="staleness_lr"):
+        PSConfig(staleness_lr="sqrt")
 
 
 def test_shard_sparse_rows_and_addressing_errors() -> None:

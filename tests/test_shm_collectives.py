@@ -122,3 +122,44 @@ def test_shm_counts_bytes_through_the_segment(pools):
     per_rank = pools(3).run(count_bytes, 1000)
     for entry in per_rank:
         assert entry["bytes_sent"] == 4000 and entry["bytes_recv"] == 2 * 4000
+
+
+def counted_and_theory(_torch_comm: Communicator, n: int) -> dict[str, tuple[int, float]]:
+    """Every collective once with algorithm 'shm' on n·p float32 elements: the bytes this
+    rank counted as sent, and Communicator.theory_bytes_sent (the busiest rank's)."""
+    comm = shm_comm()
+    p, me = comm.world_size, comm.rank
+    v = n * p
+    calls = {
+        "all_reduce": (v, lambda: comm.all_reduce(torch.ones(v), algorithm="shm")),
+        "reduce_scatter": (v, lambda: comm.reduce_scatter(torch.empty(n), torch.ones(v),
+                                                          algorithm="shm")),
+        "all_gather": (v, lambda: comm.all_gather(torch.empty(v), torch.ones(n),
+                                                  algorithm="shm")),
+        "broadcast": (v, lambda: comm.broadcast(torch.ones(v), 0, algorithm="shm")),
+        "reduce": (v, lambda: comm.reduce(torch.ones(v), 0, algorithm="shm")),
+        "gather": (v, lambda: comm.gather(torch.empty(v) if me == 0 else None, torch.ones(n),
+                                          0, algorithm="shm")),
+        "scatter": (v, lambda: comm.scatter(torch.empty(n), torch.ones(v) if me == 0 else None,
+                                            0, algorithm="shm")),
+        "all_to_all": (v, lambda: comm.all_to_all(torch.empty(v), torch.ones(v),
+                                                  algorithm="shm")),
+    }
+    out = {}
+    for op, (elements, call) in calls.items():
+        comm.stats.reset()
+        call()
+        out[op] = (comm.stats.snapshot()[op]["bytes_sent"],
+                   comm.theory_bytes_sent(op, 4 * elements, "shm"))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("n", [1000, 300_000])  # one round (one-shot), several rounds
+def test_shm_bytes_sent_equal_their_theory(pools, world_size, n):
+    """What shm 'sends' is what a rank writes into shared memory for the others; the
+    busiest rank's count equals comm/theory.py's figure for every collective."""
+    per_rank = pools(world_size).run(counted_and_theory, n)
+    for op in per_rank[0]:
+        busiest = max(counts[op][0] for counts in per_rank)
+        assert busiest == per_rank[0][op][1], (op, [c[op] for c in per_rank])

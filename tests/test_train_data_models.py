@@ -74,6 +74,9 @@ def test_synthetic_lm_targets_are_next_tokens():
     ("mlp", "digits", DataOptions(), (10,)),
     ("mlp", "synthetic", DataOptions(input_shape=(20,)), (10,)),
     ("transformer", "synthetic-lm", DataOptions(seq_len=16, vocab_size=30), (16, 30)),
+    ("transformer-d128", "synthetic-lm", DataOptions(seq_len=16, vocab_size=30), (16, 30)),
+    ("resnet50-w8", "digits-28", DataOptions(), (10,)),
+    ("resnet50-w8", "digits", DataOptions(), (10,)),
 ])
 def test_models_forward_backward_shapes(model, dataset, options, out):
     data = build_dataset(dataset, DataOptions(num_samples=64, **{
@@ -134,7 +137,8 @@ def test_user_factories_by_import_path():
 
 
 @pytest.mark.parametrize("name,match", [
-    ("nosuch", "unknown model 'nosuch'; choose one of: lenet, mlp, resnet, transformer"),
+    ("nosuch", "unknown model 'nosuch'; choose one of: lenet, mlp, resnet, resnet50-w8, "
+     "transformer, transformer-d128"),
     ("nosuch.module:f", "cannot import module"),
     (f"{__name__}:missing", "has no attribute"),
     (f"{__name__}:NOT_CALLABLE", "not a callable factory"),
@@ -150,7 +154,22 @@ def test_bad_dataset_names_and_results():
         build_dataset("mnist")
     with pytest.raises(ValueError, match=r"must return disttrain\.train\.DatasetSplits"):
         build_dataset(f"{__name__}:tiny_model")  # returns a model, not splits
-    assert set(MODELS) == {"lenet", "resnet", "mlp", "transformer"}
+    assert set(MODELS) == {"lenet", "resnet", "resnet50-w8", "mlp", "transformer",
+                           "transformer-d128"}
+
+
+def test_resnet50_shape_and_upsampled_digits():
+    """ResNet-50's 3-4-6-3 bottlenecks (53 convolutions with the 4 projections, 50 weight
+    layers on the main path) at 1/8 width, on the digits at MNIST's 28×28."""
+    data = build_dataset("digits-28")
+    small = build_dataset("digits")
+    assert data.info == DataInfo((1, 28, 28), 10)
+    assert (len(data.train), len(data.test)) == (len(small.train), len(small.test))
+    torch.testing.assert_close(data.train.tensors[1], small.train.tensors[1])
+    net = build_model("resnet50-w8", data.info)
+    convs = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 53 and convs[-1].out_channels == 8 * 8 * 4
+    assert 360_000 < sum(p.numel() for p in net.parameters()) < 390_000
 
 
 @pytest.mark.parametrize("kwargs,match", [

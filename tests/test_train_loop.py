@@ -135,9 +135,9 @@ def test_progress_bar_and_metrics_line():
     silent = io.StringIO()
     ProgressBar(4, enabled=False, stream=silent).update(4, 0.5)
     assert silent.getvalue() == ""
-    line = format_line(12, 1, 0.25, 1234.5, 2_500_000, 300_000_000)
+    line = format_line(12, 1, 0.25, 1234.5, 2_500_000, 300_000_000, 125_000)
     assert line == ("step=     12 epoch=  1 loss=  0.2500 samples/s=   1234.5 comm_MB=    2.500 "
-                    "peak_mem_MB=   300.0")
+                    "peak_mem_MB=   300.0 native_MB=    0.125")
     assert len(format_line(1, 0, 9.0, 1.0, None, 1)) == len(line)
 
 

@@ -1,16 +1,19 @@
 """The named experiments of ``disttrain bench``: one per registered training strategy.
 
 An experiment is a strategy of :data:`disttrain.train.STRATEGIES` plus how the benchmark runs
-it: which transport (torch's own baselines always run on ``torch``), which collective
-algorithm (``ring`` for disttrain's data-parallel strategies, so their bytes are counted and
-compared with theory; ``native`` would hide them), and which PyTorch implementation of the
-same idea it is compared with (``ddp`` against ``torch-ddp``, ``zero1``/``zero2`` against
-``torch-zero1``, ``gpipe`` against ``torch-gpipe``, ``tp``/``tp-sp`` against
-``torch-tp``/``torch-tp-sp``).
+it: which transport (the baselines, PyTorch's and DeepSpeed's, always run on ``torch``: they
+call torch.distributed themselves), which collective algorithm (by default ``auto``: the
+``shm`` algorithm on the shared-memory transport, whose bytes are counted), and which
+PyTorch and DeepSpeed implementations of the same idea it is compared with (``ddp`` against
+``torch-ddp`` and ``deepspeed-ddp``, ``zero1``/``zero2`` against ``torch-zero1`` and their
+DeepSpeed stage, ``zero3`` against ``torch-fsdp`` and ``deepspeed-zero3``, ``gpipe`` against
+``torch-gpipe``, ``tp``/``tp-sp`` against ``torch-tp``/``torch-tp-sp``).
 
 The list is read from the strategy registry at run time, so a strategy registered there is a
-row here with nothing else to do; :data:`TORCH_COUNTERPART` is the one entry to add when a
-new disttrain strategy has a torch equivalent.
+row here with nothing else to do; :data:`TORCH_COUNTERPART` and
+:data:`DEEPSPEED_COUNTERPART` are the entries to add when a new disttrain strategy has an
+equivalent there. A row whose optional dependency is missing (DeepSpeed) is skipped with a
+note, not failed.
 
 Parameter-server rows (``ps-sync``, ``ps-async``, ``ps-ssp``): ``-n W`` means W workers, and
 each run starts ``servers`` more ranks; ``straggler`` and ``staleness`` apply to them only.
@@ -23,18 +26,33 @@ name with another model, each is a row refused with the reason. ``3d`` runs on a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from disttrain.bench.presets import DEFAULT_PRESET, get_preset
+from disttrain.train.config import OPTIMIZERS
+from disttrain.train.data import DataOptions
 from disttrain.train.device import check_device
 from disttrain.train.strategies import STRATEGIES
 
 REFERENCE = "single"
 TORCH_COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero1", "zero2": "torch-zero1",
-                     "gpipe": "torch-gpipe", "tp": "torch-tp", "tp-sp": "torch-tp-sp"}
-TRANSFORMER = "transformer"  # the model the tensor-parallel rows split
-DEFAULT_ALGORITHM = "ring"  # counted by comm.stats, and what the theoretical bytes assume
+                     "zero3": "torch-fsdp", "gpipe": "torch-gpipe", "tp": "torch-tp",
+                     "tp-sp": "torch-tp-sp"}
+DEEPSPEED_COUNTERPART = {"ddp": "deepspeed-ddp", "zero1": "deepspeed-zero1",
+                         "zero2": "deepspeed-zero2", "zero3": "deepspeed-zero3",
+                         "1f1b": "deepspeed-pipe"}
+BASELINE_PREFIXES = ("torch-", "deepspeed-")
+TRANSFORMERS = ("transformer", "transformer-d128")  # the models the tensor-parallel rows split
+# the fastest disttrain has on one machine: shared memory and its own algorithm, whose bytes
+# comm.stats counts (docs/shm_transport.md); --transport torch --algorithm ring measures the
+# classic ring over Gloo instead
+DEFAULT_TRANSPORT = "auto"
+DEFAULT_ALGORITHM = "auto"
 DEFAULT_WORLD_SIZES = (2,)
-DEFAULT_EPOCHS = 2
+_DEFAULTS = get_preset(DEFAULT_PRESET)
+DEFAULT_EPOCHS = _DEFAULTS.epochs or 1
 
 
 @dataclass(frozen=True)
@@ -43,27 +61,36 @@ class Experiment:
 
     name: str
     description: str
-    is_baseline: bool  # PyTorch's own implementation (runs on the torch transport)
+    is_baseline: bool  # PyTorch's or DeepSpeed's implementation (on the torch transport)
     compare_to: str | None  # the torch baseline of the same idea, when there is one
     takes_algorithm: bool  # the strategy accepts ParallelOptions.algorithm
     max_world_size: int | None
     parameter_server: bool = False  # -n counts workers; the servers are extra ranks
     takes_staleness: bool = False
     needs_transformer: bool = False  # splits a TransformerLM (the mesh strategies)
+    compare_to_deepspeed: str | None = None  # DeepSpeed's row of the same idea
+    unavailable: str | None = None  # why it cannot run here (a missing optional package)
 
 
 def experiments() -> dict[str, Experiment]:
     """Every registered strategy as an experiment: the reference first, then torch's
     baselines, then disttrain's strategies (so a row's comparisons are known when it ends)."""
+    from disttrain.train.strategies.deepspeed_baseline import INSTALL, available
+
+    deepspeed = available()
     found = {}
     for name, spec in STRATEGIES.items():
         found[name] = Experiment(
-            name=name, description=spec.description, is_baseline=name.startswith("torch-"),
+            name=name, description=spec.description,
+            is_baseline=name.startswith(BASELINE_PREFIXES),
             compare_to=TORCH_COUNTERPART.get(name) if TORCH_COUNTERPART.get(name)
             in STRATEGIES else None,
             takes_algorithm="algorithm" in spec.options, max_world_size=spec.max_world_size,
             parameter_server=spec.layout == "ps", takes_staleness="staleness" in spec.options,
-            needs_transformer=spec.layout == "mesh")
+            needs_transformer=spec.layout == "mesh",
+            compare_to_deepspeed=DEEPSPEED_COUNTERPART.get(name),
+            unavailable=None if deepspeed or not name.startswith("deepspeed-") else (
+                f"DeepSpeed is not installed: {INSTALL}"))
     order = sorted(found, key=lambda n: (n != REFERENCE, not found[n].is_baseline))
     return {name: found[name] for name in order}
 
@@ -76,20 +103,27 @@ class BenchConfig:
 
     strategies: tuple[str, ...] | None = None
     world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
-    model: str = "lenet"
-    dataset: str = "digits"
+    preset: str = DEFAULT_PRESET  # recorded; BenchConfig.from_preset fills the fields below
+    model: str = _DEFAULTS.model
+    dataset: str = _DEFAULTS.dataset
+    data: DataOptions = _DEFAULTS.data
+    optimizer: str = _DEFAULTS.optimizer
+    lr: float = _DEFAULTS.lr
+    momentum: float = _DEFAULTS.momentum  # sgd only
     epochs: int | None = None  # neither epochs nor steps: DEFAULT_EPOCHS
     steps: int | None = None
-    global_batch: int = 32
+    global_batch: int = _DEFAULTS.global_batch
     repeat: int = 1
-    transport: str = "torch"  # disttrain rows only; torch baselines always use torch
+    transport: str = DEFAULT_TRANSPORT  # disttrain rows only; baselines always use torch
     algorithm: str = DEFAULT_ALGORITHM  # for strategies that take one ('auto' allowed)
+    reference_threads: int | None = None  # the single process's (None: see .threads_of)
     timeout_s: float = 60.0  # any collective; a rank silent for 4× this is stopped
-    warmup_steps: int = 2  # left out of samples/s
-    eval_every: int = 10  # steps between evaluations (the accuracy curves)
+    warmup_steps: int = 2  # left out of samples/s (and the steps whose activations count)
+    eval_every: int = _DEFAULTS.eval_every  # steps between evaluations (accuracy curves)
     seed: int = 0
     servers: int = 1  # parameter-server rows: server ranks beside the -n workers
     staleness: int | None = None  # ps-ssp rows (None: the strategy's default, 2)
+    staleness_lr: str | None = None  # ps-async/ps-ssp learning-rate rule (None: default)
     straggler: tuple[tuple[int, float], ...] = ()  # parameter-server rows: slowed workers
     straggler_every: int | None = None  # ... each slow-down moving to the next worker every N
     bind_cores: bool = False  # pin each rank to a core of its own (when ranks ≤ cores)
@@ -129,11 +163,47 @@ class BenchConfig:
             raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got "
+                             f"{self.optimizer!r}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.reference_threads is not None and (isinstance(self.reference_threads, bool)
+                                                   or not isinstance(self.reference_threads,
+                                                                     int)
+                                                   or self.reference_threads < 1):
+            raise ValueError(f"--reference-threads must be an integer ≥ 1, got "
+                             f"{self.reference_threads!r}")
         known = experiments()
         for name in self.strategies or ():
             if name not in known:
                 raise ValueError(f"unknown strategy {name!r}; registered: {', '.join(known)} "
                                  f"(see disttrain bench --list)")
+
+    @classmethod
+    def from_preset(cls, name: str = DEFAULT_PRESET, **overrides: Any) -> BenchConfig:
+        """The preset's workload with ``overrides`` (None values are left to the preset):
+        ``BenchConfig.from_preset("lenet-digits", steps=20)``."""
+        preset = get_preset(name)
+        known = {f.name for f in fields(preset)} - {"description"}
+        values = {f: getattr(preset, f) for f in known}
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "epochs" in given or "steps" in given:  # the given length replaces the preset's
+            values["epochs"] = values["steps"] = None
+        return cls(preset=name, **{**values, **given})
+
+    def threads_of(self, run: Run) -> int:
+        """Intra-op threads of each rank of ``run``: 1 for distributed rows; for the
+        single-process reference ``reference_threads``, by default as many as the largest
+        world size in the table, up to the cores this process may use, so that its
+        speed-up compares processes on the same cores."""
+        if run.experiment.name != REFERENCE:
+            return 1
+        if self.reference_threads is not None:
+            return self.reference_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        return max(1, min(max(self.world_sizes), cores))
 
     @property
     def length(self) -> tuple[int | None, int | None]:
@@ -144,13 +214,23 @@ class BenchConfig:
 
     def selected(self) -> list[Experiment]:
         """The experiments to run, in table order (the reference always first). By
-        default every registered one, but the tensor-parallel ones only on the transformer
-        (named explicitly, they run, or are refused with the reason)."""
+        default every registered one, but the tensor-parallel ones only on a transformer
+        (named explicitly, they run, or are refused with the reason); those that cannot run
+        here are left out (:meth:`skipped` says why)."""
         known = experiments()
-        default = {n for n, e in known.items()
-                   if not e.needs_transformer or self.model == TRANSFORMER}
-        wanted = set(self.strategies or default) | {REFERENCE}
-        return [e for name, e in known.items() if name in wanted]
+        wanted = set(self.strategies or self._default()) | {REFERENCE}
+        return [e for name, e in known.items() if name in wanted and e.unavailable is None]
+
+    def _default(self) -> list[str]:
+        return [n for n, e in experiments().items()
+                if not e.needs_transformer or self.model in TRANSFORMERS]
+
+    def skipped(self) -> list[tuple[str, str]]:
+        """(name, reason) of the wanted experiments that cannot run here."""
+        known = experiments()
+        wanted = set(self.strategies or self._default())
+        return [(name, e.unavailable) for name, e in known.items()
+                if name in wanted and e.unavailable is not None]
 
 
 @dataclass(frozen=True)

@@ -91,15 +91,31 @@ def bind_plan(world_size: int) -> list[int] | None:
     return None
 
 
+def thread_cores(world_size: int, threads: int) -> list[tuple[int, ...]] | None:
+    """The cores of each rank when every rank runs ``threads`` intra-op threads and is
+    bound: consecutive blocks of ``threads`` cores (``threads`` = 1: :func:`bind_plan`),
+    or None when there are not enough cores (the kernel places them)."""
+    if threads == 1:
+        plan = bind_plan(world_size)
+        return None if plan is None else [(core,) for core in plan]
+    if not hasattr(os, "sched_getaffinity") or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if world_size * threads > len(cores):
+        return None
+    return [tuple(cores[r * threads:(r + 1) * threads]) for r in range(world_size)]
+
+
 def _rank_main(out: Any, control: Any, env: dict[str, str], rank: int, world_size: int,
                store: str, transport: str, timeout_s: float, job: Job, args: tuple[Any, ...],
-               core: int | None, backend: str = "gloo", device: str = "cpu") -> None:
+               cores: tuple[int, ...] | None, threads: int, backend: str = "gloo",
+               device: str = "cpu") -> None:
     adopt_environment(env)
-    if core is not None:  # first, so every thread the rank starts (Gloo's too) inherits it
-        os.sched_setaffinity(0, {core})
+    if cores is not None:  # first, so every thread the rank starts (Gloo's too) inherits it
+        os.sched_setaffinity(0, set(cores))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threading.Thread(target=_exit_when_parent_leaves, args=(control,), daemon=True).start()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     # torch 2.13 deprecates the *_into_tensor names that native collectives call: not news to
     # someone reading a benchmark table, so keep it out of the ranks' output
     warnings.filterwarnings("ignore", category=FutureWarning,
@@ -109,7 +125,7 @@ def _rank_main(out: Any, control: Any, env: dict[str, str], rank: int, world_siz
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)  # ranks share the machine's cores
+        torch.set_num_threads(threads)  # 1 unless told: ranks share the machine's cores
         if device != "cpu":  # cuda:rank (every rank here is local), before NCCL starts
             from disttrain.train.device import select_local_gpu
 
@@ -136,11 +152,15 @@ class RankGroup:
 
     def __init__(self, world_size: int, job: Job, args: tuple[Any, ...], *, transport: str,
                  timeout_s: float, describe: Callable[[int], str] = str,
-                 bind_cores: bool = False, backend: str = "gloo", device: str = "cpu") -> None:
+                 bind_cores: bool = False, threads: int = 1, backend: str = "gloo",
+                 device: str = "cpu") -> None:
         """``bind_cores``: pin rank r to one core of its own (:func:`bind_plan`), as
         DeepSpeed's ``--bind_cores_to_rank`` does; otherwise the kernel may keep two ranks
         on one core for a whole run while the other idles, which makes runs bimodal.
+        ``threads``: intra-op threads of every rank (bound: that many cores each).
         ``backend`` and ``device`` (``disttrain.train.device``): rank r on ``cuda:r``."""
+        if threads < 1:
+            raise ValueError(f"threads must be ≥ 1, got {threads}")
         self.world_size, self.timeout_s, self._describe = world_size, timeout_s, describe
         self._tmp = tempfile.TemporaryDirectory(prefix="disttrain-bench-")
         store = os.path.join(self._tmp.name, "store")
@@ -150,11 +170,12 @@ class RankGroup:
         self._controls: list[Any] = []
         self._finished = False
         self._received = [0] * world_size  # reports received from each rank so far
-        cores = bind_plan(world_size) if bind_cores else None
+        cores = thread_cores(world_size, threads) if bind_cores else None
         try:
             for rank in range(world_size):
                 self._start(ctx, (rank, world_size, store, transport, timeout_s, job, args,
-                                  None if cores is None else cores[rank], backend, device))
+                                  None if cores is None else cores[rank], threads, backend,
+                                  device))
         except BaseException:  # e.g. Ctrl-C while starting: stop the ranks already running
             self.close()
             raise

@@ -5,11 +5,19 @@ Columns (one row per strategy × world size, the global batch the same for every
 * ``samples/s``: median over ``--repeat`` runs (± the spread, (max − min)/median);
 * ``speed-up``: samples/s over the single-process reference's; ``eff``: speed-up / ranks;
 * ``vs torch``: samples/s over torch's implementation of the same idea at the same size
-  (ddp / torch-ddp, zero1 and zero2 / torch-zero1, gpipe / torch-gpipe);
-* ``peak mem``: the maximum over ranks of each rank's peak (on CPU the resident set size,
-  interpreter and libraries included);
+  (ddp / torch-ddp, zero1 and zero2 / torch-zero1, zero3 / torch-fsdp, gpipe / torch-gpipe);
+  ``vs DS``: over DeepSpeed's (ddp / deepspeed-ddp, zeroS / deepspeed-zeroS, 1f1b /
+  deepspeed-pipe);
+* ``state``: model-state bytes (parameters, gradients, optimizer state) of the busiest rank,
+  counted from the tensors the strategy keeps, each storage once; ``formula``: the ZeRO
+  paper's figure for it (``-`` for strategies it does not describe: pipelines, servers);
+* ``act``: the most bytes autograd held saved for backward during a step, busiest rank;
+* ``RSS``: the maximum over ranks of each rank's peak resident set (on CUDA the allocator's
+  peak), interpreter and libraries included;
 * ``sent/step`` and ``theory``: bytes the busiest rank sent per step through disttrain.comm
-  and what the strategy's formula says (``-`` where torch's own code sends, uncounted);
+  and what the strategy's formula says for the algorithms it ran (``-`` where torch's or
+  DeepSpeed's own code sends, uncounted; ``native`` where disttrain handed the collectives
+  to torch.distributed; on shared memory, the bytes a rank writes for the others);
 * ``acc`` and ``loss``: final held-out accuracy and last training loss; the reference's are
   in its own row, and ``Δacc`` is the difference.
 
@@ -37,8 +45,8 @@ from disttrain.bench.units import format_size
 from disttrain.comm.transports import gloo_threads
 
 Row = dict[str, Any]
-COLUMNS = ("strategy", "n", "batch", "samples/s", "speed-up", "eff", "vs torch", "peak mem",
-           "sent/step", "theory", "acc", "Δacc", "loss", "algorithm")
+COLUMNS = ("strategy", "n", "batch", "samples/s", "speed-up", "eff", "vs torch", "vs DS", "state",
+           "formula", "act", "RSS", "sent/step", "theory", "acc", "Δacc", "loss", "algorithm")
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -47,6 +55,15 @@ def _num(value: float | None, fmt: str) -> str:
 
 def _size(value: float | None) -> str:
     return "-" if value is None else format_size(value)
+
+
+def _sent(row: Row) -> str:
+    """Bytes sent per step; ``native`` (or ``+native``) where collectives ran inside
+    torch.distributed, which moved their payload without showing its bytes."""
+    sent = row.get("bytes_sent_per_rank_per_step")
+    if sent is None or not row.get("bytes_unobserved"):  # None: torch's code sends, uncounted
+        return _size(sent)
+    return "native" if not sent else f"{_size(sent)}+native"
 
 
 def cells(row: Row) -> list[str]:
@@ -59,11 +76,14 @@ def cells(row: Row) -> list[str]:
     if row.get("repeats", 1) > 1:
         speed += f" ±{100 * row['spread']:.0f}%"
     vs = "-" if row.get("vs_torch") is None else f"{row['vs_torch']:.2f}× {row['compare_to']}"
+    vs_ds = "-" if row.get("vs_deepspeed") is None else f"{row['vs_deepspeed']:.2f}×"
     ref = row.get("reference_accuracy")
     delta = None if ref is None or row["accuracy"] is None else row["accuracy"] - ref
     return [*head, speed, _num(row.get("speedup"), ".2f"), _num(row.get("efficiency"), ".0%"),
-            vs, _size(row["peak_mem_bytes"]),
-            _size(row["bytes_sent_per_rank_per_step"]),
+            vs, vs_ds, _size(row.get("model_state_bytes")),
+            _size(row.get("model_state_formula_bytes")),
+            _size(row.get("activation_peak_bytes")), _size(row["peak_mem_bytes"]),
+            _sent(row),
             _size(row["theory_bytes_per_rank_per_step"]),
             _num(row["accuracy"], ".4f"), _num(delta, "+.4f"),
             _num(row["final_loss"], ".4f"), row.get("algorithm") or "-"]
@@ -121,6 +141,11 @@ def mesh_notes(rows: list[Row]) -> list[str]:
     return notes
 
 
+def skipped_notes(env: dict[str, Any]) -> list[str]:
+    """One line per row left out because it cannot run here (a missing optional package)."""
+    return [f"{name} skipped: {why}" for name, why in env.get("skipped", [])]
+
+
 def markdown_table(rows: list[Row], env: dict[str, Any]) -> str:
     """The table in Markdown, headed by the command and the machine that produced it."""
     out = [f"Command: `{env.get('command', 'disttrain bench')}`  ",
@@ -130,7 +155,7 @@ def markdown_table(rows: list[Row], env: dict[str, Any]) -> str:
            f"{env.get('date')}", "",
            "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
-    notes = ps_notes(rows) + mesh_notes(rows)
+    notes = ps_notes(rows) + mesh_notes(rows) + skipped_notes(env)
     if notes:
         out += ["", *[f"* {note}" for note in notes]]
     failed = [r for r in rows if r.get("error")]
@@ -178,6 +203,11 @@ def environment(config: Any, command: str) -> dict[str, Any]:
             "straggler_every": getattr(config, "straggler_every", None),
             "bind_cores": getattr(config, "bind_cores", False),
             "gloo_io_threads": gloo_threads.policy_from_env(),
+            "preset": getattr(config, "preset", None),
+            "optimizer": getattr(config, "optimizer", None), "lr": getattr(config, "lr", None),
+            "global_batch": getattr(config, "global_batch", None),
+            "algorithm": getattr(config, "algorithm", None),
+            "skipped": config.skipped() if hasattr(config, "skipped") else [],
             "warmup_steps": config.warmup_steps,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
@@ -197,7 +227,10 @@ def write_json(path: Path, rows: list[Row], env: dict[str, Any]) -> None:
     path.write_text(json.dumps([{**row, "env": env} for row in rows], indent=1) + "\n")
 
 
-def print_table(rows: list[Row], out: TextIO, interrupted: bool = False) -> None:
+def print_table(rows: list[Row], out: TextIO, interrupted: bool = False,
+                env: dict[str, Any] | None = None) -> None:
     print(text_table(rows), file=out)
+    for note in skipped_notes(env or {}):
+        print(note, file=out)
     if interrupted:
         print("(interrupted: the rows above are the runs that finished)", file=out)

@@ -27,8 +27,15 @@ from typing import Any
 from disttrain.bench.experiments import REFERENCE, BenchConfig, Run, plan
 from disttrain.bench.ranks import BenchError, RankGroup
 from disttrain.comm import Communicator
-from disttrain.train import ParallelOptions, StepRecord, TrainConfig, TrainResult, train
-from disttrain.train.device import local_backend
+from disttrain.train import (
+    STRATEGIES,
+    ParallelOptions,
+    StepRecord,
+    TrainConfig,
+    TrainResult,
+    train,
+)
+from disttrain.train.device import local_backend, uses_cuda
 from disttrain.train.loop import checked_setup
 from disttrain.train.strategies.base import PhaseRecorder
 
@@ -53,21 +60,29 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
     if exp.parameter_server:
         parallel = ParallelOptions(servers=run.servers, straggler=config.straggler,
                                    straggler_every=config.straggler_every,
-                                   staleness=config.staleness if exp.takes_staleness else None)
+                                   staleness=config.staleness if exp.takes_staleness else None,
+                                   staleness_lr=config.staleness_lr
+                                   if "staleness_lr" in STRATEGIES[exp.name].options else None)
     if exp.name == "3d":
         parallel = ParallelOptions(algorithm=config.algorithm, tp_size=config.tp_size,
                                    pp_size=config.pp_size)
     epochs, steps = config.length
-    return TrainConfig(model=config.model, dataset=config.dataset, strategy=exp.name,
-                       parallel=parallel, epochs=epochs, steps=steps,
-                       global_batch=config.global_batch, seed=config.seed,
+    return TrainConfig(model=config.model, dataset=config.dataset, data=config.data,
+                       strategy=exp.name, parallel=parallel, epochs=epochs, steps=steps,
+                       global_batch=config.global_batch, optimizer=config.optimizer,
+                       lr=config.lr, momentum=config.momentum, seed=config.seed,
                        warmup_steps=config.warmup_steps, eval_every=config.eval_every,
                        log_every=0, progress=False, device=config.device)
 
 
 def transport_of(config: BenchConfig, run: Run) -> str:
-    return "torch" if run.experiment.is_baseline or run.experiment.name == REFERENCE else (
-        config.transport)
+    """``torch`` for the baselines and the reference; on GPUs ``auto`` is ``torch`` too
+    (NCCL moves CUDA tensors where shared memory would stage them through host memory)."""
+    if run.experiment.is_baseline or run.experiment.name == REFERENCE:
+        return "torch"
+    if config.transport == "auto" and uses_cuda(config.device):
+        return "torch"
+    return config.transport
 
 
 def backend_of(config: BenchConfig, run: Run) -> str:
@@ -79,7 +94,9 @@ def algorithm_of(config: BenchConfig, run: Run) -> str | None:
     exp = run.experiment
     if exp.takes_algorithm:
         return config.algorithm
-    return "torch" if exp.is_baseline else None
+    if exp.is_baseline:
+        return "deepspeed" if exp.name.startswith("deepspeed-") else "torch"
+    return None
 
 
 # ---------------------------------------------------------------------------- on each rank
@@ -126,8 +143,8 @@ def run_once(config: BenchConfig, run: Run, trace: bool,
     with RankGroup(run.ranks, _train_job, (tconfig, trace),
                    transport=transport_of(config, run), timeout_s=config.timeout_s,
                    describe=lambda _: f"{run.label}: training",
-                   bind_cores=config.bind_cores, backend=backend_of(config, run),
-                   device=config.device) as group:
+                   bind_cores=config.bind_cores, threads=config.threads_of(run),
+                   backend=backend_of(config, run), device=config.device) as group:
         final = None
         for reports in group.reports():  # to the end: the ranks then exit on their own
             if "result" in reports[0]:
@@ -151,9 +168,11 @@ def _error_text(exc: BaseException) -> str:
 
 def base_row(config: BenchConfig, run: Run) -> Row:
     return {"strategy": run.experiment.name, "world_size": run.world_size,
-            "servers": run.servers, "global_batch": config.global_batch,
+            "servers": run.servers, "threads": config.threads_of(run),
+            "global_batch": config.global_batch,
             "transport": transport_of(config, run),
             "algorithm": algorithm_of(config, run), "compare_to": run.experiment.compare_to,
+            "compare_to_deepspeed": run.experiment.compare_to_deepspeed,
             "error": None}
 
 
@@ -188,6 +207,7 @@ def make_row(config: BenchConfig, run: Run, repeats: list[list[dict[str, Any]]])
                              for reports in repeats],
         "peak_mem_bytes": max(r.peak_mem_bytes for r in results),
         "peak_mem_bytes_per_rank": [r.peak_mem_bytes for r in results],
+        **memory_columns(results),
         "bytes_sent_per_rank_per_step": first.bytes_sent_per_step_max,
         "theory_bytes_per_rank_per_step": first.theory_bytes_per_step_max,
         "bytes_unobserved": max(r.bytes_unobserved for r in results),
@@ -196,6 +216,22 @@ def make_row(config: BenchConfig, run: Run, repeats: list[list[dict[str, Any]]])
         "losses": first.losses, "extras": first.extras,
     })
     return row
+
+
+def memory_columns(results: list[TrainResult]) -> Row:
+    """Model-state and activation bytes: the busiest rank's, each rank's, and the busiest
+    rank's breakdown and formula (docs/benchmarks.md, "Memory")."""
+    states = [r.model_state_bytes for r in results if r.model_state_bytes is not None]
+    busiest = max(states, key=lambda d: d["total"]) if states else None
+    formulas = [r.model_state_formula_bytes for r in results if r.model_state_formula_bytes]
+    activations = [r.activation_peak_bytes for r in results
+                   if r.activation_peak_bytes is not None]
+    return {"model_state_bytes": busiest["total"] if busiest else None,
+            "model_state_bytes_per_rank": [d["total"] for d in states],
+            "model_state_breakdown": busiest,
+            "model_state_formula_bytes": max(f["total"] for f in formulas) if formulas
+            else None,
+            "activation_peak_bytes": max(activations) if activations else None}
 
 
 def samples_per_s(result: TrainResult) -> float:
@@ -215,12 +251,15 @@ def add_comparisons(row: Row, rows: list[Row]) -> None:
         return None
 
     ref, torch_row = find(REFERENCE), find(row.get("compare_to"), row["world_size"])
+    ds_row = find(row.get("compare_to_deepspeed"), row["world_size"])
     speed = row.get("samples_per_s")
     ok = row.get("error") is None and speed
     row["speedup"] = speed / ref["samples_per_s"] if ok and ref and ref["samples_per_s"] else None
     row["efficiency"] = row["speedup"] / row["world_size"] if row["speedup"] else None
     row["vs_torch"] = (speed / torch_row["samples_per_s"]
                        if ok and torch_row and torch_row["samples_per_s"] else None)
+    row["vs_deepspeed"] = (speed / ds_row["samples_per_s"]
+                           if ok and ds_row and ds_row["samples_per_s"] else None)
     row["reference_accuracy"] = ref["accuracy"] if ref else None
     row["reference_final_loss"] = ref["final_loss"] if ref else None
 

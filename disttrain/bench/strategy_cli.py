@@ -1,7 +1,9 @@
 """``disttrain bench`` with no subcommand: the strategy comparison table.
 
-    disttrain bench                                   # every strategy, LeNet on digits, n=2
-    disttrain bench --list                            # the named experiments
+    disttrain bench                                   # every strategy, the default preset, n=2
+    disttrain bench --list                            # the presets and the experiments
+    disttrain bench --preset lenet-digits             # the small LeNet table (~2 min)
+    disttrain bench --preset distributedtest          # the DistributedTest rows (~10 min)
     disttrain bench --strategies ddp,torch-ddp -n 1,2,4 --steps 50 --repeat 3
     disttrain bench --json rows.json --markdown table.md --html report.html --trace traces/
     # tensor parallelism against torch's, on the transformer
@@ -24,9 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from disttrain.bench.experiments import DEFAULT_EPOCHS, BenchConfig, Run, experiments, plan
+from disttrain.bench.experiments import BenchConfig, Run, experiments, plan
+from disttrain.bench.presets import DEFAULT_PRESET, PRESETS
 from disttrain.bench.transports import TRANSPORTS
 from disttrain.comm.transports import gloo_threads
+from disttrain.train.config import OPTIMIZERS, STALENESS_LR
 
 Row = dict[str, Any]
 
@@ -52,32 +56,45 @@ def _csv_ints(text: str) -> tuple[int, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The table's flags, on the ``bench`` parser itself."""
     d = BenchConfig()
-    parser.add_argument("--list", action="store_true", help="list the experiments and exit")
+    parser.add_argument("--list", action="store_true",
+                        help="list the presets and the experiments and exit")
+    parser.add_argument("--preset", default=DEFAULT_PRESET, choices=tuple(PRESETS),
+                        help="the workload: model, data, optimizer, batch, length and rows "
+                        "(default %(default)s); the flags below override its values")
     parser.add_argument("--strategies", type=_csv_names, default=None,
-                        help="comma-separated experiments (default: every registered one; "
-                        "'single' always runs as the reference)")
+                        help="comma-separated experiments (default: the preset's, every "
+                        "registered one for most; 'single' always runs as the reference)")
     parser.add_argument("-n", "--world-sizes", type=_csv_ints, default=d.world_sizes,
                         help="comma-separated numbers of ranks (default: 2)")
-    parser.add_argument("--model", default=d.model, help="model (default lenet)")
-    parser.add_argument("--dataset", default=d.dataset, help="dataset (default digits)")
+    parser.add_argument("--model", default=None, help="model (default: the preset's)")
+    parser.add_argument("--dataset", default=None, help="dataset (default: the preset's)")
+    parser.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                        help="optimizer of every row (default: the preset's)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate (default: the preset's)")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, default=None,
-                        help=f"passes over the training split (default {DEFAULT_EPOCHS})")
+                        help="passes over the training split (default: the preset's)")
     length.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
-    parser.add_argument("--global-batch", type=int, default=d.global_batch,
+    parser.add_argument("--global-batch", type=int, default=None,
                         help="samples per step over all ranks, the same for every row "
-                        "(default %(default)s)")
+                        "(default: the preset's)")
+    parser.add_argument("--reference-threads", type=int, default=None,
+                        help="intra-op threads of the single-process reference (default: the "
+                        "largest -n, up to the cores: it uses the cores the ranks use)")
     parser.add_argument("--repeat", type=int, default=d.repeat,
                         help="fresh runs per row, taken round the table (every row once, "
                         "then again), so a slow spell of the machine hits one run of many "
                         "rows rather than every run of one; the table shows the median and "
                         "the spread")
     parser.add_argument("--transport", default=d.transport,
-                        help=f"transport of the disttrain rows (torch baselines always use "
-                        f"torch; known: {', '.join(TRANSPORTS)})")
+                        help=f"transport of the disttrain rows (default %(default)s: shared "
+                        f"memory between local ranks; the baselines always use torch; known: "
+                        f"{', '.join(TRANSPORTS)})")
     parser.add_argument("--algorithm", default=d.algorithm,
-                        help="collective algorithm of ddp and zero (default ring: its bytes "
-                        "are counted and compared with theory; 'auto' lets the cost model pick)")
+                        help="collective algorithm of ddp and zero (default %(default)s: 'shm' "
+                        "on shared memory, the cost model's pick on torch; 'ring', 'tree', … "
+                        "by name; every one but 'native' has its bytes counted)")
     parser.add_argument("--bind-cores", action="store_true",
                         help="pin each rank to a core of its own when there are enough cores, "
                         "or the same number of ranks to every core when the ranks are a "
@@ -90,9 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=d.backend, choices=("auto", "gloo", "nccl"),
                         help="torch.distributed backend of the ranks (auto follows --device; "
                         "gloo lets several ranks share one GPU)")
-    parser.add_argument("--eval-every", type=int, default=d.eval_every,
-                        help="steps between evaluations, the accuracy curves (default "
-                        "%(default)s; 0: only at the end, so nothing makes parameter-server "
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="steps between evaluations, the accuracy curves (default: the "
+                        "preset's; 0: only at the end, so nothing makes parameter-server "
                         "workers wait for each other)")
     _ps_arguments(parser, d)
     mesh = parser.add_argument_group("tensor-parallel rows (tp, tp-sp, 3d, torch-tp, "
@@ -119,6 +136,9 @@ def _ps_arguments(parser: argparse.ArgumentParser, d: BenchConfig) -> None:
                     help="server ranks started beside the -n workers (default %(default)s)")
     ps.add_argument("--staleness", type=int, default=None,
                     help="ps-ssp: steps a worker may run ahead of the slowest (default 2)")
+    ps.add_argument("--staleness-lr", default=None, choices=STALENESS_LR,
+                    help="ps-async, ps-ssp: 'inverse' divides each update's learning rate by "
+                    "its staleness (the default), 'none' does not")
     ps.add_argument("--straggler", default=None, metavar="RANK:FACTOR[:EVERY]",
                     help="slow worker RANK's steps to FACTOR× its own work, e.g. 1:2 (workers "
                     "are ranks 0..n-1; other rows are not slowed). With :EVERY, e.g. 1:2:5, "
@@ -126,10 +146,14 @@ def _ps_arguments(parser: argparse.ArgumentParser, d: BenchConfig) -> None:
 
 
 def list_experiments() -> str:
-    lines = []
+    lines = ["presets (--preset):"]
+    for name, preset in PRESETS.items():
+        default = " [default]" if name == DEFAULT_PRESET else ""
+        lines.append(f"  {name:15s} {preset.description}{default}")
+    lines.append("experiments (--strategies):")
     for name, exp in experiments().items():
         vs = f" [compared with {exp.compare_to}]" if exp.compare_to else ""
-        lines.append(f"{name:15s} {exp.description}{vs}")
+        lines.append(f"  {name:15s} {exp.description}{vs}")
     return "\n".join(lines)
 
 
@@ -141,15 +165,16 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
 
     check_transport(args.transport)
     gloo_threads.policy_from_env()  # a typo in DISTTRAIN_GLOO_IO_THREADS: said here, once
-    config = BenchConfig(strategies=args.strategies, world_sizes=args.world_sizes,
-                         model=args.model, dataset=args.dataset, epochs=args.epochs,
-                         steps=args.steps, global_batch=args.global_batch, repeat=args.repeat,
-                         transport=args.transport, algorithm=args.algorithm,
-                         timeout_s=args.timeout, eval_every=args.eval_every,
-                         servers=args.servers, staleness=args.staleness,
-                         bind_cores=args.bind_cores, tp_size=args.tp_size, pp_size=args.pp_size,
-                         device=args.device, backend=args.backend,
-                         **straggler_options(args.straggler))
+    config = BenchConfig.from_preset(
+        args.preset, strategies=args.strategies, world_sizes=args.world_sizes,
+        model=args.model, dataset=args.dataset, optimizer=args.optimizer, lr=args.lr,
+        epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
+        repeat=args.repeat, transport=args.transport, algorithm=args.algorithm,
+        reference_threads=args.reference_threads, timeout_s=args.timeout,
+        eval_every=args.eval_every, servers=args.servers, staleness=args.staleness,
+        staleness_lr=args.staleness_lr, bind_cores=args.bind_cores, tp_size=args.tp_size,
+        pp_size=args.pp_size, device=args.device, backend=args.backend,
+        **straggler_options(args.straggler))
     require_available(config.device)
     for planned in plan(config):  # every run's backend can run here (NCCL: a GPU per rank)
         backend_of(config, planned)
@@ -175,7 +200,8 @@ def _run_table(config: BenchConfig, args: argparse.Namespace) -> int:
     epochs, steps = config.length
     length = f"{steps} steps" if steps else f"{epochs} epoch(s)"
     rounds = f" × {config.repeat} rounds of the table" if config.repeat > 1 else ""
-    print(f"disttrain bench: {len(runs)} runs{rounds} of {config.model} on {config.dataset}, "
+    print(f"disttrain bench --preset {config.preset}: {len(runs)} runs{rounds} of "
+          f"{config.model} on {config.dataset} ({config.optimizer}, lr {config.lr:g}), "
           f"{length}, global batch {config.global_batch}, transport {config.transport}"
           f"{', ranks bound to cores' if config.bind_cores else ''}, Gloo I/O threads "
           f"{gloo_threads.policy_from_env()} "
@@ -210,7 +236,7 @@ def _run_table(config: BenchConfig, args: argparse.Namespace) -> int:
         print(" interrupted", file=sys.stderr, flush=True)
     env = environment(config, "disttrain bench" + "".join(
         f" {shlex.quote(a)}" for a in sys.argv[2:]))
-    print_table(rows, sys.stdout, outcome.interrupted)
+    print_table(rows, sys.stdout, outcome.interrupted, env)
     _write_outputs(args, rows, env, outcome.traces)
     if outcome.interrupted:
         return 130

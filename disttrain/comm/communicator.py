@@ -37,6 +37,7 @@ from disttrain.comm.selection import AlgorithmChooser
 from disttrain.comm.signature import signature_of, verify_signature
 from disttrain.comm.staging import on_current_stream, staged
 from disttrain.comm.stats import TrafficStats
+from disttrain.comm.theory import theory_bytes_sent
 from disttrain.comm.transport import Transport, check_workload
 from disttrain.comm.work import ProgressThread, Work
 
@@ -340,6 +341,16 @@ class Communicator:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         self.irecv(tensor, src, tag).wait()
+
+    # ----------------------------------------------------------------- theory
+    def theory_bytes_sent(self, op: str, nbytes: int, algorithm: str | None = None
+                          ) -> float | None:
+        """Bytes the busiest rank sends in ``op`` of ``nbytes`` (the nccl-tests size) with
+        the algorithm this communicator would run for ``algorithm`` (None: its default,
+        ``auto``: its pick), by :func:`~disttrain.comm.theory.theory_bytes_sent`; None for
+        ``native``, whose bytes torch.distributed does not show."""
+        name = self._algorithm(op, algorithm, nbytes)
+        return theory_bytes_sent(op, name, self.world_size, nbytes)
 
     # ----------------------------------------------------------------- memory
     def shared_zeros(self, shape: int | Sequence[int], dtype: torch.dtype = torch.float32, *,

@@ -2,6 +2,12 @@
 
 The figures the transport's counters are checked against (tests, and the ``theory`` column
 of ``disttrain bench comm``): ring all-reduce sends 2(p−1)/p·V per rank, naive (p−1)·V.
+
+On the shared-memory transport nothing is sent: a rank *writes* its data into shared memory
+once and the others read it there. Algorithm ``shm`` counts as sent the bytes a rank writes
+for the others (and as received those it reads from them), so its all-reduce "sends" V on
+any number of ranks: it writes its whole tensor once (or exposes it, when the tensor lives
+in shared memory), where a ring sends 2(p−1)/p·V through the network.
 """
 
 from __future__ import annotations
@@ -64,5 +70,15 @@ def theory_bytes_sent(op: str, algorithm: str, p: int, nbytes: int) -> float | N
         ("all_to_all", "naive"): frac * v,
         ("barrier", "naive"): float(p - 1),
         ("barrier", "tree"): float(lg),
+        # shm: bytes written into shared memory for the others (docs/shm_transport.md)
+        ("all_reduce", "shm"): v,
+        ("reduce_scatter", "shm"): v,  # every block, the rank's own included, in one round
+        ("all_gather", "shm"): v / p,
+        ("broadcast", "shm"): v,  # the root
+        ("reduce", "shm"): v,
+        ("gather", "shm"): v / p,
+        ("scatter", "shm"): frac * v,  # the root
+        ("all_to_all", "shm"): frac * v,
+        ("barrier", "shm"): 0.0,
     }
     return table[(op, algorithm)]

@@ -1,6 +1,6 @@
 """The simulation's outputs: a text table, JSON rows, and one SVG with three plots (step
-time, memory per device, scaling efficiency against log₂ workers), drawn with the same
-dependency-free plotting code as the benchmark's HTML report."""
+time, memory per device, scaling efficiency against log₂ workers), drawn with the
+dependency-free SVG plots of :mod:`disttrain.bench.svg`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from disttrain.bench.html_report import H, line_plot
+from disttrain.bench.svg import H, line_plot
 from disttrain.bench.table import format_time
 from disttrain.simulate.base import StepResult
 

@@ -49,6 +49,7 @@ import sys
 from typing import Any
 
 from disttrain.bench.experiments import BenchConfig
+from disttrain.bench.presets import get_preset
 from disttrain.bench.strategy_bench import run_table
 from disttrain.comm.cost_model import LinkCosts, load_costs
 from disttrain.simulate.cluster import local
@@ -58,7 +59,10 @@ from disttrain.simulate.workload import Workload
 from disttrain.train.strategies import STRATEGIES as RUNNABLE
 from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
 
-GLOBAL_BATCH = BenchConfig().global_batch  # the ZeRO-3 probe computes a rank's share of it
+# the workload the model is validated on: the benchmark's LeNet preset (SGD, batch 32), with
+# one thread in the single process as in the profile
+PRESET = "lenet-digits"
+GLOBAL_BATCH = get_preset(PRESET).global_batch  # the ZeRO-3 probe computes a rank's share
 
 
 def _plan(names: tuple[str, ...], model: str = "transformer") -> tuple[list[str], list[str]]:
@@ -152,12 +156,11 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _validate(args: argparse.Namespace, names: list[str], dataset: str,
               profile: ModelProfile, rounds: LayerRounds) -> list[dict[str, Any]]:
-    config = BenchConfig(strategies=tuple(names), world_sizes=tuple(args.world_sizes),
-                         transport=args.transport,
-                         model=args.model, dataset=dataset, steps=args.steps,
-                         global_batch=args.global_batch or GLOBAL_BATCH, algorithm="ring",
-                         eval_every=10**6, repeat=args.repeat,
-                         bind_cores=args.bind_cores)
+    config = BenchConfig.from_preset(
+        PRESET, strategies=tuple(names), world_sizes=tuple(args.world_sizes),
+        transport=args.transport, model=args.model, dataset=dataset, steps=args.steps,
+        global_batch=args.global_batch or GLOBAL_BATCH, algorithm="ring", eval_every=10**6,
+        repeat=args.repeat, bind_cores=args.bind_cores, reference_threads=1)
 
     def predict(name: str, world_size: int, prof: ModelProfile = profile) -> float:
         return predicted(prof, name, world_size, config.global_batch, args.microbatches,

@@ -185,12 +185,12 @@ def _unit_work(module: nn.Module, x: torch.Tensor, ranks: int,
                units: int) -> tuple[Callable[[], object], float]:
     """A rank's computation per collective in ZeRO-3's pattern with ``ranks`` ranks, and
     its seconds: its forward+backward at its share of the global batch ``disttrain bench``
-    and ``--validate`` train with by default (``BenchConfig.global_batch``, ``x``'s rows
+    and ``--validate`` train with by default (``validate.GLOBAL_BATCH``, ``x``'s rows
     repeated), divided over the units' two passes."""
-    from disttrain.bench.experiments import BenchConfig
     from disttrain.simulate.contention import compute_slice
+    from disttrain.simulate.validate import GLOBAL_BATCH
 
-    batch = max(len(x), BenchConfig().global_batch // ranks)
+    batch = max(len(x), GLOBAL_BATCH // ranks)
     rows = x.repeat(-(-batch // len(x)), *([1] * (x.dim() - 1)))[:batch]
     seconds = median_time(_fwd_bwd(module, rows)) / (2 * max(1, units))
     return compute_slice(seconds), seconds

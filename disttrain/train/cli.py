@@ -28,7 +28,13 @@ import sys
 from typing import Any
 
 from disttrain.comm import CommConfig
-from disttrain.train.config import OPTIMIZERS, PRECISIONS, ParallelOptions, TrainConfig
+from disttrain.train.config import (
+    OPTIMIZERS,
+    PRECISIONS,
+    STALENESS_LR,
+    ParallelOptions,
+    TrainConfig,
+)
 from disttrain.train.data import DATASETS, DataOptions
 from disttrain.train.device import local_backend, require_available, select_local_gpu
 from disttrain.train.models import MODELS
@@ -122,7 +128,8 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
     pipe.add_argument("--schedule", default=None,
                       help="gpipe or 1f1b (with --strategy pipeline; default 1f1b)")
     pipe.add_argument("--microbatches", type=int, default=None,
-                      help="micro-batches per step (gpipe, 1f1b, torch-gpipe; default 8)")
+                      help="micro-batches per step (gpipe, 1f1b, torch-gpipe, deepspeed-pipe; "
+                           "default 8)")
     pipe.add_argument("--partition", default=None,
                       help="layers per stage: params (balance parameter counts, default), "
                            "time (balance measured time) or counts like 3,2,2")
@@ -150,6 +157,9 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
                          "job: DISTTRAIN_PS_SERVERS)")
     ps.add_argument("--staleness", type=int, default=None,
                     help="ps-ssp: steps a worker may run ahead of the slowest (default 2)")
+    ps.add_argument("--staleness-lr", choices=STALENESS_LR, default=None,
+                    help="ps-async, ps-ssp: 'inverse' divides each update's learning rate by "
+                         "its staleness (Zhang et al. 2016; the default), 'none' does not")
     ps.add_argument("--straggler", default=None, metavar="RANK:FACTOR[:EVERY]",
                     help="slow worker RANK's steps to FACTOR× its own work (e.g. 1:2; several: "
                          "1:2,3:1.5); workers are ranks 0..N-1. With :EVERY the slow-down is "
@@ -192,7 +202,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                pp_size=args.pp_size, tp_size=args.tp_size,
                                dp_size=args.dp_size, sequence_parallel=args.sequence_parallel,
                                zero=args.zero, servers=args.servers,
-                               staleness=args.staleness,
+                               staleness=args.staleness, staleness_lr=args.staleness_lr,
                                **straggler_options(args.straggler))
     return TrainConfig(
         model=args.model, dataset=args.dataset, strategy=args.strategy, data=data,
@@ -324,12 +334,25 @@ def _report(result: TrainResult, json_path: str | None) -> None:
           f"samples/s={samples_per_s(result):.1f} "
           f"peak_mem_MB={result.peak_mem_bytes_max / 1e6:.1f}")
     print(f"accuracy={accuracy} eval_loss={eval_loss} final_loss={result.final_loss:.4f}")
+    if result.model_state_bytes_max is not None:
+        formula = result.model_state_formula_bytes
+        print(f"model_state_MB={result.model_state_bytes_max / 1e6:.3f} formula_MB="
+              f"{'-' if formula is None else format(formula['total'] / 1e6, '.3f')} "
+              f"activations_MB={(result.activation_peak_bytes_max or 0) / 1e6:.3f} "
+              f"(per rank, the maxima over ranks)")
     sent, theory = result.bytes_sent_per_step_max, result.theory_bytes_per_step_max
     if sent is not None or theory is not None:
-        measured = "-" if sent is None else f"{sent:.0f}"
+        hidden = bool(result.bytes_unobserved) and not sent  # they ran, uncounted: not 0
+        measured = "-" if sent is None or hidden else f"{sent:.0f}"
         expected = "-" if theory is None else f"{theory:.0f}"
         print(f"bytes_per_rank_per_step={measured} theory={expected} "
               f"bytes_unobserved={result.bytes_unobserved}")
+        if hidden:
+            steps = max(len(result.step_times), 1)
+            print(f"note: the collectives ran inside torch.distributed (algorithm 'native', "
+                  f"auto's pick here), which moved {result.bytes_unobserved / steps:.0f} bytes "
+                  f"of payload per step but does not show its bytes on the wire; "
+                  f"--transport shm (or --algorithm ring) counts them")
     ps = result.extras
     if "staleness" in ps:
         print(f"ps mode={ps['mode']} workers={ps['workers']} servers={ps['servers']} "

@@ -19,6 +19,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")  # fp16: with dynamic loss scaling (the lo
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+STALENESS_LR = ("inverse", "none")  # as disttrain.parallel.parameter_server.STALENESS_LR
 PARTITIONS = ("params", "time")
 
 
@@ -47,6 +48,7 @@ class ParallelOptions:
     # parameter server ("ps-sync", "ps-async", "ps-ssp")
     servers: int | None = None  # server processes beside the workers (None: 1)
     staleness: int | None = None  # "ps-ssp": clocks a worker may run ahead (None: 2)
+    staleness_lr: str | None = None  # "ps-async", "ps-ssp": lr ÷ staleness or not (None: inverse)
     straggler: tuple[tuple[int, float], ...] = ()  # (worker rank, factor ≥ 1): slowed workers
     straggler_every: int | None = None  # rotate each slow-down to the next worker every N steps
 
@@ -68,6 +70,9 @@ class ParallelOptions:
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel must be True or False, got "
                              f"{self.sequence_parallel!r}")
+        if self.staleness_lr not in (None, *STALENESS_LR):
+            raise ValueError(f"staleness_lr must be one of {', '.join(STALENESS_LR)}, got "
+                             f"{self.staleness_lr!r}")
         object.__setattr__(self, "straggler", _stragglers(self.straggler))
         if self.straggler_every is not None:
             _positive("straggler_every (steps before a slow-down moves on)", self.straggler_every)

@@ -3,6 +3,8 @@
 * ``digits``: scikit-learn's bundled handwritten digits (1797 real 8×8 grey images, 10
   classes, shipped inside the scikit-learn wheel), normalized and split 80/20 into train and
   held-out test by a fixed seed, so every run and every rank sees the same split.
+* ``digits-28``: the same images upsampled to MNIST's 28×28 (bilinear), for MNIST-shaped
+  models without a download.
 * ``synthetic``: Gaussian inputs of any shape labelled by a fixed random linear "teacher"
   (``label = argmax(W·x)``), a rule a model can learn to high accuracy.
 * ``synthetic-lm``: token sequences that follow a fixed random successor table with
@@ -138,6 +140,20 @@ def digits(options: DataOptions) -> DatasetSplits:
     return DatasetSplits(train, test, DataInfo((1, 8, 8), 10))
 
 
+def digits_28(options: DataOptions) -> DatasetSplits:
+    """The same digits, upsampled to MNIST's 28×28 (bilinear): real images of MNIST's shape
+    with no download."""
+    split8 = digits(options)
+    parts = []
+    for part in (split8.train, split8.test):
+        assert isinstance(part, TensorDataset)
+        images, labels = part.tensors[0], part.tensors[1]
+        big = torch.nn.functional.interpolate(images, size=(28, 28), mode="bilinear",
+                                              align_corners=False)
+        parts.append(TensorDataset(big, labels))
+    return DatasetSplits(parts[0], parts[1], DataInfo((1, 28, 28), 10))
+
+
 def synthetic(options: DataOptions) -> DatasetSplits:
     """Gaussian inputs labelled by a fixed random linear teacher: ``argmax(W·x)``."""
     generator = torch.Generator().manual_seed(options.seed)
@@ -168,6 +184,7 @@ def synthetic_lm(options: DataOptions) -> DatasetSplits:
 
 DATASETS: dict[str, Callable[[DataOptions], DatasetSplits]] = {
     "digits": digits,
+    "digits-28": digits_28,
     "synthetic": synthetic,
     "synthetic-lm": synthetic_lm,
 }

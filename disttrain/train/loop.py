@@ -25,6 +25,7 @@ use_loss_scaler``); its scale and skipped steps are in the result's ``extras``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -42,6 +43,12 @@ from disttrain.train.config import TrainConfig
 from disttrain.train.data import DatasetSplits, build_dataset, fetch, size
 from disttrain.train.device import resolve_device, to_device
 from disttrain.train.evaluate import evaluate
+from disttrain.train.memory import (
+    ActivationTracker,
+    formula_bytes,
+    measure_state,
+    state_bytes_per_param,
+)
 from disttrain.train.metrics import (
     ProgressBar,
     StepRecord,
@@ -87,6 +94,7 @@ def single_steps(config: TrainConfig) -> Iterator[Callable[[], StepRecord]]:
     batches and never evaluates, checkpoints or logs: for timing the loop's own work
     (``disttrain simulate``'s profile)."""
     run = _Run(dataclasses.replace(config, log_every=0, progress=False), None)
+    run.tracked_steps = 0  # no saved-tensor hooks: these steps are timed
     try:
         indices, per_step = run.sampler.indices(), run.per_step
         batches, taken = len(indices) // per_step, 0
@@ -125,6 +133,7 @@ class _Run:
         self.data: DatasetSplits = build_dataset(config.dataset, config.data)
         torch.manual_seed(config.seed)  # identical initial parameters on every rank
         module = build_model(config.model, self.data.info).to(self.device)
+        self.numel = sum(p.numel() for p in module.parameters() if p.requires_grad)  # Ψ
         sample = to_device(fetch(self.data.train,
                                  list(range(min(self.micro, size(self.data.train))))),
                            self.device)
@@ -167,6 +176,9 @@ class _Run:
         self.bytes_sent: list[int] = []
         self.bytes_unobserved = 0
         self.evaluations: list[EvalPoint] = []
+        # the warm-up steps (at least one) run under saved-tensor hooks, outside samples/s
+        self.activations = ActivationTracker()
+        self.tracked_steps = max(1, config.warmup_steps)
         show = config.progress if config.progress is not None else sys.stderr.isatty()
         self.progress = ProgressBar(self.total_steps, enabled=show and self.rank == 0)
         self.tensorboard = TensorBoard(config.tensorboard_dir if self.rank == 0 else None)
@@ -221,11 +233,13 @@ class _Run:
         hidden_before = self._bytes_unobserved()
         micro = [to_device(fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro]),
                            self.device) for m in range(self.config.accumulate)]
-        if self.whole_step and self.phases is not None:
-            with self.phases.span("train_step"):
+        tracking = len(self.step_times) < self.tracked_steps
+        with self.activations if tracking else contextlib.nullcontext():
+            if self.whole_step and self.phases is not None:
+                with self.phases.span("train_step"):
+                    loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
+            else:
                 loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
-        else:
-            loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
         seconds = time.perf_counter() - start_time
         sent_after = self._bytes_sent()
         self.bytes_unobserved += self._bytes_unobserved() - hidden_before
@@ -263,7 +277,8 @@ class _Run:
         window = self.step_times[-self.config.log_every:]
         samples_per_s = self.config.global_batch * len(window) / max(sum(window), 1e-12)
         line = format_line(record.step, record.epoch, record.loss, samples_per_s,
-                           self._bytes_sent(), peak_memory_bytes(self.device))
+                           self._bytes_sent(), peak_memory_bytes(self.device),
+                           self._bytes_unobserved())
         log.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s", line)
         self.tensorboard.scalars(record.step, {"train/loss": record.loss,
                                                "train/samples_per_s": samples_per_s})
@@ -290,15 +305,16 @@ class _Run:
                         self._position(), self.scaler)
 
     # ------------------------------------------------------------------ the result
-    def _gathered(self, peak: int) -> tuple[float, list[float | None]]:
+    def _gathered(self, peak: int, state: int) -> tuple[float, list[float | None]]:
         """Mean of the last step's loss over ranks; the maxima over ranks of peak memory
-        (this rank's: ``peak``), mean bytes sent per step, and the theoretical bytes per step
-        (None: not known)."""
+        (this rank's: ``peak``), mean bytes sent per step, the theoretical bytes per step
+        (None: not known), model-state bytes (``state``) and peak activation bytes."""
         last = self.losses[-1] if self.losses else float("nan")
         sent = self.bytes_sent if self._bytes_sent() is not None else []
         theory = self.strategy.theory_bytes_per_step
         mine = [float(peak), sum(sent) / len(sent) if sent else -1.0,
-                -1.0 if theory is None else float(theory)]
+                -1.0 if theory is None else float(theory), float(state),
+                float(self.activations.peak)]
         if self.comm is not None and self.world_size > 1:
             loss = torch.tensor([last], dtype=torch.float64)
             self.comm.all_reduce(loss)
@@ -312,7 +328,12 @@ class _Run:
         # read once: the peak can still grow while the maxima are gathered, and a rank's own
         # peak must never exceed the maximum reported over all ranks
         peak = peak_memory_bytes(self.device)
-        final_loss, (peak_max, sent_max, theory_max) = self._gathered(peak)
+        state = measure_state(self.strategy.model_state_tensors())  # before trained_module
+        formula = formula_bytes(self.strategy.memory_formula, self.numel, self.strategy.dp_size,
+                                state_bytes_per_param(self.config.optimizer,
+                                                      self.config.momentum))
+        final_loss, (peak_max, sent_max, theory_max, state_max, act_max) = self._gathered(
+            peak, state.total)
         warm = self.config.warmup_steps
         timed = self.step_times[warm:] if len(self.step_times) > warm else self.step_times
         samples_per_s = self.config.global_batch * len(timed) / sum(timed) if timed else 0.0
@@ -333,7 +354,13 @@ class _Run:
             peak_mem_bytes=peak, peak_mem_bytes_max=int(peak_max or 0),
             theory_bytes_per_step=self.strategy.theory_bytes_per_step,
             bytes_sent_per_step_max=sent_max, theory_bytes_per_step_max=theory_max,
-            extras=extras, evaluations=self.evaluations, model=self.strategy.trained_module())
+            extras=extras, evaluations=self.evaluations,
+            model_state_bytes=state.as_dict(),
+            model_state_formula_bytes=None if formula is None else formula.as_dict(),
+            activation_peak_bytes=self.activations.peak,
+            model_state_bytes_max=int(state_max or 0),
+            activation_peak_bytes_max=int(act_max or 0),
+            model=self.strategy.trained_module())
 
     def close(self) -> None:
         self.tensorboard.close()

@@ -4,7 +4,8 @@ bar and optional TensorBoard scalars.
 The metrics line has the same fields in the same order every time, so it can be grepped and
 compared across strategies::
 
-    step=     40 epoch=  1 loss=  0.4123 samples/s=   8123.4 comm_MB=   12.345 peak_mem_MB=  251.3
+    step=     40 epoch=  1 loss=  0.4123 samples/s=   8123.4 comm_MB=   12.345 \
+        peak_mem_MB=  251.3 native_MB=    0.000      (one line)
 
 * ``loss``: this rank's training loss of the step (rank 0 prints; the mean over ranks is in
   the final result).
@@ -16,6 +17,10 @@ compared across strategies::
 * ``peak_mem_MB``: on CUDA, ``torch.cuda.max_memory_allocated``; on CPU, the process's peak
   resident set size (``getrusage`` ``ru_maxrss``), which includes the Python interpreter and
   torch's libraries (~200-300 MB), not only tensors.
+* ``native_MB``: megabytes of payload this rank handed to collectives that ran inside
+  torch.distributed (algorithm ``native``, which ``auto`` picks on the torch transport
+  where Gloo's own is fastest): they ran, but their bytes on the wire are torch's and not
+  in ``comm_MB``; ``-`` like ``comm_MB``.
 """
 
 from __future__ import annotations
@@ -55,11 +60,12 @@ def peak_memory_bytes(device: torch.device | None = None) -> int:
 
 
 def format_line(step: int, epoch: int, loss: float, samples_per_s: float,
-                comm_bytes: int | None, peak_bytes: int) -> str:
+                comm_bytes: int | None, peak_bytes: int, native_bytes: int = 0) -> str:
     """The fixed-field metrics line (see the module docstring)."""
     comm = f"{comm_bytes / 1e6:9.3f}" if comm_bytes is not None else f"{'-':>9}"
+    native = f"{native_bytes / 1e6:9.3f}" if comm_bytes is not None else f"{'-':>9}"
     return (f"step={step:7d} epoch={epoch:3d} loss={loss:8.4f} samples/s={samples_per_s:9.1f} "
-            f"comm_MB={comm} peak_mem_MB={peak_bytes / 1e6:8.1f}")
+            f"comm_MB={comm} peak_mem_MB={peak_bytes / 1e6:8.1f} native_MB={native}")
 
 
 class ProgressBar:

@@ -92,6 +92,48 @@ class ResNet(nn.Sequential):
         super().__init__(*layers)
 
 
+class Bottleneck(nn.Module):
+    """ResNet-50's block: 1×1 reduce → 3×3 (strided) → 1×1 expand to 4× the width, each
+    with batch norm, plus the input or its strided 1×1 projection (He et al., 2016)."""
+
+    expansion = 4
+
+    def __init__(self, in_channels: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        out = width * self.expansion
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride, padding=1, bias=False), nn.BatchNorm2d(width),
+            nn.ReLU(), nn.Conv2d(width, out, 1, bias=False), nn.BatchNorm2d(out))
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out, 1, stride, bias=False),
+                                          nn.BatchNorm2d(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class ResNet50Shaped(nn.Sequential):
+    """ResNet-50's layout, 3-4-6-3 bottleneck blocks (50 weight layers), at ``base`` channels
+    instead of 64 (8: one eighth of the width, 1/64 of the parameters) and with a 3×3
+    stride-1 stem instead of the 7×7 stride-2 stem and max-pool, which are for 224×224
+    images: on 28×28 the four stages see 28, 14, 7 and 4 pixels a side."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, base: int = 8,
+                 blocks: tuple[int, ...] = (3, 4, 6, 3)) -> None:
+        layers: list[nn.Module] = [nn.Conv2d(in_channels, base, 3, padding=1, bias=False),
+                                   nn.BatchNorm2d(base), nn.ReLU()]
+        channels = base
+        for stage, count in enumerate(blocks):
+            width = base * 2 ** stage
+            for i in range(count):
+                layers.append(Bottleneck(channels, width, stride=2 if stage and not i else 1))
+                channels = width * Bottleneck.expansion
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
+        super().__init__(*layers)
+
+
 class MLP(nn.Sequential):
     """Flatten, then Linear → ReLU for each hidden width, then a linear classifier."""
 
@@ -116,6 +158,11 @@ def resnet(info: DataInfo) -> nn.Module:
     return ResNet(c, info.num_classes)
 
 
+def resnet50_w8(info: DataInfo) -> nn.Module:
+    c, _, _ = _image_shape(info, "resnet50-w8")
+    return ResNet50Shaped(c, info.num_classes, base=8)
+
+
 def mlp(info: DataInfo) -> nn.Module:
     if info.task != "classification":
         raise ValueError(f"model 'mlp' classifies fixed-size inputs; this dataset's task is "
@@ -123,19 +170,35 @@ def mlp(info: DataInfo) -> nn.Module:
     return MLP(math.prod(info.input_shape), info.num_classes)
 
 
-def transformer(info: DataInfo) -> nn.Module:
+def _lm_shape(info: DataInfo, model: str) -> tuple[int, int]:
+    """(vocabulary, sequence length) of a token dataset; ValueError for other data."""
     if info.task != "lm" or len(info.input_shape) != 1:
-        raise ValueError(f"model 'transformer' is a language model over token sequences; this "
+        raise ValueError(f"model {model!r} is a language model over token sequences; this "
                          f"dataset has {info.task} inputs of shape {info.input_shape}: use "
                          f"dataset 'synthetic-lm' or your own token dataset")
-    return TransformerLM(vocab_size=info.num_classes, max_len=info.input_shape[0])
+    return info.num_classes, info.input_shape[0]
+
+
+def transformer(info: DataInfo) -> nn.Module:
+    vocab, length = _lm_shape(info, "transformer")
+    return TransformerLM(vocab_size=vocab, max_len=length)
+
+
+def transformer_d128(info: DataInfo) -> nn.Module:
+    """The benchmark's default model: 2 blocks of width 128 (4 heads), about 0.42M
+    parameters with a 64-token vocabulary; enough work per token that two ranks beat one
+    process with two threads (docs/benchmarks.md)."""
+    vocab, length = _lm_shape(info, "transformer-d128")
+    return TransformerLM(vocab_size=vocab, max_len=length, d_model=128, n_heads=4, n_layers=2)
 
 
 MODELS: dict[str, Callable[[DataInfo], nn.Module]] = {
     "lenet": lenet,
     "resnet": resnet,
+    "resnet50-w8": resnet50_w8,
     "mlp": mlp,
     "transformer": transformer,
+    "transformer-d128": transformer_d128,
 }
 
 

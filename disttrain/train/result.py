@@ -48,6 +48,14 @@ class TrainResult:
     theory_bytes_per_step_max: float | None = None  # max over ranks of the formula
     extras: dict[str, Any] = field(default_factory=dict)  # strategy-specific, JSON-friendly
     evaluations: list[EvalPoint] = field(default_factory=list)
+    # memory the strategy holds (disttrain.train.memory): this rank's model states by
+    # category, the ZeRO paper's figure for them (None: no formula), and the most bytes
+    # autograd held saved for backward during a (warm-up) step; then the maxima over ranks
+    model_state_bytes: dict[str, int] | None = None
+    model_state_formula_bytes: dict[str, int] | None = None
+    activation_peak_bytes: int | None = None
+    model_state_bytes_max: int | None = None
+    activation_peak_bytes_max: int | None = None
     model: nn.Module | None = field(default=None, repr=False, compare=False)  # trained, bare
 
     @property

@@ -17,6 +17,7 @@ NIPS 2013). See docs/parameter_server.md.
 
 from disttrain.parallel.parameter_server.config import (
     MODES,
+    STALENESS_LR,
     PSConfig,
     StragglerSpec,
     parse_straggler,
@@ -64,6 +65,7 @@ __all__ = [
     "MODES",
     "SERVERS_ENV",
     "SPARSE_PARAMS",
+    "STALENESS_LR",
     "ClickData",
     "ClickModel",
     "ClockTable",

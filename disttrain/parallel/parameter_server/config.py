@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 from disttrain.parallel.parameter_server.partition import Partition
 
 MODES = ("sync", "async", "ssp")
+# how an update's learning rate depends on its staleness τ (:func:`staleness_lr_factor`)
+STALENESS_LR = ("inverse", "none")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,13 @@ class PSConfig:
       Start-up (a worker's HELLO, the server waiting for it) may take up to 90% of the
       communicator's timeout whatever this is: loading a model or checkpoint takes time.
     * ``max_message_elems``: the largest payload a server accepts in one message.
+    * ``staleness_lr``: how an applied update's learning rate depends on its staleness τ
+      (parameter versions applied between the pull it was computed on and its own):
+      ``inverse`` (default) divides it by τ when τ ≥ 1, the staleness-aware rule of Zhang
+      et al. 2016 ("Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI),
+      which keeps a late gradient from undoing the steps taken since it was computed;
+      ``none`` applies every update at the optimizer's rate. Synchronous clocks have τ = 0
+      and are never scaled. Only the servers apply it; workers need not agree.
     * ``straggler``: ``{worker rank: factor}`` slows those workers' steps to ``factor`` × their
       own work (compute, pull and push; sleeping the difference before each push) for
       straggler experiments.
@@ -47,6 +56,7 @@ class PSConfig:
     sparse_params: tuple[str, ...] = ()
     timeout_s: float | None = None
     max_message_elems: int = 1 << 26
+    staleness_lr: str = "inverse"
     straggler: Mapping[int, float] = field(default_factory=dict)
     straggler_every: int | None = None
 
@@ -68,6 +78,9 @@ class PSConfig:
         if not _is_int(self.max_message_elems) or self.max_message_elems < 1:
             raise ValueError(f"max_message_elems must be an int ≥ 1, "
                              f"got {self.max_message_elems!r}")
+        if self.staleness_lr not in STALENESS_LR:
+            raise ValueError(f"staleness_lr={self.staleness_lr!r} is unknown; choose one of "
+                             f"{', '.join(STALENESS_LR)}")
         object.__setattr__(self, "straggler", _check_straggler(self.straggler))
         _check_every(self.straggler_every, self.straggler)
 
@@ -120,6 +133,15 @@ class PSConfig:
             if (start + shift) % workers == rank:
                 return factor
         return 1.0
+
+
+def staleness_lr_factor(rule: str, staleness: list[int]) -> float:
+    """The factor on the learning rate of an update whose contributions have these
+    stalenesses: ``inverse`` 1/τ̄ for the mean τ̄ ≥ 1 (1 for fresh updates), ``none`` 1."""
+    if rule == "none" or not staleness:
+        return 1.0
+    mean = sum(staleness) / len(staleness)
+    return 1.0 / mean if mean > 1.0 else 1.0
 
 
 class StragglerSpec(NamedTuple):

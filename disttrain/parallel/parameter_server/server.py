@@ -97,7 +97,7 @@ def build_parameter_server(comm: Communicator, roles: PSRoles, model: nn.Module 
     start, end = part.server_range(role.index)
     params = [p for p in module.parameters() if p.requires_grad]
     values = gather_flat(params, part, start, end - start, params[0].dtype)
-    shard = ServerShard(part, role.index, values, optimizer_factory)
+    shard = ServerShard(part, role.index, values, optimizer_factory, config.staleness_lr)
     server = ParameterServer(comm, roles, shard, config, checkpoint_dir=checkpoint_dir,
                              checkpoint_every=checkpoint_every, on_update=on_update)
     if restore_dir is not None:

@@ -8,7 +8,8 @@ Optimizers that look across elements (LARS, LAMB: per-tensor norms) would not ma
 
 Gradients wait in *pending* buffers, one per update (a clock in sync and ssp with s = 0, a
 worker's step in async and ssp with s > 0), until :meth:`ServerShard.apply` averages them
-over the workers that contributed, steps the optimizer once and bumps the parameter version.
+over the workers that contributed, steps the optimizer once (at a learning rate scaled by
+the update's staleness, ``PSConfig.staleness_lr``) and bumps the parameter version.
 Addressing a request (a dense key range or rows of an embedding table) is validated here and
 raises :class:`ProtocolError`.
 """
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from disttrain.parallel.checkpoint_files import CheckpointError, atomic_save, load
+from disttrain.parallel.parameter_server.config import staleness_lr_factor
 from disttrain.parallel.parameter_server.errors import ProtocolError
 from disttrain.parallel.parameter_server.partition import Partition, Segment
 from disttrain.parallel.parameter_server.protocol import Status
@@ -43,7 +45,7 @@ class ServerShard:
     """Keys ``partition.server_range(server)``: their values, optimizer and versions."""
 
     def __init__(self, partition: Partition, server: int, values: torch.Tensor,
-                 optimizer_factory: OptimizerFactory) -> None:
+                 optimizer_factory: OptimizerFactory, staleness_lr: str = "none") -> None:
         self.partition, self.server = partition, server
         self.start, self.end = partition.server_range(server)
         if values.dim() != 1 or values.numel() != self.end - self.start:
@@ -51,6 +53,7 @@ class ServerShard:
                              f"a tensor of shape {tuple(values.shape)}")
         self.param = nn.Parameter(values.detach().clone().contiguous())
         self.optimizer = optimizer_factory([self.param])
+        self.staleness_lr = staleness_lr
         self.version = 0  # updates applied so far
         self._pending: dict[UpdateKey, _Pending] = {}
 
@@ -123,13 +126,22 @@ class ServerShard:
         self._pending_for(key).pulled_versions.append(pulled_version)
 
     def apply(self, key: UpdateKey) -> list[int]:
-        """Average update ``key`` over its contributors, step the optimizer, bump the version.
-        Returns the staleness of each contribution."""
+        """Average update ``key`` over its contributors, step the optimizer at its learning
+        rate times the staleness factor, bump the version. Returns the staleness of each
+        contribution."""
         pending = self._pending.pop(key, None) or _Pending(torch.zeros_like(self.param.data))
-        self.param.grad = pending.grad / max(1, len(pending.pulled_versions))
-        self.optimizer.step()
-        self.param.grad = None
         staleness = [self.version - v for v in pending.pulled_versions]
+        factor = staleness_lr_factor(self.staleness_lr, staleness)
+        self.param.grad = pending.grad / max(1, len(pending.pulled_versions))
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        for group, lr in zip(self.optimizer.param_groups, rates):
+            group["lr"] = lr * factor
+        try:
+            self.optimizer.step()
+        finally:  # the optimizer keeps its own rate (checkpoints save it)
+            for group, lr in zip(self.optimizer.param_groups, rates):
+                group["lr"] = lr
+        self.param.grad = None
         self.version += 1
         return staleness
 

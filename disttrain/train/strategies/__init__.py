@@ -9,6 +9,10 @@ accepts, and how its ranks divide the data (its *layout*)::
     "torch-ddp"       torch.nn.parallel.DistributedDataParallel (baseline)
     "zero1/2/3"       disttrain.parallel.zero: sharded optimizer state / + gradients / + params
     "torch-zero1"     torch's ZeroRedundancyOptimizer under torch's DDP (baseline)
+    "torch-fsdp"      torch's FSDP2 (fully_shard): ZeRO stage 3 as PyTorch ships it (baseline)
+    "deepspeed-ddp"   DeepSpeed's engine, ZeRO stage 0 (baseline; needs deepspeed)
+    "deepspeed-zeroS" DeepSpeed's ZeRO stage S = 1, 2, 3 (baselines; need deepspeed)
+    "deepspeed-pipe"  DeepSpeed's pipeline engine, one stage per rank (baseline)
     "model-parallel"  consecutive layers on consecutive ranks, one batch at a time
     "gpipe", "1f1b"   disttrain.parallel.pipeline with that schedule (pp × dp with pp_size)
     "torch-gpipe"     torch.distributed.pipelining's ScheduleGPipe on the same split (baseline)
@@ -45,8 +49,18 @@ from disttrain.train.strategies.base import (
     optimizer_class,
     optimizer_factory,
 )
-from disttrain.train.strategies.baselines import build_torch_ddp, build_torch_zero1
+from disttrain.train.strategies.baselines import (
+    build_torch_ddp,
+    build_torch_fsdp,
+    build_torch_zero1,
+)
 from disttrain.train.strategies.data_parallel import build_ddp, build_single
+from disttrain.train.strategies.deepspeed_baseline import (
+    build_deepspeed,
+    build_deepspeed_pipe,
+    check_installed,
+    check_pipe,
+)
 from disttrain.train.strategies.parameter_server import (
     build_parameter_server_strategy,
     num_servers,
@@ -71,7 +85,7 @@ OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
     "partition": "--partition", "pp_size": "--pp", "servers": "--servers",
     "tp_size": "--tp", "dp_size": "--dp", "sequence_parallel": "--sequence-parallel",
     "zero": "--zero",
-    "staleness": "--staleness", "straggler": "--straggler",
+    "staleness": "--staleness", "staleness_lr": "--staleness-lr", "straggler": "--straggler",
     "straggler_every": "--straggler RANK:FACTOR:EVERY",
 }
 TORCH_DP = frozenset({"bucket_cap_mb", "find_unused_parameters", "broadcast_buffers"})
@@ -214,6 +228,20 @@ STRATEGIES: dict[str, StrategySpec] = {
                           "parameters sharded", frozenset({"algorithm"})),
     "torch-zero1": StrategySpec(build_torch_zero1, "torch ZeroRedundancyOptimizer under torch "
                                 "DDP (baseline)", TORCH_DP, loss_scaling=False),
+    "torch-fsdp": StrategySpec(build_torch_fsdp, "torch FSDP2 fully_shard per layer: ZeRO "
+                               "stage 3 (baseline)", loss_scaling=False),
+    "deepspeed-ddp": StrategySpec(build_deepspeed(0), "DeepSpeed engine, ZeRO stage 0: data "
+                                  "parallel (baseline, needs deepspeed)", check=check_installed,
+                                  loss_scaling=False),
+    "deepspeed-zero1": StrategySpec(build_deepspeed(1), "DeepSpeed ZeRO stage 1 (baseline, "
+                                    "needs deepspeed)", check=check_installed,
+                                    loss_scaling=False),
+    "deepspeed-zero2": StrategySpec(build_deepspeed(2), "DeepSpeed ZeRO stage 2 (baseline, "
+                                    "needs deepspeed)", check=check_installed,
+                                    loss_scaling=False),
+    "deepspeed-zero3": StrategySpec(build_deepspeed(3), "DeepSpeed ZeRO stage 3 (baseline, "
+                                    "needs deepspeed)", check=check_installed,
+                                    loss_scaling=False),
     "model-parallel": StrategySpec(build_model_parallel_strategy, "layers split over the "
                                    "ranks, one batch at a time", frozenset({"partition"}),
                                    layout="model"),
@@ -225,15 +253,20 @@ STRATEGIES: dict[str, StrategySpec] = {
                                 "on the same split (baseline)",
                                 frozenset({"schedule", "microbatches", "partition"}), "model",
                                 check=_check_pipeline, loss_scaling=False),
+    "deepspeed-pipe": StrategySpec(build_deepspeed_pipe, "DeepSpeed's pipeline engine, one "
+                                   "stage per rank (baseline, needs deepspeed)",
+                                   frozenset({"microbatches"}), "model", check=check_pipe,
+                                   loss_scaling=False),
     "ps-sync": StrategySpec(build_parameter_server_strategy, "parameter server, synchronous "
                             "SGD (workers + --servers ranks)", PS, "ps", check=_check_ps,
                             loss_scaling=False),
     "ps-async": StrategySpec(build_parameter_server_strategy, "parameter server, asynchronous "
-                             "SGD (updates applied on arrival)", PS, "ps", check=_check_ps,
-                             loss_scaling=False),
+                             "SGD (updates applied on arrival)", PS | {"staleness_lr"}, "ps",
+                             check=_check_ps, loss_scaling=False),
     "ps-ssp": StrategySpec(build_parameter_server_strategy, "parameter server, stale-"
                            "synchronous SGD (at most --staleness steps ahead)",
-                           PS | {"staleness"}, "ps", check=_check_ps, loss_scaling=False),
+                           PS | {"staleness", "staleness_lr"}, "ps", check=_check_ps,
+                           loss_scaling=False),
     "tp": StrategySpec(build_mesh_strategy, "tensor parallel over every rank: attention by "
                        "heads, MLP column-then-row, vocabulary-parallel embedding and loss",
                        frozenset({"algorithm", "sequence_parallel"}), "mesh", check=check_mesh),

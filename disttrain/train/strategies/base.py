@@ -254,6 +254,19 @@ class Strategy:
         """Strategy-specific measurements for the benchmark (JSON-friendly values)."""
         return {}
 
+    memory_formula: str | None = None  # "ddp", "zero1", "zero2", "zero3": the ZeRO paper's
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor this rank keeps for the model's state, by category (``params``,
+        ``grads``, ``optimizer``); :mod:`disttrain.train.memory` counts each storage once.
+        By default the module's parameters and gradients and a torch optimizer's tensors;
+        strategies that shard or keep copies elsewhere override it."""
+        from disttrain.train.memory import optimizer_tensors
+
+        params: list[torch.Tensor] = list(self.module.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": optimizer_tensors(self.optimizer)}
+
     def trained_module(self) -> nn.Module:
         """The trained bare module for the result (called once, after the last step)."""
         return self.module

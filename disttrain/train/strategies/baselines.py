@@ -1,5 +1,6 @@
-"""PyTorch's own implementations, run through the same loop as baselines: ``torch-ddp`` and
-``torch-zero1`` (``torch-gpipe`` is in :mod:`.torch_pipeline`).
+"""PyTorch's own implementations, run through the same loop as baselines: ``torch-ddp``,
+``torch-zero1`` and ``torch-fsdp`` (``torch-gpipe`` is in :mod:`.torch_pipeline`, DeepSpeed's
+rows in :mod:`.deepspeed_baseline`).
 
 These are torch's code, so they call torch.distributed directly, on the process group under
 the communicator's ``torch`` transport; their traffic bypasses disttrain.comm and is not
@@ -13,10 +14,12 @@ wrapper and collects, so a baseline never makes the benchmark table flaky.
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
 from disttrain.comm import Communicator
@@ -31,6 +34,15 @@ from disttrain.train.strategies.base import (
     ring_all_reduce_bytes,
 )
 from disttrain.train.strategies.data_parallel import DataParallelStrategy
+
+
+def empty_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s structure with empty tensors: the plain module a sharding
+    baseline fills with the gathered values after training (it costs no memory before)."""
+    skeleton = copy.deepcopy(module)
+    for tensor in [*skeleton.parameters(), *skeleton.buffers()]:
+        tensor.data = torch.empty(0, dtype=tensor.dtype)
+    return skeleton
 
 
 def native_group(comm: Communicator, name: str) -> Any:
@@ -87,6 +99,17 @@ class TorchZeroStrategy(TorchDDPStrategy):
         p, psi = group.size(), param_bytes(ctx.module)
         self.theory_bytes_per_step = ring_all_reduce_bytes(p, psi) + (p - 1) / p * psi
 
+    memory_formula = "zero1"
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The module's parameters and gradients, and the local optimizer over the
+        parameters this rank owns (``ZeroRedundancyOptimizer.optim``)."""
+        from disttrain.train.memory import optimizer_tensors
+
+        params: list[torch.Tensor] = list(self.module.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": optimizer_tensors(getattr(self.optimizer, "optim", None))}
+
     def save_state(self, path: str, rank: int) -> None:
         """Consolidate the optimizer shards on rank 0 (torch's way; a collective), save there."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -111,3 +134,60 @@ class TorchZeroStrategy(TorchDDPStrategy):
 
 def build_torch_zero1(ctx: BuildContext) -> Strategy:
     return TorchZeroStrategy(ctx)
+
+
+class TorchFSDPStrategy(Strategy):
+    """torch's FSDP2 (``fully_shard``): ZeRO stage 3 as PyTorch ships it, on a CPU
+    DeviceMesh over the Gloo group. Each child module with parameters is one unit (as
+    disttrain's ``zero3`` cuts a Sequential), then the root: a unit's parameters are
+    all-gathered for its forward, freed, gathered again for its backward, and its
+    gradients reduce-scattered. Theory per rank: 3 × (p−1)/p × 4Ψ bytes (two gathers, one
+    reduce-scatter; FSDP pads each parameter to a multiple of p)."""
+
+    counts_bytes = False
+    memory_formula = "zero3"
+    collective_eval = True  # forward gathers every unit
+
+    def __init__(self, ctx: BuildContext) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        comm = ctx.require_comm("torch-fsdp")
+        group = native_group(comm, "torch-fsdp")
+        comm.expect_workload("collectives")
+        self._skeleton = empty_copy(ctx.module)  # the result's module, filled at the end
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for child in ctx.module.children():
+            if any(p.requires_grad for p in child.parameters()):
+                fully_shard(child, mesh=mesh)
+        fully_shard(ctx.module, mesh=mesh)
+        super().__init__(ctx.module, ctx.make_optimizer(ctx.module.parameters()), comm)
+        p = comm.world_size
+        self.theory_bytes_per_step = 3 * (p - 1) / p * param_bytes(ctx.module)
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The local shards of the parameters, gradients and optimizer state (DTensors)."""
+        from disttrain.train.memory import optimizer_tensors
+
+        params: list[torch.Tensor] = list(self.module.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": optimizer_tensors(self.optimizer)}
+
+    def trained_module(self) -> nn.Module:
+        """The plain module with every parameter gathered (a collective on every rank)."""
+        full = {name: p.full_tensor().detach().clone()  # type: ignore[attr-defined]
+                for name, p in self.module.named_parameters()}
+        buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
+        for name, param in self._skeleton.named_parameters():
+            param.data = full[name]
+        for name, buffer in self._skeleton.named_buffers():
+            buffer.data = buffers[name]
+        return self._skeleton
+
+    def close(self) -> None:
+        self.optimizer = None
+        gc.collect()
+
+
+def build_torch_fsdp(ctx: BuildContext) -> Strategy:
+    return TorchFSDPStrategy(ctx)

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 from statistics import mean
 from typing import Any
 
+from disttrain.comm import Communicator
 from disttrain.train.strategies.base import (
     BuildContext,
     Stepper,
@@ -22,13 +23,18 @@ from disttrain.train.strategies.base import (
 
 
 def build_single(ctx: BuildContext) -> Strategy:
-    return Strategy(ctx.module, ctx.make_optimizer(ctx.module.parameters()), ctx.comm)
+    strategy = Strategy(ctx.module, ctx.make_optimizer(ctx.module.parameters()), ctx.comm)
+    strategy.memory_formula = "ddp"  # one replica: the replicated formula with N = 1
+    return strategy
 
 
 class DataParallelStrategy(Strategy):
     """A DDP-style wrapper: gradients averaged over ranks during backward, ``no_sync`` for
     accumulation. Theory: one all-reduce of every gradient per step, 2(p−1)/p·4Ψ bytes per
-    rank with a bandwidth-optimal algorithm (ring; halving-doubling on a power of two)."""
+    rank with a bandwidth-optimal algorithm (ring; halving-doubling on a power of two), 4Ψ
+    with ``shm`` (each rank writes its gradients once)."""
+
+    memory_formula = "ddp"
 
     def __init__(self, ctx: BuildContext, model: Any, optimizer: Stepper | None = None) -> None:
         comm = ctx.require_comm(ctx.config.strategy)
@@ -36,9 +42,22 @@ class DataParallelStrategy(Strategy):
             optimizer = ctx.make_optimizer(ctx.module.parameters())
         super().__init__(ctx.module, optimizer, comm, model)
         if ctx.config.parallel.compression is None:
-            self.theory_bytes_per_step = ring_all_reduce_bytes(comm.world_size,
-                                                               param_bytes(ctx.module))
+            self.theory_bytes_per_step = self._theory(comm, ctx.config.parallel.algorithm)
         self._overlap: list[tuple[float, float, float]] = []  # comm_s, exposed_s, hidden
+
+    def _theory(self, comm: Communicator, algorithm: str | None) -> float:
+        """One all-reduce of every bucket, at the bytes of the algorithm the communicator
+        runs for each (a ring's 2(p−1)/p of it when that is None: ``native``, or torch's own
+        DDP, whose buckets are not known here)."""
+        buckets = getattr(self.model, "buckets", None)
+        if not isinstance(buckets, list):
+            return ring_all_reduce_bytes(comm.world_size, param_bytes(self.module))
+        total = 0.0
+        for bucket in buckets:
+            theory = comm.theory_bytes_sent("all_reduce", bucket.nbytes, algorithm)
+            total += ring_all_reduce_bytes(comm.world_size, bucket.nbytes) if theory is None \
+                else theory
+        return total
 
     def no_sync(self) -> AbstractContextManager[Any]:
         return self.model.no_sync()  # type: ignore[operator, no-any-return]

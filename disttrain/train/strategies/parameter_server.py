@@ -90,8 +90,10 @@ def ps_config(config: TrainConfig) -> PSConfig:
     """The PSConfig every rank of a run builds (servers and workers must agree)."""
     opts = config.parallel
     staleness = PSConfig().staleness if opts.staleness is None else opts.staleness
+    rule = PSConfig().staleness_lr if opts.staleness_lr is None else opts.staleness_lr
     return PSConfig(mode=MODES[config.strategy], staleness=staleness,
-                    straggler=dict(opts.straggler), straggler_every=opts.straggler_every)
+                    straggler=dict(opts.straggler), straggler_every=opts.straggler_every,
+                    staleness_lr=rule)
 
 
 def total_steps(config: TrainConfig, workers: int) -> int:
@@ -298,6 +300,15 @@ class ServerRankStrategy(Strategy):
 
     def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
         return totals  # the workers' evaluation is the run's; this one stays local
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """This server's shard and its optimizer state, plus the module the loop built
+        (it receives the final model)."""
+        from disttrain.train.memory import optimizer_tensors
+
+        shard = self.server.shard
+        return {"params": [shard.param, *self.module.parameters()], "grads": [],
+                "optimizer": optimizer_tensors(shard.optimizer)}
 
     def save_state(self, path: str, rank: int) -> None:
         """This server's shard: values, optimizer state, version and clock. The loop

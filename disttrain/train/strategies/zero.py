@@ -8,10 +8,11 @@ placeholders outside forward: evaluation calls the wrapper too. Checkpoints are 
 wrapper's own sharded files (``zero.save``/``zero.load``), so a run saved on N ranks resumes
 on M, or under another stage.
 
-Bytes per rank per step, with P the padded flat size (every group's shards are equal):
-stage 1 reduce-scatters and all-gathers once per step, (p−1)/p·P·(b_reduce + b_param), what
-a ring all-reduce moves; stage 2 reduce-scatters during each micro-batch's backward; stage 3
-also gathers every unit twice per micro-batch (forward and backward), 1.5× DDP.
+Bytes per rank per step, with P the padded flat size (every group's shards are equal), for
+a ring: stage 1 reduce-scatters and all-gathers once per step, (p−1)/p·P·(b_reduce +
+b_param), what a ring all-reduce moves; stage 2 reduce-scatters during each micro-batch's
+backward; stage 3 also gathers every unit twice per micro-batch (forward and backward),
+1.5× DDP. Other algorithms send their own figure (:meth:`ZeroStrategy._theory`).
 """
 
 from __future__ import annotations
@@ -59,18 +60,30 @@ class ZeroStrategy(Strategy):
         self.zero = wrapper
         self.stage = stage
         self.collective_eval = stage == 3  # forward gathers parameters: a collective
+        self.memory_formula = f"zero{stage}"
         self.theory_bytes_per_step = self._theory(ctx.config.accumulate)
 
     def _theory(self, accumulate: int) -> float:
-        p = self.zero.comm.world_size
+        """Per step: one reduce-scatter of the padded gradients (stage 2 and 3: one per
+        micro-batch) and one all-gather of the parameters (stage 3: two per micro-batch),
+        each at the bytes of the algorithm the communicator runs for it (a ring: (p−1)/p
+        of the buffer; ``shm``: what the rank writes, the whole buffer to reduce-scatter
+        and its shard to gather)."""
+        comm, algorithm = self.zero.comm, self.zero.config.algorithm
         padded = sum(g.layout.padded_total for g in self.zero.shard_groups())
         red, par = _element(self.zero.reduce_dtype), _element(self.zero.param_dtype)
-        per_op = (p - 1) / p * padded
+
+        def sent(op: str, nbytes: int) -> float:
+            theory = comm.theory_bytes_sent(op, nbytes, algorithm)  # None: native
+            return (comm.world_size - 1) / comm.world_size * nbytes if theory is None else (
+                theory)
+
+        scatter, gather = sent("reduce_scatter", padded * red), sent("all_gather", padded * par)
         if self.stage == 1:
-            return per_op * (red + par)
+            return scatter + gather
         if self.stage == 2:
-            return per_op * (red * accumulate + par)
-        return per_op * (red + 2 * par) * accumulate
+            return scatter * accumulate + gather
+        return (scatter + 2 * gather) * accumulate
 
     def no_sync(self) -> AbstractContextManager[Any]:
         return self.zero.no_sync()
@@ -111,6 +124,9 @@ class ZeroStrategy(Strategy):
         except ValueError:  # an optimizer whose state size the formula does not know
             out["model_state_bytes_formula"] = None
         return out
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return self.zero.model_state_tensors()
 
     def trained_module(self) -> nn.Module:
         """Stage 3: gather every parameter once more, detach the wrapper and give the module
