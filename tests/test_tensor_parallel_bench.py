@@ -14,18 +14,19 @@ MESH_ROWS = {"tp", "tp-sp", "3d", "torch-tp", "torch-tp-sp"}
 
 
 def test_default_table_plans_the_tensor_parallel_rows_on_the_transformer_only():
-    lenet = {r.experiment.name for r in plan(BenchConfig())}
+    lenet = {r.experiment.name for r in plan(BenchConfig(model="lenet", dataset="digits"))}
     assert not lenet & MESH_ROWS and {"ddp", "gpipe"} <= lenet
     lm = {r.experiment.name for r in plan(BenchConfig(model="transformer",
                                                       dataset="synthetic-lm"))}
     assert MESH_ROWS <= lm
+    assert MESH_ROWS <= {r.experiment.name for r in plan(BenchConfig())}  # transformer-d128
     assert BenchConfig().selected()[0].name == "single"
 
 
 def test_a_tensor_parallel_row_on_another_model_says_why():
     from disttrain.bench.strategy_bench import _refusal
 
-    config = BenchConfig(strategies=("tp",))
+    config = BenchConfig(strategies=("tp",), model="lenet", dataset="digits")
     row = _refusal(config, plan(config)[1])
     assert row is not None and row["error"].startswith("not runnable here: strategy 'tp' "
                                                        "splits a transformer's attention heads")
@@ -37,8 +38,8 @@ def test_3d_rows_run_on_the_configured_mesh():
                          dataset="synthetic-lm", tp_size=2, pp_size=2)
     options = {r.experiment.name: train_config(config, r).parallel for r in plan(config)}
     assert (options["3d"].tp_size, options["3d"].pp_size, options["3d"].algorithm) == (
-        2, 2, "ring")
-    assert options["tp"].tp_size is None and options["tp"].algorithm == "ring"
+        2, 2, config.algorithm)
+    assert options["tp"].tp_size is None and options["tp"].algorithm == config.algorithm
     with pytest.raises(ValueError, match="--tp must be an integer ≥ 1"):
         BenchConfig(tp_size=0)
 

@@ -34,6 +34,7 @@ from disttrain.bench.presets import DEFAULT_PRESET, get_preset
 from disttrain.train.config import OPTIMIZERS
 from disttrain.train.data import DataOptions
 from disttrain.train.device import check_device
+from disttrain.train.models import TRANSFORMER_MODELS
 from disttrain.train.strategies import STRATEGIES
 
 REFERENCE = "single"
@@ -44,7 +45,6 @@ DEEPSPEED_COUNTERPART = {"ddp": "deepspeed-ddp", "zero1": "deepspeed-zero1",
                          "zero2": "deepspeed-zero2", "zero3": "deepspeed-zero3",
                          "1f1b": "deepspeed-pipe"}
 BASELINE_PREFIXES = ("torch-", "deepspeed-")
-TRANSFORMERS = ("transformer", "transformer-d128")  # the models the tensor-parallel rows split
 # the fastest disttrain has on one machine: shared memory and its own algorithm, whose bytes
 # comm.stats counts (docs/shm_transport.md); --transport torch --algorithm ring measures the
 # classic ring over Gloo instead
@@ -223,7 +223,7 @@ class BenchConfig:
 
     def _default(self) -> list[str]:
         return [n for n, e in experiments().items()
-                if not e.needs_transformer or self.model in TRANSFORMERS]
+                if not e.needs_transformer or self.model in TRANSFORMER_MODELS]
 
     def skipped(self) -> list[tuple[str, str]]:
         """(name, reason) of the wanted experiments that cannot run here."""

@@ -192,6 +192,7 @@ def transformer_d128(info: DataInfo) -> nn.Module:
     return TransformerLM(vocab_size=vocab, max_len=length, d_model=128, n_heads=4, n_layers=2)
 
 
+TRANSFORMER_MODELS = ("transformer", "transformer-d128")  # TransformerLMs: tp can split them
 MODELS: dict[str, Callable[[DataInfo], nn.Module]] = {
     "lenet": lenet,
     "resnet": resnet,

@@ -322,17 +322,17 @@ def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
     """What can be checked before any rank starts: the model, its sizes, the mesh's."""
     from disttrain.parallel.tensor.transformer import check_divisible, check_sequence
     from disttrain.train.data import build_dataset
-    from disttrain.train.models import MODELS, build_model
+    from disttrain.train.models import MODELS, TRANSFORMER_MODELS, build_model
 
     name, opts = config.strategy, config.parallel
     settings = mesh_settings(config, world_size)
     shape, tp = settings.shape, settings.shape.tp
-    if config.model in MODELS and config.model != "transformer":
+    if config.model in MODELS and config.model not in TRANSFORMER_MODELS:
         raise ValueError(f"strategy {name!r} splits a transformer's attention heads, MLP and "
                          f"vocabulary; model {config.model!r} is not a TransformerLM: use "
                          f"--model transformer --dataset synthetic-lm")
-    if config.model == "transformer" and tp > 1:
-        model = build_model("transformer", build_dataset(config.dataset, config.data).info)
+    if config.model in TRANSFORMER_MODELS and tp > 1:
+        model = build_model(config.model, build_dataset(config.dataset, config.data).info)
         check_divisible(model, tp)
         if settings.sequence_parallel:
             check_sequence(lm_shape(model)["max_len"], tp)
