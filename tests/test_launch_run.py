@@ -83,7 +83,8 @@ def test_slurm_variables_place_the_ranks(tmp_path):
     try:
         for rank in range(2):
             env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-                   "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
+                   "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+                   "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
                    "SLURM_JOB_ID": "4242", "MASTER_PORT": port, "DISTTRAIN_TIMEOUT": "60"}
             procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "report_placement.py")],
                                           env=env, stdout=subprocess.PIPE,

@@ -22,14 +22,17 @@ crash can never leave a file in /dev/shm; the mappings stay valid until the proc
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import mmap
 import os
 import secrets
-import socket
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+
+# Who runs where, shared with the torch transport's failure diagnosis.
+from disttrain.comm.liveness import host_key as host_key
+from disttrain.comm.liveness import is_alive as is_alive
+from disttrain.comm.liveness import process_start_time as process_start_time
 
 LINE = 64  # bytes per cache line: every counter lives alone on one
 PAGE = 4096
@@ -111,27 +114,6 @@ class ShmLayout:
         """What rank 0 writes in the header line and every other rank checks."""
         return [MAGIC, VERSION, self.world_size, self.slot_bytes, self.mailbox_slots,
                 self.mailbox_slot_bytes, self.size]
-
-
-def host_key() -> bytes:
-    """32 bytes that are equal exactly for processes that can share memory and see each
-    other's pids: same host name, same boot, same mount, pid and network namespaces.
-
-    Two network namespaces on one machine count as two hosts, so the launcher's
-    namespace "machines" (issue 9, hierarchical collectives) fall back to torch.
-    """
-    parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-    except OSError:
-        parts.append("no-boot-id")
-    for ns in ("mnt", "pid", "net"):
-        try:
-            parts.append(f"{ns}:{os.stat(f'/proc/self/ns/{ns}').st_ino}")
-        except OSError:
-            parts.append(f"{ns}:?")
-    return hashlib.sha256("\0".join(parts).encode()).digest()
 
 
 def new_segment_name() -> str:
@@ -218,38 +200,3 @@ def release(shm: SharedMemory | AttachedSegment) -> bool:
     except BufferError:
         return False
     return True
-
-
-def process_start_time(pid: int) -> int:
-    """The kernel's start time of ``pid`` (clock ticks since boot), 0 when unknown. A pid is
-    identified by (pid, start time), so a recycled pid is not mistaken for a live peer."""
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields and len(fields) > 19 else 0
-
-
-def is_alive(pid: int, start_time: int) -> bool:
-    """Whether process ``pid`` (started at ``start_time``) still runs. A zombie is dead:
-    a SIGKILLed rank stays a zombie until its parent reaps it, and ``os.kill(pid, 0)``
-    alone would call it alive."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    fields = _stat_fields(pid)
-    if fields is None:
-        return not os.path.isdir("/proc/self")  # no /proc: trust os.kill
-    if fields[0] in ("Z", "X", "x"):
-        return False
-    return not (start_time and len(fields) > 19 and int(fields[19]) != start_time)
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat after the command name: [state, ppid, ...] (field 3 onwards)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    return text[text.rfind(")") + 2 :].split()
