@@ -121,8 +121,35 @@ def test_inside_a_launched_job_uses_its_rank():
     assert "result strategy=torch-ddp world_size=1 global_batch=32 steps=3" in proc.stdout
 
 
-def test_nproc_must_agree_with_the_launcher(capsys, monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert main(["run", "-n", "2", "--strategy", "ddp", "--steps", "1"]) == 2
-    assert "-n 2 disagrees with WORLD_SIZE=1" in capsys.readouterr().err
+@pytest.mark.parametrize("env, argv, needle", [
+    ({"RANK": "0", "WORLD_SIZE": "1"}, ["-n", "2"],
+     "-n 2 disagrees with the 1 ranks the launcher started (WORLD_SIZE=1)"),
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_JOB_ID": "7",
+      "SLURM_JOB_NODELIST": "localhost"}, ["-n", "2"],
+     "-n 2 disagrees with the 3 ranks the launcher started (SLURM_NTASKS=3)"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": "1"}, ["-n", "3"],
+     "-n 3 disagrees with the 2 ranks the launcher started (OMPI_COMM_WORLD_SIZE or PMI_SIZE=2)"),
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}, [],
+     "SLURM_NTASKS is not set, but SLURM_STEP_ID=0 says srun started this process"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, [], "OMPI_COMM_WORLD_SIZE is not set"),
+])
+def test_nproc_must_agree_with_the_launcher(capsys, monkeypatch, env, argv, needle):
+    """-n that contradicts the launcher is an error, and so is a launch environment that
+    is incomplete: never a silent world of one."""
+    for name in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", *argv, "--strategy", "ddp", "--steps", "1"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_parameter_server_run_counts_its_servers_in_the_job(capsys, monkeypatch):
+    """-n counts workers: 2 workers + 1 server are the 3 tasks srun started."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "-n", "2", "--servers", "1", "--strategy", "ps-sync", "--steps",
+                 "1"]) == 2
+    assert "-n 2 (2 workers + servers) disagrees with the 4 ranks" in capsys.readouterr().err

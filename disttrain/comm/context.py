@@ -267,7 +267,7 @@ class CollectiveContext:
                     f"this rank was {doing}")
             return CommTimeoutError(f"{where}: {what}; {blame} ({exc})", op=self.op,
                                     seq=self.seq, peer=waited, suspects=suspects)
-        hint = "" if self.algorithm == "p2p" else (
+        hint = "" if self.algorithm == "p2p" or known else (
             f". If a dead rank's log shows Gloo's 'Received data size doesn't match expected "
             f"size', ranks called {self.op} with different sizes or dtypes, and "
             f"CommConfig(debug_checks=True) names them")

@@ -86,6 +86,13 @@ def _naming(peer: int, call: Any, *args: Any) -> Any:
         raise
 
 
+def job_store() -> Any:
+    """The store the job met through (where ``disttrain.init()`` published each rank's
+    process): torch hands out the default group's store under a prefix of its own."""
+    store = dist.distributed_c10d._get_default_store()
+    return getattr(store, "underlying_store", store)
+
+
 class _ClosedGroup:
     """Stands in for the process group of a closed :class:`TorchTransport`, so that the
     group itself is released and any later use says why it fails."""
@@ -144,7 +151,7 @@ class TorchTransport(Transport):
         network partition it may not (then the table still tells this host's ranks from
         the others)."""
         try:
-            self._processes(dist.distributed_c10d._get_default_store())
+            self._processes(job_store())
         except Exception:  # no default store (or no table): diagnosed without one
             self._table_read = True
 
@@ -245,7 +252,7 @@ class TorchTransport(Transport):
         in within milliseconds and the missing ranks are the dead ones. ``None`` when the
         store cannot tell (e.g. it lived in the dead rank on another host)."""
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = job_store()
             prefix = f"disttrain/failure/{self._group.group_name}/"
             table = self._processes(store)
             return check_in(store, prefix, self._rank, self._global_ranks, table, grace_s)
