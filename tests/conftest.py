@@ -1,8 +1,10 @@
-"""Shared process pools: starting ranks is slow on 2 cores, so each world size starts once."""
+"""Shared fixtures: process pools (starting ranks is slow on 2 cores, so each world size starts
+once) and a real single-node Slurm for the launcher tests."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -28,3 +30,19 @@ def pools() -> Iterator[Pools]:
     shared = Pools()
     yield shared
     shared.close()
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real single-node Slurm (munged, slurmctld, slurmd) for this session; skipped, with
+    the reason, where it cannot run (not installed, not root). Stopped by pid at the end."""
+    from tests.slurm_cluster import SlurmCluster, Unavailable
+
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except Unavailable as exc:
+        cluster.stop()
+        pytest.skip(str(exc))
+    yield cluster
+    cluster.stop()
