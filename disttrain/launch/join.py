@@ -37,7 +37,12 @@ _init_pid: int | None = None  # the process that called init(): a forked child m
 
 
 class InitError(RuntimeError):
-    """This process could not join the job (its peers or the master are unreachable)."""
+    """This process could not join the job (its peers or the master are unreachable);
+    ``suspects``: the ranks to blame, when known."""
+
+    def __init__(self, message: str, suspects: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.suspects = suspects
 
 
 def init(backend: str | None = None, *, rank: int | None = None,
@@ -64,13 +69,14 @@ def init(backend: str | None = None, *, rank: int | None = None,
     name = envmod.choose_backend(backend, environ, torch.cuda.is_available())
     if name == "nccl":
         torch.cuda.set_device(place.local_rank % torch.cuda.device_count())
+    hooks.install(None, place.rank, exit_timeout_s=exit_timeout)  # a failure to join too
     if dist.is_initialized():
         _check_existing(place)
     else:
-        _init_process_group(name, place, start_timeout)
+        _init_process_group(name, place, start_timeout, timeout)
     comm = Communicator.from_torch(config=CommConfig(timeout_s=timeout,
                                                      debug_checks=debug_checks))
-    hooks.install(comm, place.rank, exit_timeout_s=exit_timeout)
+    hooks.register(comm)
     _init_pid = os.getpid()
     if not _exit_handler_registered:
         atexit.register(_shutdown_at_exit)
@@ -150,7 +156,8 @@ def _check_existing(place: envmod.Placement) -> None:
                         "init_process_group, or pass matching rank=/world_size=")
 
 
-def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float) -> None:
+def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float,
+                        op_timeout_s: float) -> None:
     if place.master_port is None:  # a world of one needs no rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -172,10 +179,11 @@ def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float)
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             store = dist.PrefixStore(f"disttrain/attempt{attempt}/", store)
         rendezvous.join(store, place.rank, place.world_size, timeout_s, per_node)
-        rendezvous.init_group(backend, store, place.rank, place.world_size, timeout_s)
+        rendezvous.init_group(backend, store, place.rank, place.world_size, timeout_s,
+                              op_timeout_s)
     except rendezvous.RendezvousError as exc:
         raise InitError(
             f"rank {place.rank} of {place.world_size} could not join the process group at "
             f"{place.master_addr}:{place.master_port}: {exc}. Check that all "
             f"{place.world_size} ranks were started and that MASTER_ADDR/MASTER_PORT name the "
-            "node of rank 0 (its port reachable from here)") from exc
+            "node of rank 0 (its port reachable from here)", exc.suspects) from exc

@@ -7,10 +7,10 @@
       (torchrun env)      │                ──► a worker failed: 0.5 s for the others
                           │                    to exit by themselves ──┐
                           │                                            ▼
-                          └─ SIGINT/SIGTERM ─► forward ──► failure notice, SIGTERM the
-                                                           others, SIGKILL after the grace
-                                                           period, report the root cause,
-                                                           exit with its code
+                          └─ SIGINT/SIGTERM ─► forward ──► failure notice, SIGTERM (and
+                                                           SIGCONT) the others, SIGKILL after
+                                                           the grace period, report the root
+                                                           cause, exit with its code
 
 The store lives in the launcher rather than in rank 0, so it outlives any worker: when a
 rank dies, the survivors can still check in through it and name the dead one. Every worker
@@ -19,6 +19,7 @@ and whatever it started is killed through its process group before the launcher 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from disttrain.comm.liveness import STOPPED, process_state
 from disttrain.launch import records, store, summary
 from disttrain.launch.config import LaunchConfig
 from disttrain.launch.env import LOOPBACK, worker_env
@@ -44,13 +46,14 @@ SERVERS_VAR = "DISTTRAIN_PS_SERVERS"  # read by parallel.parameter_server.server
 
 _POLL_S = 0.05
 _SETTLE_S = 0.5  # after a failure, how long the others may take to exit by themselves
+_STOPPED_WAKE_S = 2.0  # how long a stopped worker, woken by SIGCONT, may take to report
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
 class _Outcome:
     kind: str  # "success", "failure" or "signal"
-    root: summary.Failure | None = None
+    root: summary.Blame | None = None
     signum: int | None = None
 
 
@@ -103,7 +106,8 @@ def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker])
         rank = config.node_rank * local + local_rank
         error_file = os.path.join(run_dir, f"error-rank{rank}.json")
         extra = {records.RUN_DIR_VAR: run_dir, records.ERROR_FILE_VAR: error_file,
-                 records.TORCH_ERROR_FILE_VAR: error_file, **_role_env(config, rank)}
+                 records.TORCH_ERROR_FILE_VAR: error_file,
+                 records.LAUNCHER_PID_VAR: str(os.getpid()), **_role_env(config, rank)}
         if not os.environ.get(records.FLIGHT_DIR_VAR):
             extra[records.FLIGHT_DIR_VAR] = run_dir
         env = worker_env(os.environ, local_rank=local_rank, nproc_per_node=local,
@@ -132,7 +136,7 @@ def _watch(workers: list[Worker], caught: _Signals, run_dir: str, host: str) -> 
             worker.poll()
         if summary.failures(workers):
             _settle(workers, caught)
-            root = summary.first_failure(summary.failures(workers))
+            root = summary.blame(summary.first_failure(summary.failures(workers)), workers)
             # Written before the others are signalled, so their last words can name it.
             records.write_failure_notice(run_dir, summary.notice_for(root, host))
             return _Outcome("failure", root=root)
@@ -158,15 +162,29 @@ def _settle(workers: list[Worker], caught: _Signals) -> None:
 
 def _stop(workers: list[Worker], signum: int, grace_s: float, caught: _Signals) -> None:
     """``signum`` to every live worker's group, SIGKILL after ``grace_s`` (or at a second
-    signal to the launcher), then SIGKILL every group so no descendant survives."""
+    signal to the launcher), then SIGKILL every group so no descendant survives.
+
+    SIGCONT follows the first signal (as systemd does): a stopped worker (SIGSTOP, a
+    debugger) could not act on it and would cost the whole grace period. Once awake it
+    writes its record (where it was stopped) and gets SIGKILL then, without the grace
+    period: it is the culprit, and its shutdown would only delay the report."""
     alive = [w for w in workers if w.alive()]
+    stopped = {w.rank for w in alive if process_state(w.pid) == STOPPED}
     for worker in alive:
         worker.signal_group(signum)
+        if signum != signal.SIGCONT:
+            worker.signal_group(signal.SIGCONT)
     already = len(caught.received)
-    deadline = time.monotonic() + grace_s
+    start = time.monotonic()
+    deadline = start + grace_s
     while any(w.alive() for w in alive) and time.monotonic() < deadline:
         if len(caught.received) > already:
             break  # asked (again) to stop: do not wait any longer
+        for worker in alive:
+            if worker.rank in stopped and (os.path.exists(worker.error_file)
+                                           or time.monotonic() > start + _STOPPED_WAKE_S):
+                stopped.discard(worker.rank)
+                worker.signal_group(signal.SIGKILL)
         caught.event.clear()
         caught.wait(_POLL_S)
     for worker in workers:
@@ -214,8 +232,11 @@ def _conclude(outcome: _Outcome, workers: list[Worker], host: str,
         return 128 + outcome.signum, (f"disttrain launch: received {name}; forwarded it to "
                                       f"{len(workers)} worker(s) and stopped them (files: "
                                       f"{run_dir})")
-    assert outcome.root is not None and outcome.root.worker.returncode is not None
-    root = summary.Failure(outcome.root.worker,  # re-read: the record may be complete now
-                           records.read_error_record(outcome.root.worker.error_file))
-    return (summary.exit_code(outcome.root.worker.returncode),
-            summary.format_report(root, workers, host, run_dir))
+    assert outcome.root is not None
+    first = outcome.root.failure.worker
+    assert first.returncode is not None
+    reread = summary.Failure(first,  # re-read: the record may be complete now
+                             records.read_error_record(first.error_file))
+    culprit = dataclasses.replace(outcome.root, failure=reread)
+    return (summary.exit_code(first.returncode),
+            summary.format_report(culprit, workers, host, run_dir))

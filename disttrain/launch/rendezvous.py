@@ -38,7 +38,12 @@ _PROBE_S = 2.0  # a candidate port's store must answer within this
 
 
 class RendezvousError(RuntimeError):
-    """This process could not meet the others; the message names who or what is missing."""
+    """This process could not meet the others; the message names who or what is missing,
+    ``suspects`` the ranks to blame when they are known."""
+
+    def __init__(self, message: str, suspects: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.suspects = suspects
 
 
 def open_store(place: Placement, timeout_s: float, agent_store: bool) -> Any:
@@ -158,7 +163,8 @@ def join(store: Any, rank: int, world_size: int, timeout_s: float,
         if time.monotonic() >= deadline:
             missing = _unpublished(store, world_size, deadline)
             raise RendezvousError(f"{_name_missing(missing, ranks_per_node)} did not start "
-                                  f"(or did not reach the rendezvous) within {timeout_s:g}s")
+                                  f"(or did not reach the rendezvous) within {timeout_s:g}s",
+                                  tuple(missing))
         time.sleep(_POLL_S)
         count = _call(store, "add", deadline, COUNT_KEY, 0)
 
@@ -194,20 +200,26 @@ def _name_missing(missing: list[int], ranks_per_node: int | None) -> str:
     return text
 
 
-def init_group(backend: str, store: Any, rank: int, world_size: int,
-               timeout_s: float) -> None:
-    """torch.distributed's default group over ``store``; when its set-up fails, the error
-    names the silent ranks (see the module docstring)."""
+def init_group(backend: str, store: Any, rank: int, world_size: int, timeout_s: float,
+               op_timeout_s: float | None = None) -> None:
+    """torch.distributed's default group over ``store``, set up within ``timeout_s``; when
+    that fails, the error names the silent ranks (see the module docstring). The group's
+    own operations then time out after ``op_timeout_s``: the communicator's timeout, so that
+    an operation torch still runs after the communicator gave up on it ends about then too
+    (a process whose exit waits for it would otherwise wait out the longer start-up one)."""
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        if op_timeout_s is not None and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=op_timeout_s))
     except Exception as exc:
         verdict = checkin.check_in(store, "disttrain/init-failure/", rank,
                                    tuple(range(world_size)),
                                    liveness.read_table(store, range(world_size), 5.0),
                                    min(timeout_s, 4.5) + 0.5)
         raise RendezvousError(f"the process group was not set up within {timeout_s:g}s: "
-                              f"{_blame(verdict)} ({_first_line(exc)})") from exc
+                              f"{_blame(verdict)} ({_first_line(exc)})",
+                              verdict.missing if verdict is not None else ()) from exc
 
 
 def _blame(verdict: checkin.Verdict | None) -> str:

@@ -62,8 +62,9 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     _data_and_parallel_arguments(p)
     p.add_argument("--transport", choices=("torch", "shm", "auto"), default="torch",
                    help="how disttrain.comm moves bytes between local ranks (default torch)")
-    p.add_argument("--comm-timeout", type=float, default=120.0,
-                   help="seconds any collective may wait (default %(default)s)")
+    p.add_argument("--comm-timeout", type=float, default=None,
+                   help="seconds any collective may wait (default: $DISTTRAIN_TIMEOUT, else "
+                        "120)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds the whole run may take (default: no limit)")
     p.add_argument("--json", metavar="FILE", help="write rank 0's result summary as JSON")
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         checked_setup(config, world_size)
         resolve(MODELS, config.model, "model")
         resolve(DATASETS, config.dataset, "dataset")
-        comm_config = CommConfig(timeout_s=args.comm_timeout)
+        comm_config = CommConfig(timeout_s=_comm_timeout(args.comm_timeout))
         if in_job:
             result: TrainResult | None = spawn.run_in_job(config, comm_config)
             if result is not None and result.rank != 0:
@@ -228,6 +229,17 @@ def run(args: argparse.Namespace) -> int:
     if result is not None:
         _report(result, args.json)
     return 0
+
+
+def _comm_timeout(flag: float | None) -> float:
+    """--comm-timeout, else $DISTTRAIN_TIMEOUT (what disttrain.init() reads), else 120 s."""
+    if flag is not None:
+        if not 0 < flag < float("inf"):
+            raise ValueError(f"--comm-timeout must be a positive number of seconds, got {flag:g}")
+        return flag
+    from disttrain.launch.env import resolve_timeout
+
+    return resolve_timeout(None, os.environ) if os.environ.get("DISTTRAIN_TIMEOUT") else 120.0
 
 
 _SIZE_VARS = {"torchrun": "WORLD_SIZE", "slurm": "SLURM_NTASKS",

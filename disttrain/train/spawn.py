@@ -75,7 +75,7 @@ def _worker(rank: int, world_size: int, store_path: str, config: TrainConfig,
         store = dist.FileStore(store_path, world_size)
         start_s = resolve_init_timeout(None, comm_config.timeout_s, os.environ)
         rendezvous.join(store, rank, world_size, start_s)
-        rendezvous.init_group("gloo", store, rank, world_size, start_s)
+        rendezvous.init_group("gloo", store, rank, world_size, start_s, comm_config.timeout_s)
         comm = make_comm(transport, comm_config)
         try:
             result = train(config, comm)

@@ -1,0 +1,140 @@
+"""A silent rank (SIGSTOP) under ``disttrain launch -n 3`` and ``disttrain run -n 3``: the
+job exits non-zero within timeout + 5 s of the stop, the stopped rank is named in the
+headline (not a survivor that timed out waiting for it), and no process is left behind.
+
+The full matrix is SIGSTOP × {rank 0, middle, last} × {collective, compute, start-up} × both
+launchers: 18 cells of about 15 s each on a 2-core machine. CI runs the representative
+cells in ``CI_CELLS`` (every launcher and every phase at least once); set
+DISTTRAIN_FULL_FAULT_MATRIX=1 for all of them. The training is ``disttrain run --strategy
+ddp`` with tests/launch_scripts/silent.py's model, whose victim stops itself in the
+collective and compute phases; at start-up the test stops the victim's process as soon
+as it exists, before it reaches the rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch_scripts.harness import clean_env, is_gone
+
+pytestmark = pytest.mark.timeout(180)
+TIMEOUT_S, INIT_TIMEOUT_S = 5.0, 8.0
+MARGIN_S = 3.0  # the machine is shared and loaded; the bound without it is timeout + 5 s
+STARTUP_MARGIN_S = 12.0  # + the survivors' own start (imports) after the victim's stop
+RUN = ["run", "--strategy", "ddp", "--model", "tests.launch_scripts.silent:model",
+       "--dataset", "digits", "--steps", "6", "--global-batch", "30"]
+PHASES = ("collective", "compute", "startup")
+ALL_CELLS = [(launcher, victim, phase) for launcher in ("launch", "run")
+             for victim in (0, 1, 2) for phase in PHASES]
+CI_CELLS = [("launch", 1, "collective"), ("launch", 0, "startup"), ("run", 2, "compute"),
+            ("run", 1, "startup")]
+CELLS = ALL_CELLS if os.environ.get("DISTTRAIN_FULL_FAULT_MATRIX") == "1" else CI_CELLS
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    seen, todo = set(), [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def _rank_process(launcher: str, top: int, victim: int) -> int | None:
+    """The victim's process, once it exists: under the launcher the worker whose RANK is
+    the victim's; under disttrain run the victim-th rank it spawned (in start order)."""
+    children = sorted(_children(top))
+    if launcher == "launch":
+        for pid in children:
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={victim}".encode() in environ:
+                return pid
+        return None
+    ranks = []
+    for pid in children:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"--multiprocessing-fork" in cmdline and b"resource_tracker" not in cmdline:
+            ranks.append(pid)
+    return ranks[victim] if len(ranks) > victim else None
+
+
+@pytest.mark.parametrize("launcher, victim, phase", CELLS)
+def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path, launcher, victim, phase):
+    env = clean_env(DISTTRAIN_TIMEOUT=str(TIMEOUT_S), DISTTRAIN_INIT_TIMEOUT=str(INIT_TIMEOUT_S),
+                    DISTTRAIN_TEST_DIR=str(tmp_path), DISTTRAIN_TEST_VICTIM=str(victim),
+                    DISTTRAIN_TEST_PHASE=phase, PYTHONPATH=str(ROOT))
+    argv = ([sys.executable, "-m", "disttrain", "launch", "-n", "3", "-m", "disttrain", *RUN]
+            if launcher == "launch" else [sys.executable, "-m", "disttrain", *RUN[:1], "-n",
+                                          "3", *RUN[1:]])
+    errors = open(tmp_path / "stderr.txt", "w+")  # a file: a pipe could fill while we poll
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errors, text=True,
+                            env=env, cwd=tmp_path, start_new_session=True)
+    seen: set[int] = set()
+    stopped_at = None
+    try:
+        while proc.poll() is None:
+            seen |= _descendants(proc.pid)
+            if phase == "startup" and stopped_at is None:
+                pid = _rank_process(launcher, proc.pid, victim)
+                if pid is not None:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped_at = time.time()
+            time.sleep(0.02)
+        ended_at = time.time()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        errors.close()
+    err = (tmp_path / "stderr.txt").read_text()
+    if stopped_at is None:
+        stopped_at = float((tmp_path / "stopped-at").read_text())
+    assert proc.returncode != 0, err[-3000:]
+    bound = (INIT_TIMEOUT_S + 5 + STARTUP_MARGIN_S if phase == "startup"
+             else TIMEOUT_S + 5 + MARGIN_S)
+    assert ended_at - stopped_at < bound, (ended_at - stopped_at, err[-3000:])
+    if launcher == "launch":
+        headline = re.search(r"^disttrain launch: rank (\d+) failed first; it (.*)$", err, re.M)
+    else:
+        headline = re.search(r"^disttrain run: rank (\d+) (.*)$", err, re.M)
+    assert headline is not None, err[-3000:]
+    assert int(headline.group(1)) == victim, headline.group(0)
+    assert headline.group(2).startswith("was stopped (SIGSTOP"), headline.group(0)
+    left = {pid for pid in seen if not is_gone(pid)}
+    deadline = time.monotonic() + 5
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = {pid for pid in left if not is_gone(pid)}
+    assert not left, f"left behind: {left}"
+    print(f"{launcher} victim={victim} {phase}: ended {ended_at - stopped_at:.1f}s after the "
+          "stop")  # shown with -s: the numbers for the report
