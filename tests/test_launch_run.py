@@ -285,3 +285,20 @@ def test_ranks_failing_together_each_keep_their_own_error(capfd, tmp_path):
 
 def json_flight(path):
     return json.loads(path.read_text())
+
+
+def test_a_node_that_never_comes_is_named_by_its_ranks(tmp_path):
+    """Node 0 of 2 starts alone: its ranks name the missing node's ranks (and that they are
+    all of node 1) after the start-up timeout, instead of torch's 'Wait timeout'."""
+    done = subprocess.run(
+        [sys.executable, "-m", "disttrain", "launch", "--nnodes", "2", "--node-rank", "0",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-n", "2",
+         str(SCRIPTS / "contract.py"), "sum", str(tmp_path)],
+        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+        env=clean_env(DISTTRAIN_INIT_TIMEOUT="3"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    report = done.stderr[done.stderr.index("disttrain launch: "):]
+    assert report.startswith("disttrain launch: ranks [2, 3] failed first; they did not "
+                             "respond (on another node) (named by rank "), report
+    assert "ranks [2, 3] (all of node 1) did not start (or did not reach the rendezvous) " \
+           "within 3s" in report
