@@ -14,7 +14,9 @@
 
 The store lives in the launcher rather than in rank 0, so it outlives any worker: when a
 rank dies, the survivors can still check in through it and name the dead one. Every worker
-and whatever it started is killed through its process group before the launcher returns.
+and whatever it started is killed through its process group before the launcher returns,
+and the shared-memory segments its ranks created (tagged with $DISTTRAIN_SHM_TAG) are
+removed if a rank died before it could.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -36,6 +39,7 @@ from types import FrameType
 from typing import Any
 
 from disttrain.comm.liveness import STOPPED, process_state
+from disttrain.comm.transports.shm_segment import SHM_TAG_VAR, unlink_tagged
 from disttrain.launch import records, store, summary
 from disttrain.launch.config import LaunchConfig
 from disttrain.launch.env import LOOPBACK, worker_env
@@ -97,7 +101,8 @@ def _host_store(config: LaunchConfig, timeout_s: float) -> tuple[Any | None, int
     return store.host_store(listener, timeout_s), port
 
 
-def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker]) -> None:
+def _spawn(config: LaunchConfig, port: int, run_dir: str, shm_tag: str,
+           workers: list[Worker]) -> None:
     """Start every worker, appending each to ``workers`` as it starts (so a failure half way
     still lets the caller stop the ones already running)."""
     addr = config.master_addr or LOOPBACK
@@ -107,7 +112,8 @@ def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker])
         error_file = os.path.join(run_dir, f"error-rank{rank}.json")
         extra = {records.RUN_DIR_VAR: run_dir, records.ERROR_FILE_VAR: error_file,
                  records.TORCH_ERROR_FILE_VAR: error_file,
-                 records.LAUNCHER_PID_VAR: str(os.getpid()), **_role_env(config, rank)}
+                 records.LAUNCHER_PID_VAR: str(os.getpid()), SHM_TAG_VAR: shm_tag,
+                 **_role_env(config, rank)}
         if not os.environ.get(records.FLIGHT_DIR_VAR):
             extra[records.FLIGHT_DIR_VAR] = run_dir
         env = worker_env(os.environ, local_rank=local_rank, nproc_per_node=local,
@@ -202,14 +208,18 @@ def launch(config: LaunchConfig) -> int:
     os.makedirs(run_dir, exist_ok=True)
     lock = threading.Lock()
     workers: list[Worker] = []
+    shm_tag = f"l{os.getpid():x}{secrets.token_hex(3)}"  # names its ranks' segments
     with _catching_signals() as caught:
         try:
-            _spawn(config, port, run_dir, workers)
+            _spawn(config, port, run_dir, shm_tag, workers)
             for worker in workers:
                 worker.start_output(lock, config.prefix_output)
             outcome = _watch(workers, caught, run_dir, host)
         finally:  # also when spawning or watching raised: nothing may outlive the launcher
             _stop(workers, (caught.received or [signal.SIGTERM])[0], config.grace_s, caught)
+            left = unlink_tagged(shm_tag)  # a rank killed during shared-memory set-up
+            if left:
+                log.warning("removed shared-memory segment(s) a dead rank left: %s", left)
     for worker in workers:
         worker.join_output(2.0)
     code, report = _conclude(outcome, workers, host, run_dir)

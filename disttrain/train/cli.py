@@ -61,7 +61,8 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     _loop_arguments(p)
     _data_and_parallel_arguments(p)
     p.add_argument("--transport", choices=("torch", "shm", "auto"), default="torch",
-                   help="how disttrain.comm moves bytes between local ranks (default torch)")
+                   help="how disttrain.comm moves bytes between ranks (default torch; shm "
+                        "needs every rank on one machine, auto picks it when they are)")
     p.add_argument("--comm-timeout", type=float, default=None,
                    help="seconds any collective may wait (default: $DISTTRAIN_TIMEOUT, else "
                         "120)")
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         resolve(DATASETS, config.dataset, "dataset")
         comm_config = CommConfig(timeout_s=_comm_timeout(args.comm_timeout))
         if in_job:
-            result: TrainResult | None = spawn.run_in_job(config, comm_config)
+            result: TrainResult | None = spawn.run_in_job(config, comm_config, args.transport)
             if result is not None and result.rank != 0:
                 result = None
         elif world_size == 1 and not get_strategy(config.strategy).needs_comm:

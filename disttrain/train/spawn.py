@@ -15,11 +15,11 @@ if this process dies (``PR_SET_PDEATHSIG``), so a killed ``disttrain run`` leave
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -28,6 +28,7 @@ import traceback
 from typing import Any
 
 from disttrain.comm import CommConfig, Communicator
+from disttrain.comm.transports.shm_segment import SHM_TAG_VAR, unlink_tagged
 from disttrain.train import rank_failures
 from disttrain.train.config import TrainConfig
 from disttrain.train.loop import train
@@ -59,7 +60,7 @@ def make_comm(transport: str, comm_config: CommConfig) -> Communicator:
 
 def _worker(rank: int, world_size: int, store_path: str, config: TrainConfig,
             comm_config: CommConfig, transport: str, log_level: int, conn: Any,
-            parent: int) -> None:
+            parent: int, shm_tag: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -67,6 +68,7 @@ def _worker(rank: int, world_size: int, store_path: str, config: TrainConfig,
     from disttrain.launch.env import resolve_init_timeout
 
     deathsig.set_parent_death_signal(signal.SIGKILL, parent)  # no rank outlives disttrain run
+    os.environ[SHM_TAG_VAR] = shm_tag  # the parent removes what a killed rank leaves
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(_threads_per_rank(world_size))
@@ -99,6 +101,7 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
     ``comm_config.timeout_s``); ``transport`` is how disttrain.comm moves bytes."""
     comm_config = comm_config or CommConfig()
     ctx = mp.get_context("spawn")
+    shm_tag = f"r{os.getpid():x}{secrets.token_hex(3)}"
     with tempfile.TemporaryDirectory(prefix="disttrain-run-") as tmp:
         store = os.path.join(tmp, "store")
         procs, conns = [], []
@@ -107,7 +110,7 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
             proc = ctx.Process(target=_worker, name=f"disttrain-rank{rank}", daemon=True,
                                args=(rank, world_size, store, config, comm_config, transport,
                                      logging.getLogger().getEffectiveLevel(), child,
-                                     os.getpid()))
+                                     os.getpid(), shm_tag))
             proc.start()
             child.close()
             procs.append(proc)
@@ -120,6 +123,9 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
             return results
         finally:
             _stop(procs, grace_s=30.0 if finished else 0.0)
+            left = unlink_tagged(shm_tag)  # a rank killed during shared-memory set-up
+            if left:
+                log.warning("removed shared-memory segment(s) a dead rank left: %s", left)
             log.debug("all %d ranks stopped (exit codes %s)", world_size,
                       [proc.exitcode for proc in procs])
 
@@ -211,30 +217,19 @@ def in_launched_job() -> str | None:
     return launcher_of(os.environ)
 
 
-def run_in_job(config: TrainConfig, comm_config: CommConfig | None = None) -> TrainResult:
-    """Train as one rank of an already launched job (environment variables set)."""
-    import torch.distributed as dist
+def run_in_job(config: TrainConfig, comm_config: CommConfig | None = None,
+               transport: str = "torch") -> TrainResult:
+    """Train as one rank of an already launched job (its launcher's variables set), moving
+    bytes by ``transport`` as ``run_local`` does."""
+    from disttrain.launch import hooks, init, shutdown
 
     comm_config = comm_config or CommConfig()
-    comm = _init_from_environment(comm_config)
+    comm = init(timeout_s=comm_config.timeout_s)  # reads every launcher's contract
+    if transport != "torch":
+        comm = make_comm(transport, comm_config)
+        hooks.register(comm)  # its flight recorder is the one to dump on a failure
     try:
         return train(config, comm)
     finally:
         comm.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _init_from_environment(comm_config: CommConfig) -> Communicator:
-    import torch.distributed as dist
-
-    try:
-        from disttrain.launch import init  # reads torchrun's and Slurm's contracts
-    except ImportError:  # an installation without disttrain.launch: plain env:// below
-        pass
-    else:
-        return init(timeout_s=comm_config.timeout_s)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="env://",
-                                timeout=datetime.timedelta(seconds=comm_config.timeout_s))
-    return Communicator.from_torch(config=comm_config)
+        shutdown()

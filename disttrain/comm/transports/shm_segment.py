@@ -15,8 +15,11 @@ every counter has exactly one writer and no two writers share a line (no false s
 The size depends on the world size and the configured slot sizes, never on message sizes:
 large messages stream through the fixed slots in rounds.
 
-The segment's name is unlinked as soon as every rank has attached (see ``shm.py``), so a
-crash can never leave a file in /dev/shm; the mappings stay valid until the processes exit.
+The segment's name is unlinked as soon as every rank has attached (see ``shm.py``); the
+mappings stay valid until the processes exit. A rank killed between creating a segment and
+that moment leaves the name behind (its resource tracker, which would remove it, is killed
+with its process group), so launchers tag their ranks' segments and remove what is left of
+them when the ranks are gone (:func:`unlink_tagged`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import contextlib
 import mmap
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -40,6 +44,7 @@ MAGIC = int.from_bytes(b"distshm1", "little")  # identifies a disttrain segment
 VERSION = 2
 SLOT_HEADER = LINE  # mailbox slot header: tag, total bytes, offset, piece length
 NAME_PREFIX = "disttrain-shm-"
+SHM_TAG_VAR = "DISTTRAIN_SHM_TAG"  # set by launchers: the segments of their ranks
 
 # Rank-line fields (int64 indices within the rank's first line).
 PID, START_TIME, STATE = 0, 1, 2
@@ -116,9 +121,31 @@ class ShmLayout:
                 self.mailbox_slot_bytes, self.size]
 
 
-def new_segment_name() -> str:
-    """A fresh per-job name such as ``disttrain-shm-3f9c0a1b22de``."""
-    return NAME_PREFIX + secrets.token_hex(6)
+def new_segment_name(environ: Mapping[str, str] | None = None) -> str:
+    """A fresh name such as ``disttrain-shm-3f9c0a1b22de``; with the launcher's tag
+    ($DISTTRAIN_SHM_TAG) ``disttrain-shm-<tag>-3f9c0a1b22de``, so that the launcher can
+    remove what a rank killed during set-up left (:func:`unlink_tagged`)."""
+    tag = (os.environ if environ is None else environ).get(SHM_TAG_VAR, "")
+    if tag and not (tag.isascii() and tag.isalnum()):
+        raise ValueError(f"{SHM_TAG_VAR}={tag!r} must be letters and digits only")
+    return NAME_PREFIX + (f"{tag}-" if tag else "") + secrets.token_hex(6)
+
+
+def unlink_tagged(tag: str, directory: str = "/dev/shm") -> list[str]:
+    """Remove every segment named with launcher tag ``tag`` (see :func:`new_segment_name`):
+    a name outlives set-up only if a rank died in the window between creating a segment
+    and every rank attaching it, and then a launcher whose ranks are all gone removes it.
+    Returns the names removed."""
+    if not tag:
+        return []
+    prefix = f"{NAME_PREFIX}{tag}-"
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return []  # no /dev/shm here: no names to leak either
+    for name in names:
+        unlink_name(name)
+    return names
 
 
 def create_segment(name: str, size: int) -> SharedMemory:
