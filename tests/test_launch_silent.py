@@ -138,3 +138,15 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path, launcher, victim, ph
     assert not left, f"left behind: {left}"
     print(f"{launcher} victim={victim} {phase}: ended {ended_at - stopped_at:.1f}s after the "
           "stop")  # shown with -s: the numbers for the report
+
+
+def test_disttrain_run_names_a_killed_rank_with_its_signal_and_operation(tmp_path):
+    """As disttrain launch does: the signal, and the collective its peers were in."""
+    env = clean_env(DISTTRAIN_TIMEOUT="30", DISTTRAIN_TEST_DIR=str(tmp_path),
+                    DISTTRAIN_TEST_VICTIM="1", DISTTRAIN_TEST_PHASE="killed",
+                    PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "disttrain", RUN[0], "-n", "3", *RUN[1:]],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert re.search(r"^disttrain run: rank 1 died: was killed by SIGKILL; its peers were in "
+                     r"all_reduce #\d+$", done.stderr, re.M), done.stderr[-3000:]

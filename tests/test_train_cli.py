@@ -78,12 +78,34 @@ def _have_ddp() -> bool:
     (["--model", "lenet", "--dataset", "synthetic-lm"], "use 'mlp' or 'transformer'"),
     (["--input-shape", "1,x"], "--input-shape must be comma-separated ints"),
     (["-n", "0", "--strategy", "ddp"], "-n must be ≥ 1"),
+    (["--comm-timeout", "-1", "--strategy", "ddp", "-n", "2"],
+     "--comm-timeout must be a positive number of seconds, got -1"),
+    (["--strategy", "gpipe", "-n", "7", "--model", "mlp", "--global-batch", "56"],
+     "cannot split 6 layers into 7 stages"),
+    (["--strategy", "1f1b", "-n", "2", "--model", "mlp", "--partition", "3,2"],
+     "balance [3, 2] sums to 5 layers but the model has 6"),
 ])
-def test_bad_arguments_exit_2_with_the_fix(capsys, args, message):
+def test_bad_arguments_exit_2_with_the_fix(capsys, monkeypatch, args, message):
+    """Refused before any rank starts (a rank that started would fail the test)."""
+    from disttrain.train import spawn
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(spawn, "run_local", no_ranks)
     steps = [] if "--steps" in args else ["--steps", "1"]
     assert main(["run", *steps, "--log-every", "0", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("disttrain run: error: ") and message in err, err
+
+
+def test_simulate_says_which_worker_speeds_it_accepts(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--worker-speeds", "bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--worker-speeds: use none, lognormal:SIGMA (e.g. lognormal:0.05) or " \
+           "straggler:FRACTION:FACTOR (e.g. straggler:0.01:3) (got 'bogus')" in err, err
 
 
 def test_unknown_flag_is_an_argparse_error(capsys):

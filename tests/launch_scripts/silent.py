@@ -5,6 +5,7 @@ DISTTRAIN_TEST_VICTIM falls silent (SIGSTOP) at DISTTRAIN_TEST_PHASE:
                 wait for it in the gradient all-reduce)
     collective  inside its second all-reduce call, 0.5 s after entering it (the others are
                 waiting in that all-reduce by then)
+    killed      as ``collective``, but SIGKILL instead of SIGSTOP
 
 Before it stops, the victim writes ``stopped-at`` (the time) in DISTTRAIN_TEST_DIR; every
 rank writes ``pid-rank<R>`` there when its model is built. (The start-up phase is stopped
@@ -26,10 +27,10 @@ from disttrain.comm import Communicator
 from disttrain.train.models import mlp
 
 
-def _stop(directory: str) -> None:
+def _stop(directory: str, signum: int = signal.SIGSTOP) -> None:
     with open(os.path.join(directory, "stopped-at"), "w") as f:
         f.write(repr(time.time()))
-    os.kill(os.getpid(), signal.SIGSTOP)
+    os.kill(os.getpid(), signum)
 
 
 class _Silent(nn.Module):
@@ -48,8 +49,8 @@ class _Silent(nn.Module):
         return out
 
 
-def _stop_in_collective(number: int, directory: str) -> None:
-    """Make this process's ``number``-th all-reduce call stop inside the call."""
+def _stop_in_collective(number: int, directory: str, signum: int) -> None:
+    """Make this process's ``number``-th all-reduce call stop (or die) inside the call."""
     original = Communicator.all_reduce
     calls = [0]
 
@@ -57,7 +58,7 @@ def _stop_in_collective(number: int, directory: str) -> None:
         calls[0] += 1
         if calls[0] == number:
             time.sleep(0.5)
-            _stop(directory)
+            _stop(directory, signum)
         return original(self, *args, **kwargs)
 
     Communicator.all_reduce = all_reduce  # type: ignore[method-assign]
@@ -70,6 +71,7 @@ def model(info: Any) -> nn.Module:
         f.write(str(os.getpid()))
     victim = rank == int(os.environ["DISTTRAIN_TEST_VICTIM"])
     phase = os.environ["DISTTRAIN_TEST_PHASE"]
-    if victim and phase == "collective":
-        _stop_in_collective(2, directory)
+    if victim and phase in ("collective", "killed"):
+        _stop_in_collective(2, directory,
+                            signal.SIGKILL if phase == "killed" else signal.SIGSTOP)
     return _Silent(mlp(info), 2 if victim and phase == "compute" else None, directory)
