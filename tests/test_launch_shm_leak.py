@@ -4,7 +4,7 @@ creating the segment and every rank attaching it, its name is in /dev/shm, and t
 rank's resource tracker (which would remove it) dies with its process group. Launchers tag
 their ranks' segments and remove what is left once the ranks are gone.
 
-The kill is placed exactly in that window by tests/launch_scripts/shm_kill/sitecustomize.py
+The kill is placed exactly in that window by tests/launch_scripts/faults/sitecustomize.py
 (imported at start-up by every process of the run through PYTHONPATH)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CASES = [("launch", "0:opened"), ("launch", "0:attached"), ("run", "0:opened"),
 def test_a_rank_killed_during_shm_set_up_leaves_no_segment(tmp_path, launcher, kill):
     env = clean_env(DISTTRAIN_TEST_SHM_KILL=kill, DISTTRAIN_TEST_DIR=str(tmp_path),
                     DISTTRAIN_TIMEOUT="20",
-                    PYTHONPATH=os.pathsep.join([str(SCRIPTS / "shm_kill"), str(ROOT)]))
+                    PYTHONPATH=os.pathsep.join([str(SCRIPTS / "faults"), str(ROOT)]))
     if launcher == "launch":
         argv = ["launch", "-n", "2", str(SCRIPTS / "shm_setup.py")]
     else:
