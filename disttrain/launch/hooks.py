@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any
 
+from disttrain.comm.liveness import DEAD, process_state
 from disttrain.launch import records
 from disttrain.launch.env import DEFAULT_EXIT_TIMEOUT_S
 
@@ -80,7 +81,7 @@ class _State:
     dumped: bool = False
     exit_timeout_s: float = DEFAULT_EXIT_TIMEOUT_S
     exit_bounded: bool = False
-    orphaned: bool = False  # SIGTERM came with the launcher gone (_end_if_orphaned)
+    orphan_watch: bool = False  # SIGTERM came: watching for a dead launcher
     alarm_before: Any = None  # SIGALRM's handler and timer before bound_exit, for release
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -249,10 +250,10 @@ def _chain_excepthook() -> None:
 
 
 def _at_exit() -> None:
-    """Dump communicators that still have unfinished or failed collectives; without a
-    launcher, take the process group along (see :func:`_end_if_orphaned`)."""
-    if _state is not None and _state.orphaned:
-        _kill_own_group()
+    """Dump communicators that still have unfinished or failed collectives; after SIGTERM,
+    take along what this rank started (see :func:`_end_if_orphaned`)."""
+    if _state is not None and _state.orphan_watch:
+        _kill_descendants()
     if _state is None or _state.dumped:
         return
     for comm in (ref() for ref in _state.comms):
@@ -311,24 +312,62 @@ def _start_watcher() -> None:
 
 
 def _end_if_orphaned() -> None:
-    """SIGTERM with the launcher gone (the kernel's parent-death signal, set by
-    :mod:`disttrain.launch.deathsig`): nobody will send the SIGKILL that ends a rank stuck
-    in a C call, where the Python handler never runs, nor stop what the rank started. So
-    the rank does both itself: its process group goes at exit, or ``_ORPHAN_EXIT_S`` after
-    the signal if it has not exited by then (time enough to write its record)."""
+    """On SIGTERM: if the launcher turns out to be gone (the signal is the kernel's
+    parent-death signal, set by :mod:`disttrain.launch.deathsig`), nobody will send the
+    SIGKILL that ends a rank stuck in a C call, where the Python handler never runs, nor
+    stop what the rank started. So the rank ends itself and its process group
+    ``_ORPHAN_EXIT_S`` after the signal (time enough to write its record) when the launcher
+    is gone by then, and takes its children along if it exits first (:func:`_at_exit`).
+    It looks only after the delay because the kernel sends the signal as soon as the
+    launcher's *thread* that started the worker has died, while the launcher's other
+    threads still run (and are still the worker's parent)."""
     state = _state
-    launcher = state.env.get(records.LAUNCHER_PID_VAR) if state is not None else None
-    if state is None or state.orphaned or not launcher or not launcher.isdigit() \
-            or os.getppid() == int(launcher):
+    if state is None or state.orphan_watch or not state.env.get(records.LAUNCHER_PID_VAR):
         return
-    state.orphaned = True
+    state.orphan_watch = True
 
     def end() -> None:
         time.sleep(_ORPHAN_EXIT_S)
-        log.error("rank %d: its launcher (pid %s) is gone; ending", state.rank, launcher)
-        _kill_own_group()
+        if _launcher_gone():
+            log.error("rank %d: its launcher is gone; ending it and what it started",
+                      state.rank)
+            _kill_own_group()
 
     threading.Thread(target=end, name="disttrain-orphan-exit", daemon=True).start()
+
+
+def _launcher_gone() -> bool:
+    """Whether this worker's launcher ($DISTTRAIN_LAUNCHER_PID) is dead: no longer its
+    parent, or dying (the thread that started the worker is gone, which leaves the process
+    a zombie leader while its other threads end)."""
+    launcher = _state.env.get(records.LAUNCHER_PID_VAR, "") if _state is not None else ""
+    if not launcher.isdigit():
+        return False
+    return os.getppid() != int(launcher) or process_state(int(launcher)) == DEAD
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every process this one started (and theirs): a rank ending on SIGTERM takes
+    them along. With its launcher alive that changes nothing (the launcher kills the rank's
+    process group right after); with the launcher dead (its death is the SIGTERM, and
+    whether it is complete yet cannot be told from here) nobody else would."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    todo = [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        for pid in [p for p, pp in parents.items() if pp == parent]:
+            todo.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _kill_own_group() -> None:
