@@ -14,7 +14,8 @@
 * **A rank whose launcher died ends.** The launcher's death sends SIGTERM (the kernel's
   parent-death signal); a rank blocked in a C call would never run the Python handler and
   no SIGKILL would follow, so the watcher thread ends the rank and its process group 2 s
-  later when the launcher (``DISTTRAIN_LAUNCHER_PID``) is no longer its parent.
+  later when the launcher (``DISTTRAIN_LAUNCHER_PID``) is dead by then; a rank that exits
+  first after a SIGTERM takes the processes it started along.
 * **A failing rank's exit is bounded** (:func:`bound_exit`). Once an uncaught exception or
   SIGTERM ends the rank, it has ``exit_timeout_s`` (``DISTTRAIN_EXIT_TIMEOUT``, default 30 s)
   to finish exiting. Interpreter shutdown can block: a finalizer can join a thread that is
