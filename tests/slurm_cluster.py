@@ -164,6 +164,7 @@ if __name__ == "__main__":
     import tempfile
 
     cluster = SlurmCluster(Path(tempfile.mkdtemp(prefix="disttrain-slurm-")))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the daemons on kill too
     try:
         cluster.start()
         print(f"export SLURM_CONF={cluster.conf}", flush=True)
