@@ -1,4 +1,5 @@
-"""Shared process pools: starting ranks is slow on 2 cores, so each world size starts once.
+"""Shared fixtures: process pools (starting ranks is slow on 2 cores, so each world size starts
+once) and a real single-node Slurm for the launcher tests.
 
 Tests marked ``@pytest.mark.nccl_rules`` run twice: on the plain pools (``[gloo]``) and on
 pools whose communicators match messages by NCCL's rules (``[nccl-rules]``,
@@ -9,6 +10,7 @@ the rules.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -53,3 +55,19 @@ def _all_pools() -> Iterator[dict[str, Pools]]:
 @pytest.fixture
 def pools(request: pytest.FixtureRequest, _all_pools: dict[str, Pools]) -> Pools:
     return _all_pools[getattr(request, "param", "gloo")]
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real single-node Slurm (munged, slurmctld, slurmd) for this session; skipped, with
+    the reason, where it cannot run (not installed, not root). Stopped by pid at the end."""
+    from tests.slurm_cluster import SlurmCluster, Unavailable
+
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except Unavailable as exc:
+        cluster.stop()
+        pytest.skip(str(exc))
+    yield cluster
+    cluster.stop()

@@ -9,13 +9,14 @@ import signal
 
 import pytest
 
-from disttrain.launch import records, slurm, summary
+from disttrain.launch import mpi, records, slurm, summary
 from disttrain.launch.config import LaunchConfig, LaunchError, check_port_free, free_port
 from disttrain.launch.env import (
     DEFAULT_EXIT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     PlacementError,
     choose_backend,
+    launcher_of,
     resolve_debug,
     resolve_exit_timeout,
     resolve_init_timeout,
@@ -23,6 +24,7 @@ from disttrain.launch.env import (
     resolve_timeout,
     worker_env,
 )
+from disttrain.launch.placement import derived_port, port_candidates
 
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
@@ -109,35 +111,117 @@ def test_plain_python_is_a_world_of_one():
 # ---------------------------------------------------------------- Slurm
 SLURM = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
          "SLURM_JOB_NODELIST": "gpu[07-08,10],cpu5", "SLURM_TASKS_PER_NODE": "2(x3),2",
-         "SLURM_NODEID": "2", "SLURM_JOB_ID": "123456"}
+         "SLURM_NODEID": "2", "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "3"}
 
 
-def test_slurm_placement_uses_first_node_and_a_job_derived_port():
+def test_slurm_placement_uses_first_node_and_a_step_derived_port():
     place = resolve_placement(SLURM)
     assert (place.rank, place.world_size, place.local_rank, place.local_world_size) == (5, 8, 1, 2)
     assert place.master_addr == "gpu07" and place.source == "slurm"
-    assert place.master_port == slurm.derived_port(123456) == 20000 + 123456 % 20000
+    assert place.rendezvous_id == "slurm-123456.3"
+    assert place.master_port == derived_port("slurm-123456.3")
+    assert 20000 <= place.master_port < 40000
+    assert place.port_candidates()[0] == place.master_port and len(place.port_candidates()) == 8
     step = {**SLURM, "SLURM_STEP_NODELIST": "n[3-4]", "MASTER_PORT": "29400"}
     assert resolve_placement(step).master_addr == "n3"
     assert resolve_placement(step).master_port == 29400
+    assert resolve_placement(step).port_candidates() == (29400,)  # given: used as given
+
+
+def test_two_steps_of_one_job_derive_different_ports():
+    """Overlapping srun steps of one job must not meet on one port."""
+    ports = {resolve_placement({**SLURM, "SLURM_STEP_ID": str(s)}).master_port
+             for s in range(20)}
+    assert len(ports) == 20
+    assert port_candidates(39999)[:2] == (39999, 20000)  # wraps inside the range
+
+
+def test_the_batch_script_of_a_job_is_not_a_task():
+    """sbatch's script sees SLURM_PROCID=0 and SLURM_NTASKS, but it is one process: no step."""
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    assert launcher_of(batch) is None
+    assert resolve_placement({**batch, "SLURM_PROCID": "0"}).source == "single"
+    assert slurm.batch_tasks(batch) == 8 and slurm.batch_tasks(SLURM) is None
 
 
 def test_torchrun_variables_win_over_slurm():
     """torchrun started inside an srun step: the per-process torchrun variables decide."""
     assert resolve_placement({**SLURM, **TORCHRUN}).source == "torchrun"
+    assert launcher_of({**SLURM, **TORCHRUN}) == "torchrun"
 
 
 @pytest.mark.parametrize("env, needle", [
     ({**SLURM, "SLURM_PROCID": "8"}, "RANK=8 is out of range for WORLD_SIZE=8"),
     ({**SLURM, "SLURM_NTASKS": "many"}, "SLURM_NTASKS='many' is not an integer"),
-    ({k: v for k, v in SLURM.items() if k != "SLURM_NTASKS"}, "SLURM_NTASKS is not"),
+    ({k: v for k, v in SLURM.items() if k != "SLURM_NTASKS"}, "SLURM_NTASKS is not set, "
+     "but SLURM_STEP_ID=3 says srun started this process"),
+    ({k: v for k, v in SLURM.items() if k != "SLURM_PROCID"}, "SLURM_PROCID is not set"),
     ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}, "set MASTER_ADDR"),
-    ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"}, "MASTER_PORT is not set"),
+    ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"},
+     "MASTER_PORT is not set but 8 processes must meet; export MASTER_PORT before srun"),
 ])
 def test_bad_slurm_environments(env, needle):
     with pytest.raises(PlacementError) as info:
         resolve_placement(env)
     assert needle in str(info.value)
+
+
+# ---------------------------------------------------------------- MPI
+OMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_MCA_ess_base_jobid": "1155137537"}  # as OpenMPI 4.1 sets them
+HYDRA = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2",
+         "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+
+
+def test_openmpi_on_one_machine_meets_on_loopback_and_a_job_derived_port():
+    place = resolve_placement(OMPI)
+    assert (place.rank, place.world_size, place.local_rank, place.local_world_size) == (1, 2, 1, 2)
+    assert (place.master_addr, place.source) == ("127.0.0.1", "mpi")
+    assert place.rendezvous_id == "mpi-1155137537"
+    assert place.master_port == derived_port("mpi-1155137537")
+    given = resolve_placement({**OMPI, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29501"})
+    assert (given.master_addr, given.master_port, given.rendezvous_id) == ("10.0.0.1", 29501,
+                                                                           None)
+
+
+def test_mpich_and_intel_mpi_variables():
+    place = resolve_placement(HYDRA)
+    assert (place.rank, place.world_size, place.local_rank, place.local_world_size) == (2, 4, 0, 2)
+    assert (place.master_addr, place.master_port, place.source) == ("n1", 29500, "mpi")
+
+
+def test_mpi_comes_before_the_slurm_variables_it_inherits():
+    """mpirun inside an allocation: its ranks also see the batch step's SLURM_* variables."""
+    assert launcher_of({**SLURM, **OMPI}) == "mpi"
+    assert resolve_placement({**SLURM, **OMPI}).rank == 1
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"},
+     "MASTER_ADDR is not set and OMPI_COMM_WORLD_LOCAL_SIZE=1 of 2 ranks run on this machine; "
+     "mpirun does not say where rank 0 runs: pass it with mpirun -x MASTER_ADDR="),
+    ({k: v for k, v in OMPI.items() if k != "OMPI_COMM_WORLD_SIZE"},
+     "OMPI_COMM_WORLD_SIZE is not set, but OMPI_COMM_WORLD_RANK says an MPI launcher"),
+    ({k: v for k, v in OMPI.items() if k != "OMPI_MCA_ess_base_jobid"},
+     "MASTER_PORT is not set but 2 processes must meet; pass it with mpirun -x MASTER_PORT="),
+    ({k: v for k, v in HYDRA.items() if k != "PMI_RANK"}, "PMI_RANK is not set"),
+    ({k: v for k, v in HYDRA.items() if k != "MASTER_ADDR"}, "2 of 4 ranks run on this"),
+    ({**OMPI, "OMPI_COMM_WORLD_RANK": "2"}, "RANK=2 is out of range for WORLD_SIZE=2"),
+])
+def test_bad_mpi_environments_name_the_variable(env, needle):
+    assert launcher_of(env) == "mpi"
+    with pytest.raises(PlacementError) as info:
+        resolve_placement(env)
+    assert needle in str(info.value)
+
+
+def test_launcher_detection():
+    assert launcher_of({}) is None and launcher_of({"MASTER_ADDR": "h"}) is None
+    assert launcher_of({"WORLD_SIZE": "2"}) == "torchrun"  # incomplete: resolve says so
+    assert launcher_of({"SLURM_STEP_ID": "0"}) == "slurm"
+    assert launcher_of({"PMI_SIZE": "2"}) == "mpi"
+    assert mpi.detect(OMPI) and not mpi.detect(SLURM)
 
 
 @pytest.mark.parametrize("nodelist, hosts", [

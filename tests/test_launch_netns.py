@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -93,3 +94,59 @@ def test_all_reduce_across_two_hosts(two_hosts):
         assert (report["rank"], report["world_size"], report["sum"]) == (rank, 2, 3.0)
         assert report["master_addr"] == HOSTS[0]
         assert report["gloo_ifname"] == links[rank]  # the interface towards the master
+
+
+def test_a_partition_ends_both_nodes_naming_the_other_side(two_hosts, tmp_path):
+    """2 nodes × 2 ranks all-reduce in a loop; the link between them goes down. Both
+    launchers exit within timeout + 10 s of the cut, each naming the other node's ranks in
+    its headline; node 1, whose rendezvous store sat beyond the cut, no longer waits for
+    the kernel to give up on it (about 15 minutes), and no process is left in either
+    namespace."""
+    names, links = two_hosts
+    timeout_s = 5.0
+    env = {**os.environ, "DISTTRAIN_TIMEOUT": str(timeout_s), "DISTTRAIN_INIT_TIMEOUT": "60"}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    procs, errors = [], []
+    try:
+        for node_rank, name in enumerate(names):
+            errors.append(open(tmp_path / f"node{node_rank}.err", "w"))
+            argv = ["ip", "netns", "exec", name, sys.executable, "-m", "disttrain", "launch",
+                    "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", HOSTS[0],
+                    "--master-port", "29513", "-n", "2", str(SCRIPTS / "loop.py")]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors[-1],
+                                          text=True, env=env, start_new_session=True))
+        for proc in procs:  # both ranks of each node have all-reduced once
+            assert proc.stdout is not None
+            ready = 0
+            for line in proc.stdout:
+                ready += line.rstrip().endswith("] ready")
+                if ready == 2:
+                    break
+            assert ready == 2, (tmp_path / "node0.err").read_text()[-3000:]
+        cut = time.monotonic()
+        for name, link in zip(names, links):
+            assert _ip("-n", name, "link", "set", "dev", link, "down").returncode == 0
+        ended = [None, None]
+        while any(e is None for e in ended) and time.monotonic() - cut < 120:
+            for i, proc in enumerate(procs):
+                if ended[i] is None and proc.poll() is not None:
+                    ended[i] = time.monotonic() - cut
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        for f in errors:
+            f.close()
+    reports = [(tmp_path / f"node{n}.err").read_text() for n in (0, 1)]
+    for node_rank, (took, report) in enumerate(zip(ended, reports)):
+        assert took is not None and took < timeout_s + 10 + 5, (took, report[-3000:])
+        others = "[2, 3]" if node_rank == 0 else "[0, 1]"
+        assert f"disttrain launch: ranks {others} failed first; they did not respond (on " \
+               "another node)" in report, report[-3000:]
+        assert procs[node_rank].returncode != 0
+    assert "could not be reached: the rendezvous store does not answer" in reports[1]
+    for name in names:
+        assert _ip("netns", "pids", name).stdout.split() == [], name
+    print(f"partition: node 0 ended {ended[0]:.1f}s, node 1 {ended[1]:.1f}s after the cut")

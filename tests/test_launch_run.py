@@ -83,7 +83,8 @@ def test_slurm_variables_place_the_ranks(tmp_path):
     try:
         for rank in range(2):
             env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-                   "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
+                   "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+                   "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
                    "SLURM_JOB_ID": "4242", "MASTER_PORT": port, "DISTTRAIN_TIMEOUT": "60"}
             procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "report_placement.py")],
                                           env=env, stdout=subprocess.PIPE,
@@ -108,11 +109,15 @@ def test_rendezvous_store_listens_on_loopback_only(capfd, tmp_path):
     assert json_lines(out)[0] == {"listening": ["0100007F"]}
 
 
-def test_killed_launcher_takes_its_workers_with_it(tmp_path):
+@pytest.mark.parametrize("script, expected", [(["plain.py", "sigint"], 2),
+                                              (["blocked.py"], 4)])
+def test_killed_launcher_takes_its_workers_with_it(tmp_path, script, expected):
     """SIGKILL gives the launcher no chance to stop anyone: the workers go because Linux
-    sends them SIGTERM when it dies (PR_SET_PDEATHSIG, set by the exec wrapper)."""
+    sends them SIGTERM when it dies (PR_SET_PDEATHSIG, set by the exec wrapper), within
+    5 s also when they are blocked in a C call where no Python handler runs (blocked.py:
+    a store call to a stopped host), and with them what they started."""
     proc = subprocess.Popen([sys.executable, "-m", "disttrain", "launch", "-n", "2",
-                             str(SCRIPTS / "plain.py"), "sigint", str(tmp_path)],
+                             str(SCRIPTS / script[0]), *script[1:], str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -128,7 +133,7 @@ def test_killed_launcher_takes_its_workers_with_it(tmp_path):
     finally:
         proc.kill()
         proc.communicate()
-    assert_all_gone(tmp_path, expected=2, wait_s=10)
+    assert_all_gone(tmp_path, expected=expected, wait_s=5)
 
 
 def test_plain_python_is_a_world_of_one():
@@ -222,7 +227,9 @@ def test_exception_on_one_rank_is_the_root_cause(capfd, tmp_path):
 
 def test_stuck_collective_times_out_and_leaves_a_flight_record(capfd, tmp_path, monkeypatch):
     """Rank 1 never joins all-reduce #2: rank 0 gives up after DISTTRAIN_TIMEOUT, and its
-    flight recorder, written on the way out, shows the stuck collective."""
+    flight recorder, written on the way out, shows the stuck collective. The headline
+    names rank 1, the rank that fell silent, as rank 0's error does (not rank 0, which
+    merely failed first)."""
     monkeypatch.setenv("DISTTRAIN_TIMEOUT", "3")
     run_dir = tmp_path / "run"
     code, _, err = run_in_process(capfd, "worker.py", "stuck", str(tmp_path),
@@ -237,7 +244,10 @@ def test_stuck_collective_times_out_and_leaves_a_flight_record(capfd, tmp_path, 
     behind = json_flight(run_dir / "flight-rank1.json")["records"][-1]  # at SIGTERM
     assert (behind["seq"], behind["state"]) == (1, "completed")
     report = err[err.index("disttrain launch: rank"):]
-    assert "rank 0 failed first" in report and str(run_dir / "flight-rank0.json") in report
+    assert report.startswith("disttrain launch: rank 1 failed first; it did not respond "
+                             "(alive, but stuck outside the collective its peers were in) "
+                             "(named by rank 0)"), report
+    assert str(run_dir / "flight-rank0.json") in report
     assert "rank 0: all_reduce #2" in report and "rank 1: all_reduce #1" in report
     assert_all_gone(tmp_path, expected=2)
 
@@ -275,3 +285,20 @@ def test_ranks_failing_together_each_keep_their_own_error(capfd, tmp_path):
 
 def json_flight(path):
     return json.loads(path.read_text())
+
+
+def test_a_node_that_never_comes_is_named_by_its_ranks(tmp_path):
+    """Node 0 of 2 starts alone: its ranks name the missing node's ranks (and that they are
+    all of node 1) after the start-up timeout, instead of torch's 'Wait timeout'."""
+    done = subprocess.run(
+        [sys.executable, "-m", "disttrain", "launch", "--nnodes", "2", "--node-rank", "0",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-n", "2",
+         str(SCRIPTS / "contract.py"), "sum", str(tmp_path)],
+        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+        env=clean_env(DISTTRAIN_INIT_TIMEOUT="3"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    report = done.stderr[done.stderr.index("disttrain launch: "):]
+    assert report.startswith("disttrain launch: ranks [2, 3] failed first; they did not "
+                             "respond (on another node) (named by rank "), report
+    assert "ranks [2, 3] (all of node 1) did not start (or did not reach the rendezvous) " \
+           "within 3s" in report

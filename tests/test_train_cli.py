@@ -78,12 +78,34 @@ def _have_ddp() -> bool:
     (["--model", "lenet", "--dataset", "synthetic-lm"], "use 'mlp' or 'transformer'"),
     (["--input-shape", "1,x"], "--input-shape must be comma-separated ints"),
     (["-n", "0", "--strategy", "ddp"], "-n must be ≥ 1"),
+    (["--comm-timeout", "-1", "--strategy", "ddp", "-n", "2"],
+     "--comm-timeout must be a positive number of seconds, got -1"),
+    (["--strategy", "gpipe", "-n", "7", "--model", "mlp", "--global-batch", "56"],
+     "cannot split 6 layers into 7 stages"),
+    (["--strategy", "1f1b", "-n", "2", "--model", "mlp", "--partition", "3,2"],
+     "balance [3, 2] sums to 5 layers but the model has 6"),
 ])
-def test_bad_arguments_exit_2_with_the_fix(capsys, args, message):
+def test_bad_arguments_exit_2_with_the_fix(capsys, monkeypatch, args, message):
+    """Refused before any rank starts (a rank that started would fail the test)."""
+    from disttrain.train import spawn
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(spawn, "run_local", no_ranks)
     steps = [] if "--steps" in args else ["--steps", "1"]
     assert main(["run", *steps, "--log-every", "0", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("disttrain run: error: ") and message in err, err
+
+
+def test_simulate_says_which_worker_speeds_it_accepts(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--worker-speeds", "bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--worker-speeds: use none, lognormal:SIGMA (e.g. lognormal:0.05) or " \
+           "straggler:FRACTION:FACTOR (e.g. straggler:0.01:3) (got 'bogus')" in err, err
 
 
 def test_unknown_flag_is_an_argparse_error(capsys):
@@ -121,8 +143,35 @@ def test_inside_a_launched_job_uses_its_rank():
     assert "result strategy=torch-ddp world_size=1 global_batch=32 steps=3" in proc.stdout
 
 
-def test_nproc_must_agree_with_the_launcher(capsys, monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert main(["run", "-n", "2", "--strategy", "ddp", "--steps", "1"]) == 2
-    assert "-n 2 disagrees with WORLD_SIZE=1" in capsys.readouterr().err
+@pytest.mark.parametrize("env, argv, needle", [
+    ({"RANK": "0", "WORLD_SIZE": "1"}, ["-n", "2"],
+     "-n 2 disagrees with the 1 ranks the launcher started (WORLD_SIZE=1)"),
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_JOB_ID": "7",
+      "SLURM_JOB_NODELIST": "localhost"}, ["-n", "2"],
+     "-n 2 disagrees with the 3 ranks the launcher started (SLURM_NTASKS=3)"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": "1"}, ["-n", "3"],
+     "-n 3 disagrees with the 2 ranks the launcher started (OMPI_COMM_WORLD_SIZE or PMI_SIZE=2)"),
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}, [],
+     "SLURM_NTASKS is not set, but SLURM_STEP_ID=0 says srun started this process"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, [], "OMPI_COMM_WORLD_SIZE is not set"),
+])
+def test_nproc_must_agree_with_the_launcher(capsys, monkeypatch, env, argv, needle):
+    """-n that contradicts the launcher is an error, and so is a launch environment that
+    is incomplete: never a silent world of one."""
+    for name in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", *argv, "--strategy", "ddp", "--steps", "1"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_parameter_server_run_counts_its_servers_in_the_job(capsys, monkeypatch):
+    """-n counts workers: 2 workers + 1 server are the 3 tasks srun started."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "-n", "2", "--servers", "1", "--strategy", "ps-sync", "--steps",
+                 "1"]) == 2
+    assert "-n 2 (2 workers + servers) disagrees with the 4 ranks" in capsys.readouterr().err

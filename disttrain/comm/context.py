@@ -42,7 +42,10 @@ def instance_tag_base(transport: Transport) -> int:
         index = _instances.get(group_key, 0)
         _instances[group_key] = index + 1
     return COLLECTIVE_TAG_BASE + (index % 64) * INSTANCE_TAGS
-_MAX_GRACE_S = 30.0  # longest wait for the other survivors of a failure to check in
+# Longest wait for the other survivors of a failure to check in when no silent rank is a
+# known fact (dead or stopped; those are named at once). It bounds how late a failure is
+# reported after the timeout: a hang detector must answer within timeout + a few seconds.
+_MAX_GRACE_S = 4.5
 _SCRATCH_ALIGN = 64  # bytes: every scratch region starts on a cache line
 
 
@@ -130,6 +133,7 @@ class CollectiveContext:
         # False (single point-to-point messages): a refused post raises at once, naming the
         # peer, instead of first waiting up to the grace period for the others to check in
         self._probe_posts = probe_posts
+        self.notes: dict[int, str] = {}  # how each blamed rank is known (unresponsive())
 
     def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """``numel`` uninitialised elements of ``like``'s dtype and device, for this
@@ -209,9 +213,20 @@ class CollectiveContext:
         The peer a rank waits for is often not the culprit: it may itself be waiting for a
         stuck or dead rank. Survivors notice a failure within about one timeout of each
         other, so each checks in with the transport and waits that long for the others;
-        whoever never checks in is dead or stuck outside this collective."""
+        whoever never checks in is dead or stuck outside this collective. A rank known to
+        be dead or stopped is named at once (:mod:`disttrain.comm.checkin`); how it is
+        known is kept for the message (:attr:`notes`)."""
+        if self.world_size == 1:
+            return None
+        diagnose = getattr(self.transport, "diagnose", None)
+        if diagnose is not None:
+            verdict = diagnose(self.check_in_s)
+            if verdict is None:
+                return None
+            self.notes = dict(verdict.notes)
+            return list(verdict.missing)
         probe = getattr(self.transport, "unresponsive_ranks", None)
-        if probe is None or self.world_size == 1:
+        if probe is None:
             return None
         result: list[int] | None = probe(self.check_in_s)
         return result
@@ -237,7 +252,10 @@ class CollectiveContext:
         missing = self.unresponsive() if probe else None
         where = f"{self.op} #{self.seq} ({self.algorithm}) on rank {self.rank}"
         suspects = tuple(missing or ())
-        if missing:
+        known = [f"rank {r} {self.notes[r]}" for r in suspects if r in self.notes]
+        if missing and known:
+            blame = f"rank(s) {missing} did not check in afterwards: {'; '.join(known)}"
+        elif missing:
             blame = (f"rank(s) {missing} did not check in afterwards: they are stuck outside "
                      f"this collective, called a different one, or died")
         elif missing is None:
@@ -251,7 +269,7 @@ class CollectiveContext:
                     f"this rank was {doing}")
             return CommTimeoutError(f"{where}: {what}; {blame} ({exc})", op=self.op,
                                     seq=self.seq, peer=waited, suspects=suspects)
-        hint = "" if self.algorithm == "p2p" else (
+        hint = "" if self.algorithm == "p2p" or known else (
             f". If a dead rank's log shows Gloo's 'Received data size doesn't match expected "
             f"size', ranks called {self.op} with different sizes or dtypes, and "
             f"CommConfig(debug_checks=True) names them")

@@ -1,14 +1,16 @@
 """disttrain.launch: start ranks (``disttrain launch``) and join a job (``disttrain.init()``).
 
-``launcher`` spawns and watches workers with torchrun's environment contract; ``env`` and
-``slurm`` read that contract (or Slurm's) back; ``join`` (``init()``) joins the job and installs the
-failure ``hooks`` (error records, flight-recorder dumps, a named root cause).
+``launcher`` spawns and watches workers with torchrun's environment contract; ``env``,
+``mpi`` and ``slurm`` read that contract (or mpirun's, or srun's) back into a ``placement``;
+``join`` (``init()``) meets the other ranks through ``rendezvous`` and installs the failure
+``hooks`` (error records, flight-recorder dumps, a named root cause).
 """
 
 from disttrain.launch.config import LaunchConfig, LaunchError
-from disttrain.launch.env import Placement, PlacementError, resolve_placement
+from disttrain.launch.env import launcher_of, resolve_placement
 from disttrain.launch.hooks import WorkerTerminated
 from disttrain.launch.join import InitError, init, shutdown
+from disttrain.launch.placement import Placement, PlacementError
 
 __all__ = [
     "InitError",
@@ -18,6 +20,7 @@ __all__ = [
     "PlacementError",
     "WorkerTerminated",
     "init",
+    "launcher_of",
     "resolve_placement",
     "shutdown",
 ]

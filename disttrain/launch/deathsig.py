@@ -11,7 +11,12 @@ process: the pid the launcher watches and signals does not change, and the setti
 the exec (Linux clears it only for set-user-ID and set-group-ID programs).
 
 Run as a script with ``-I -S`` it imports nothing but the standard library (it starts in a
-few milliseconds); it must not import disttrain.
+few milliseconds); it must not import disttrain. ``disttrain run``'s own ranks, which are
+Python from the start, call :func:`set_parent_death_signal` directly.
+
+The signal goes to a worker that may be blocked inside a C call (a store or network wait),
+where Python runs no handler until the call returns: a worker whose launcher is gone
+therefore also ends itself shortly after that SIGTERM (``disttrain.launch.hooks``).
 """
 
 from __future__ import annotations
@@ -24,16 +29,22 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
+def set_parent_death_signal(signum: int, parent: int) -> bool:
+    """Have Linux send ``signum`` to this process when ``parent`` (its parent) dies; end at
+    once if it died already. False where prctl is not available (no safety net)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    return True
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 3:
         sys.exit("usage: deathsig.py LAUNCHER_PID PROGRAM [ARG ...]")
-    launcher = int(argv[1])
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    except (OSError, AttributeError):
-        pass  # no prctl here: the worker runs without the safety net
-    if os.getppid() != launcher:  # the launcher died before prctl took effect
-        os._exit(1)
+    set_parent_death_signal(signal.SIGTERM, int(argv[1]))
     os.execvp(argv[2], argv[2:])
 
 

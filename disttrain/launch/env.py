@@ -1,4 +1,4 @@
-"""Where a worker stands: the torchrun contract, Slurm's variables, or explicit arguments.
+"""Where a worker stands: the torchrun contract, MPI's or Slurm's, or explicit arguments.
 
 Pure functions over a mapping of environment variables, so every rule is tested without
 processes. Two directions:
@@ -7,74 +7,50 @@ processes. Two directions:
   variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
   the GROUP_/ROLE_ companions), so a script runs unchanged under either launcher.
 * :func:`resolve_placement` is what ``disttrain.init()`` reads back, in this order: explicit
-  arguments, then the torchrun contract, then Slurm (``srun``), else a single process.
+  arguments, then the torchrun contract, then MPI's (:mod:`~disttrain.launch.mpi`), then
+  Slurm's (:mod:`~disttrain.launch.slurm`), else a single process. :func:`launcher_of` is the
+  same decision alone, for ``disttrain run`` ("am I one rank of a launched job?").
   Every error names the variable (or argument) to set.
+
+MPI comes before Slurm because ``mpirun`` inside an allocation leaves the batch script's
+SLURM_* variables in its ranks' environment, while srun never sets OpenMPI's.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from disttrain.launch import slurm
+from disttrain.launch import mpi, slurm
+from disttrain.launch.placement import (
+    PartialPlacement,
+    Placement,
+    PlacementError,
+    parse_int,
+)
 
+log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 300.0  # init_process_group and every blocking wait of the communicator
 DEFAULT_EXIT_TIMEOUT_S = 30.0  # how long a failing rank may take to exit (hooks.bound_exit)
 BACKENDS = ("gloo", "nccl", "mpi")  # and "auto": follow the device
 _TRUE = {"1", "true", "yes", "on"}
 
-
-class PlacementError(ValueError):
-    """The environment does not say (consistently) where this process stands."""
-
-
-@dataclass(frozen=True)
-class Placement:
-    """This process's place in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int | None  # None: a single process, which needs no rendezvous port
-    source: str  # "explicit", "torchrun", "slurm" or "single"
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise PlacementError(f"world size must be ≥ 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise PlacementError(f"rank {self.rank} is out of range for world size "
-                                 f"{self.world_size}; ranks are 0..{self.world_size - 1}")
-        if not 0 <= self.local_rank < self.local_world_size:
-            raise PlacementError(f"local rank {self.local_rank} is out of range for "
-                                 f"{self.local_world_size} process(es) on this node")
-        if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise PlacementError(f"master port {self.master_port} is not in 1..65535")
+__all__ = ["PartialPlacement", "Placement", "PlacementError", "launcher_of", "parse_int",
+           "resolve_placement"]
 
 
-def parse_int(name: str, value: str | int, fix: str) -> int:
-    """``int(value)``, or a PlacementError naming variable ``name`` and how to fix it."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        raise PlacementError(f"{name}={value!r} is not an integer; {fix}") from None
-
-
-@dataclass
-class PartialPlacement:
-    """What one source (environment or arguments) says; ``None`` where it says nothing."""
-
-    source: str
-    rank: int | None = None
-    world_size: int | None = None
-    local_rank: int | None = None
-    local_world_size: int | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
+def launcher_of(env: Mapping[str, str]) -> str | None:
+    """Whose contract this environment carries: "torchrun" (also ``disttrain launch``),
+    "mpi", "slurm", or None for a process nobody launched. Only the presence of the
+    variables decides; whether they are complete is :func:`resolve_placement`'s check."""
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return "torchrun"
+    if mpi.detect(env):
+        return "mpi"
+    if slurm.detect(env):
+        return "slurm"
+    return None
 
 
 def resolve_placement(env: Mapping[str, str], *, rank: int | None = None,
@@ -82,13 +58,19 @@ def resolve_placement(env: Mapping[str, str], *, rank: int | None = None,
                       master_addr: str | None = None,
                       master_port: int | None = None) -> Placement:
     """Combine explicit arguments (which win) with what the environment says."""
-    if "RANK" in env or "WORLD_SIZE" in env:
+    source = launcher_of(env)
+    if source == "torchrun":
         part = _from_torchrun(env)
-    elif "SLURM_PROCID" in env:
-        task = slurm.task_from_env(env)
-        part = PartialPlacement("slurm", task.rank, task.world_size, task.local_rank,
-                                task.local_world_size, task.master_addr, task.master_port)
+    elif source == "mpi":
+        part = mpi.task_from_env(env)
+    elif source == "slurm":
+        part = slurm.task_from_env(env)
     elif rank is None and world_size is None:
+        tasks = slurm.batch_tasks(env)
+        if tasks is not None:
+            log.warning("this is the batch script of a Slurm job of SLURM_NTASKS=%d tasks, not "
+                        "one of its tasks (SLURM_STEP_ID is not set): running as a single "
+                        "process; start the ranks with srun", tasks)
         part = PartialPlacement("single", 0, 1)
     else:
         part = PartialPlacement("explicit")
@@ -96,11 +78,13 @@ def resolve_placement(env: Mapping[str, str], *, rank: int | None = None,
             missing = "world_size" if world_size is None else "rank"
             raise PlacementError(f"init() got only one of rank/world_size; pass {missing}= "
                                  "too (or set RANK and WORLD_SIZE, or launch with disttrain "
-                                 "launch, torchrun or srun)")
+                                 "launch, torchrun, srun or mpirun)")
     for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank),
                         ("master_addr", master_addr), ("master_port", master_port)):
         if value is not None:
             setattr(part, name, value)
+    if master_port is not None:
+        part.rendezvous_id = None  # an explicit port is used as given
     return _complete(part, env)
 
 
@@ -149,10 +133,11 @@ def _complete(part: PartialPlacement, env: Mapping[str, str]) -> Placement:
         port = parse_int("MASTER_PORT", env["MASTER_PORT"],
                          "set it to a free TCP port on the master node")
     if port is None and world > 1:
-        raise PlacementError(f"MASTER_PORT is not set but {world} processes must meet; set "
-                             "MASTER_PORT (a free TCP port on the node of rank 0) or pass "
-                             "master_port=")
-    return Placement(rank, world, local_rank, local_world, addr, port, part.source)
+        raise PlacementError(f"MASTER_PORT is not set but {world} processes must meet; "
+                             f"{part.port_hint} (a free TCP port on the node of rank 0), or "
+                             "pass master_port=")
+    return Placement(rank, world, local_rank, local_world, addr, port, part.source,
+                     part.rendezvous_id if port == part.master_port else None)
 
 
 def _default_master_addr(world: int, local_world: int | None) -> str:

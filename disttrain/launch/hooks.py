@@ -11,6 +11,11 @@
   (with the main thread's stack) and the dumps the moment SIGTERM or SIGINT arrives, so even
   a rank that is then SIGKILLed leaves a diagnosis behind.
 * At exit, communicators with unfinished or failed collectives are dumped too.
+* **A rank whose launcher died ends.** The launcher's death sends SIGTERM (the kernel's
+  parent-death signal); a rank blocked in a C call would never run the Python handler and
+  no SIGKILL would follow, so the watcher thread ends the rank and its process group 2 s
+  later when the launcher (``DISTTRAIN_LAUNCHER_PID``) is dead by then; a rank that exits
+  first after a SIGTERM takes the processes it started along.
 * **A failing rank's exit is bounded** (:func:`bound_exit`). Once an uncaught exception or
   SIGTERM ends the rank, it has ``exit_timeout_s`` (``DISTTRAIN_EXIT_TIMEOUT``, default 30 s)
   to finish exiting. Interpreter shutdown can block: a finalizer can join a thread that is
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any
 
+from disttrain.comm.liveness import DEAD, process_state
 from disttrain.launch import records
 from disttrain.launch.env import DEFAULT_EXIT_TIMEOUT_S
 
@@ -50,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _NOTICE_WAIT_S = 1.0  # how long a rank that lost a peer waits for the launcher's notice
 _ALARM_AFTER_S = 5.0  # the SIGALRM backstop, after the faulthandler watchdog's bound
+_ORPHAN_EXIT_S = 2.0  # a rank whose launcher died ends this long after its SIGTERM
 
 
 class WorkerTerminated(SystemExit):
@@ -75,6 +82,7 @@ class _State:
     dumped: bool = False
     exit_timeout_s: float = DEFAULT_EXIT_TIMEOUT_S
     exit_bounded: bool = False
+    orphan_watch: bool = False  # SIGTERM came: watching for a dead launcher
     alarm_before: Any = None  # SIGALRM's handler and timer before bound_exit, for release
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -82,10 +90,11 @@ class _State:
 _state: _State | None = None
 
 
-def install(comm: Any, rank: int, env: Mapping[str, str] | None = None, *,
+def install(comm: Any | None, rank: int, env: Mapping[str, str] | None = None, *,
             exit_timeout_s: float = DEFAULT_EXIT_TIMEOUT_S) -> None:
     """Report failures of this process (rank ``rank``), dump ``comm``'s flight recorder, and
-    give a failing process ``exit_timeout_s`` to exit (0: no bound; see :func:`bound_exit`)."""
+    give a failing process ``exit_timeout_s`` to exit (0: no bound; see :func:`bound_exit`).
+    ``comm`` may come later (:func:`register`): the hooks also report a failure to join."""
     global _state
     if _state is None:
         _state = _State(rank, os.environ if env is None else env)
@@ -94,7 +103,8 @@ def install(comm: Any, rank: int, env: Mapping[str, str] | None = None, *,
         _install_signal_handlers()
     _state.rank = rank
     _state.exit_timeout_s = exit_timeout_s
-    register(comm)
+    if comm is not None:
+        register(comm)
 
 
 def is_failing() -> bool:
@@ -187,9 +197,10 @@ def record_failure(exc: BaseException, *, kind: str = "exception",
                 exc.add_note(f"root cause (from disttrain launch): {root}")  # shown below it
             text = stack if stack is not None else "".join(
                 traceback.format_exception(type(exc), exc, exc.__traceback__))
+            suspects = tuple(int(r) for r in getattr(exc, "suspects", ()) or ())
             record = records.ErrorRecord(
                 f"{type(exc).__name__}: {exc}", text, time.time(), kind, state.rank,
-                state.host, os.getpid(), flights[0] if flights else None, root)
+                state.host, os.getpid(), flights[0] if flights else None, root, suspects)
             for path in _error_files(kind):
                 records.write_json(path, record.to_json())
             if flights and not already:
@@ -240,7 +251,10 @@ def _chain_excepthook() -> None:
 
 
 def _at_exit() -> None:
-    """Dump communicators that still have unfinished or failed collectives."""
+    """Dump communicators that still have unfinished or failed collectives; after SIGTERM,
+    take along what this rank started (see :func:`_end_if_orphaned`)."""
+    if _state is not None and _state.orphan_watch:
+        _kill_descendants()
     if _state is None or _state.dumped:
         return
     for comm in (ref() for ref in _state.comms):
@@ -269,6 +283,7 @@ def termination_message(signum: int) -> str:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    _end_if_orphaned()
     if _state is None or _state.failing:
         return  # already reporting an error: let it finish (the launcher's grace is bounded)
     _state.failing = True
@@ -297,6 +312,74 @@ def _start_watcher() -> None:
                      daemon=True).start()
 
 
+def _end_if_orphaned() -> None:
+    """On SIGTERM: if the launcher turns out to be gone (the signal is the kernel's
+    parent-death signal, set by :mod:`disttrain.launch.deathsig`), nobody will send the
+    SIGKILL that ends a rank stuck in a C call, where the Python handler never runs, nor
+    stop what the rank started. So the rank ends itself and its process group
+    ``_ORPHAN_EXIT_S`` after the signal (time enough to write its record) when the launcher
+    is gone by then, and takes its children along if it exits first (:func:`_at_exit`).
+    It looks only after the delay because the kernel sends the signal as soon as the
+    launcher's *thread* that started the worker has died, while the launcher's other
+    threads still run (and are still the worker's parent)."""
+    state = _state
+    if state is None or state.orphan_watch or not state.env.get(records.LAUNCHER_PID_VAR):
+        return
+    state.orphan_watch = True
+
+    def end() -> None:
+        time.sleep(_ORPHAN_EXIT_S)
+        if _launcher_gone():
+            log.error("rank %d: its launcher is gone; ending it and what it started",
+                      state.rank)
+            _kill_own_group()
+
+    threading.Thread(target=end, name="disttrain-orphan-exit", daemon=True).start()
+
+
+def _launcher_gone() -> bool:
+    """Whether this worker's launcher ($DISTTRAIN_LAUNCHER_PID) is dead: no longer its
+    parent, or dying (the thread that started the worker is gone, which leaves the process
+    a zombie leader while its other threads end)."""
+    launcher = _state.env.get(records.LAUNCHER_PID_VAR, "") if _state is not None else ""
+    if not launcher.isdigit():
+        return False
+    return os.getppid() != int(launcher) or process_state(int(launcher)) == DEAD
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every process this one started (and theirs): a rank ending on SIGTERM takes
+    them along. With its launcher alive that changes nothing (the launcher kills the rank's
+    process group right after); with the launcher dead (its death is the SIGTERM, and
+    whether it is complete yet cannot be told from here) nobody else would."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    todo = [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        for pid in [p for p, pp in parents.items() if pp == parent]:
+            todo.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _kill_own_group() -> None:
+    """SIGKILL this process and, when it leads its process group (the launcher starts every
+    worker as one), everything it started."""
+    group = os.getpgrp()
+    if group == os.getpid():
+        os.killpg(group, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _watch(read_fd: int) -> None:
     """Record where the main thread is the moment SIGTERM/SIGINT arrives (it may be blocked
     in C and run its handler only much later, or be SIGKILLed first)."""
@@ -308,6 +391,8 @@ def _watch(read_fd: int) -> None:
         if not data:
             return
         for signum in data:
+            if signum == signal.SIGTERM:
+                _end_if_orphaned()
             if signum in (signal.SIGTERM, signal.SIGINT) and _state is not None \
                     and not _state.failing:
                 frame = sys._current_frames().get(threading.main_thread().ident or -1)

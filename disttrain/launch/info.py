@@ -24,7 +24,9 @@ from typing import Any
 _NODE_DIR = Path("/sys/devices/system/node")
 _LAUNCH_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|"
                           r"MASTER_PORT|GROUP_RANK|DISTTRAIN_\w+|SLURM_(PROCID|LOCALID|NTASKS|"
-                          r"JOB_ID|NODELIST|JOB_NODELIST|STEP_NODELIST)|GLOO_SOCKET_IFNAME|"
+                          r"JOB_ID|STEP_ID|NODELIST|JOB_NODELIST|STEP_NODELIST)|"
+                          r"OMPI_COMM_WORLD_\w+|OMPI_MCA_ess_base_jobid|PMI_RANK|PMI_SIZE|"
+                          r"MPI_LOCALRANKID|MPI_LOCALNRANKS|GLOO_SOCKET_IFNAME|"
                           r"NCCL_SOCKET_IFNAME|TORCH_DISTRIBUTED_DEBUG)$")
 
 

@@ -1,9 +1,9 @@
 """``disttrain.init()``: join the job this process was started in and return its Communicator.
 
-One call works under ``disttrain launch``, ``torchrun``, Slurm's ``srun``, with explicit
+One call works under ``disttrain launch``, ``torchrun``, Slurm's ``srun``, ``mpirun``, with explicit
 arguments, or in a plain ``python train.py`` (a world of one)::
 
-    comm = disttrain.init()          # reads RANK/WORLD_SIZE/MASTER_* or SLURM_* variables
+    comm = disttrain.init()          # torchrun's, mpirun's or srun's variables
     comm.all_reduce(grad)
     disttrain.shutdown(comm)
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from disttrain.comm import CommConfig, Communicator
 from disttrain.launch import env as envmod
-from disttrain.launch import hooks, netif
+from disttrain.launch import hooks, netif, rendezvous
 
 log = logging.getLogger(__name__)
 _opened: list[weakref.ref[Communicator]] = []  # what init() returned, for shutdown()
@@ -39,7 +39,12 @@ _init_pid: int | None = None  # the process that called init(): a forked child m
 
 
 class InitError(RuntimeError):
-    """This process could not join the job (its peers or the master are unreachable)."""
+    """This process could not join the job (its peers or the master are unreachable);
+    ``suspects``: the ranks to blame, when known."""
+
+    def __init__(self, message: str, suspects: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.suspects = suspects
 
 
 def init(backend: str | None = None, *, device: str | None = None, rank: int | None = None,
@@ -68,13 +73,14 @@ def init(backend: str | None = None, *, device: str | None = None, rank: int | N
             device in (None, "auto") and torch.cuda.is_available()):
         # cuda:LOCAL_RANK, shared round-robin when ranks outnumber GPUs (Gloo only)
         torch.cuda.set_device(place.local_rank % torch.cuda.device_count())
+    hooks.install(None, place.rank, exit_timeout_s=exit_timeout)  # a failure to join too
     if dist.is_initialized():
         _check_existing(place)
     else:
-        _init_process_group(name, place, start_timeout)
+        _init_process_group(name, place, start_timeout, timeout)
     comm = Communicator.from_torch(config=CommConfig(timeout_s=timeout,
                                                      debug_checks=debug_checks))
-    hooks.install(comm, place.rank, exit_timeout_s=exit_timeout)
+    hooks.register(comm)
     _init_pid = os.getpid()
     if not _exit_handler_registered:
         atexit.register(_shutdown_at_exit)
@@ -154,11 +160,11 @@ def _check_existing(place: envmod.Placement) -> None:
                         "init_process_group, or pass matching rank=/world_size=")
 
 
-def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float) -> None:
-    timeout = datetime.timedelta(seconds=timeout_s)
+def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float,
+                        op_timeout_s: float) -> None:
     if place.master_port is None:  # a world of one needs no rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+                                timeout=datetime.timedelta(seconds=timeout_s))
         return
     if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME") and place.world_size > 1:
         interface = netif.gloo_interface_for(place.master_addr)
@@ -166,16 +172,22 @@ def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float)
             os.environ["GLOO_SOCKET_IFNAME"] = interface
             log.debug("rank %d: Gloo uses interface %s (the route to %s)", place.rank,
                       interface, place.master_addr)
-    host = f"[{place.master_addr}]" if ":" in place.master_addr else place.master_addr
-    # tcp:// and env:// both honour TORCHELASTIC_USE_AGENT_STORE: under disttrain launch and
-    # torchrun the launcher hosts the store, otherwise rank 0 does.
-    url = f"tcp://{host}:{place.master_port}"
+    # Under disttrain launch and torchrun the launcher hosts the store (it outlives any
+    # worker); otherwise rank 0 does.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
+    per_node = (place.local_world_size if place.source == "torchrun"
+                and place.local_world_size < place.world_size else None)
     try:
-        dist.init_process_group(backend, init_method=url, rank=place.rank,
-                                world_size=place.world_size, timeout=timeout)
-    except Exception as exc:
+        store = rendezvous.open_store(place, timeout_s, agent)
+        if agent:  # a restarted job meets in the same store: each attempt gets its own keys
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"disttrain/attempt{attempt}/", store)
+        rendezvous.join(store, place.rank, place.world_size, timeout_s, per_node)
+        rendezvous.init_group(backend, store, place.rank, place.world_size, timeout_s,
+                              op_timeout_s)
+    except rendezvous.RendezvousError as exc:
         raise InitError(
             f"rank {place.rank} of {place.world_size} could not join the process group at "
-            f"{place.master_addr}:{place.master_port} within {timeout_s:g}s ({exc}). Check that "
-            f"all {place.world_size} ranks were started, that MASTER_ADDR/MASTER_PORT name "
-            "the node of rank 0 and that its port is reachable from here") from exc
+            f"{place.master_addr}:{place.master_port}: {exc}. Check that all "
+            f"{place.world_size} ranks were started and that MASTER_ADDR/MASTER_PORT name the "
+            "node of rank 0 (its port reachable from here)", exc.suspects) from exc

@@ -7,20 +7,24 @@
       (torchrun env)      │                ──► a worker failed: 0.5 s for the others
                           │                    to exit by themselves ──┐
                           │                                            ▼
-                          └─ SIGINT/SIGTERM ─► forward ──► failure notice, SIGTERM the
-                                                           others, SIGKILL after the grace
-                                                           period, report the root cause,
-                                                           exit with its code
+                          └─ SIGINT/SIGTERM ─► forward ──► failure notice, SIGTERM (and
+                                                           SIGCONT) the others, SIGKILL after
+                                                           the grace period, report the root
+                                                           cause, exit with its code
 
 The store lives in the launcher rather than in rank 0, so it outlives any worker: when a
 rank dies, the survivors can still check in through it and name the dead one. Every worker
-and whatever it started is killed through its process group before the launcher returns.
+and whatever it started is killed through its process group before the launcher returns,
+and the shared-memory segments its ranks created (tagged with $DISTTRAIN_SHM_TAG) are
+removed if a rank died before it could.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -34,6 +38,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from disttrain.comm.liveness import STOPPED, process_state
+from disttrain.comm.transports.shm_segment import SHM_TAG_VAR, unlink_tagged
 from disttrain.launch import records, store, summary
 from disttrain.launch.config import LaunchConfig
 from disttrain.launch.env import LOOPBACK, worker_env
@@ -46,13 +52,14 @@ MAX_RESTARTS_VAR = "TORCHELASTIC_MAX_RESTARTS"  # when the count is > 0
 
 _POLL_S = 0.05
 _SETTLE_S = 0.5  # after a failure, how long the others may take to exit by themselves
+_STOPPED_WAKE_S = 2.0  # how long a stopped worker, woken by SIGCONT, may take to report
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
 class _Outcome:
     kind: str  # "success", "failure" or "signal"
-    root: summary.Failure | None = None
+    root: summary.Blame | None = None
     signum: int | None = None
 
 
@@ -96,8 +103,8 @@ def _host_store(config: LaunchConfig, timeout_s: float) -> tuple[Any | None, int
     return store.host_store(listener, timeout_s), port
 
 
-def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker],
-           restart_count: int = 0) -> None:
+def _spawn(config: LaunchConfig, port: int, run_dir: str, shm_tag: str,
+           workers: list[Worker], restart_count: int = 0) -> None:
     """Start every worker, appending each to ``workers`` as it starts (so a failure half way
     still lets the caller stop the ones already running)."""
     addr = config.master_addr or LOOPBACK
@@ -106,9 +113,10 @@ def _spawn(config: LaunchConfig, port: int, run_dir: str, workers: list[Worker],
         rank = config.node_rank * local + local_rank
         error_file = os.path.join(run_dir, f"error-rank{rank}.json")
         extra = {records.RUN_DIR_VAR: run_dir, records.ERROR_FILE_VAR: error_file,
-                 records.TORCH_ERROR_FILE_VAR: error_file, **_role_env(config, rank),
+                 records.TORCH_ERROR_FILE_VAR: error_file,
+                 records.LAUNCHER_PID_VAR: str(os.getpid()), SHM_TAG_VAR: shm_tag,
                  RESTART_COUNT_VAR: str(restart_count),
-                 MAX_RESTARTS_VAR: str(config.max_restarts)}
+                 MAX_RESTARTS_VAR: str(config.max_restarts), **_role_env(config, rank)}
         if not os.environ.get(records.FLIGHT_DIR_VAR):
             extra[records.FLIGHT_DIR_VAR] = run_dir
         env = worker_env(os.environ, local_rank=local_rank, nproc_per_node=local,
@@ -137,7 +145,7 @@ def _watch(workers: list[Worker], caught: _Signals, run_dir: str, host: str) -> 
             worker.poll()
         if summary.failures(workers):
             _settle(workers, caught)
-            root = summary.first_failure(summary.failures(workers))
+            root = summary.blame(summary.first_failure(summary.failures(workers)), workers)
             # Written before the others are signalled, so their last words can name it.
             records.write_failure_notice(run_dir, summary.notice_for(root, host))
             return _Outcome("failure", root=root)
@@ -163,15 +171,29 @@ def _settle(workers: list[Worker], caught: _Signals) -> None:
 
 def _stop(workers: list[Worker], signum: int, grace_s: float, caught: _Signals) -> None:
     """``signum`` to every live worker's group, SIGKILL after ``grace_s`` (or at a second
-    signal to the launcher), then SIGKILL every group so no descendant survives."""
+    signal to the launcher), then SIGKILL every group so no descendant survives.
+
+    SIGCONT follows the first signal (as systemd does): a stopped worker (SIGSTOP, a
+    debugger) could not act on it and would cost the whole grace period. Once awake it
+    writes its record (where it was stopped) and gets SIGKILL then, without the grace
+    period: it is the culprit, and its shutdown would only delay the report."""
     alive = [w for w in workers if w.alive()]
+    stopped = {w.rank for w in alive if process_state(w.pid) == STOPPED}
     for worker in alive:
         worker.signal_group(signum)
+        if signum != signal.SIGCONT:
+            worker.signal_group(signal.SIGCONT)
     already = len(caught.received)
-    deadline = time.monotonic() + grace_s
+    start = time.monotonic()
+    deadline = start + grace_s
     while any(w.alive() for w in alive) and time.monotonic() < deadline:
         if len(caught.received) > already:
             break  # asked (again) to stop: do not wait any longer
+        for worker in alive:
+            if worker.rank in stopped and (os.path.exists(worker.error_file)
+                                           or time.monotonic() > start + _STOPPED_WAKE_S):
+                stopped.discard(worker.rank)
+                worker.signal_group(signal.SIGKILL)
         caught.event.clear()
         caught.wait(_POLL_S)
     for worker in workers:
@@ -181,10 +203,10 @@ def _stop(workers: list[Worker], signum: int, grace_s: float, caught: _Signals) 
 
 
 def launch(config: LaunchConfig, restart_count: int = 0,
-           on_failure: Callable[[summary.Failure], None] | None = None) -> int:
+           on_failure: Callable[[summary.Blame], None] | None = None) -> int:
     """Run the job's workers on this node once; return the launcher's exit code.
-    ``restart_count`` is told to the workers; ``on_failure`` receives the root cause of a
-    failed run (:func:`disttrain.launch.restarts.launch_with_restarts` uses both)."""
+    ``restart_count`` is told to the workers; ``on_failure`` receives whom a failed run
+    blames (:func:`disttrain.launch.restarts.launch_with_restarts` uses both)."""
     host = socket.gethostname()
     rendezvous, port = _host_store(config, timeout_s=600.0)
     own_dir = config.run_dir is None
@@ -192,14 +214,18 @@ def launch(config: LaunchConfig, restart_count: int = 0,
     os.makedirs(run_dir, exist_ok=True)
     lock = threading.Lock()
     workers: list[Worker] = []
+    shm_tag = f"l{os.getpid():x}{secrets.token_hex(3)}"  # names its ranks' segments
     with _catching_signals() as caught:
         try:
-            _spawn(config, port, run_dir, workers, restart_count)
+            _spawn(config, port, run_dir, shm_tag, workers, restart_count)
             for worker in workers:
                 worker.start_output(lock, config.prefix_output)
             outcome = _watch(workers, caught, run_dir, host)
         finally:  # also when spawning or watching raised: nothing may outlive the launcher
             _stop(workers, (caught.received or [signal.SIGTERM])[0], config.grace_s, caught)
+            left = unlink_tagged(shm_tag)  # a rank killed during shared-memory set-up
+            if left:
+                log.warning("removed shared-memory segment(s) a dead rank left: %s", left)
     for worker in workers:
         worker.join_output(2.0)
     code, report = _conclude(outcome, workers, host, run_dir)
@@ -224,8 +250,11 @@ def _conclude(outcome: _Outcome, workers: list[Worker], host: str,
         return 128 + outcome.signum, (f"disttrain launch: received {name}; forwarded it to "
                                       f"{len(workers)} worker(s) and stopped them (files: "
                                       f"{run_dir})")
-    assert outcome.root is not None and outcome.root.worker.returncode is not None
-    root = summary.Failure(outcome.root.worker,  # re-read: the record may be complete now
-                           records.read_error_record(outcome.root.worker.error_file))
-    return (summary.exit_code(outcome.root.worker.returncode),
-            summary.format_report(root, workers, host, run_dir))
+    assert outcome.root is not None
+    first = outcome.root.failure.worker
+    assert first.returncode is not None
+    reread = summary.Failure(first,  # re-read: the record may be complete now
+                             records.read_error_record(first.error_file))
+    culprit = dataclasses.replace(outcome.root, failure=reread)
+    return (summary.exit_code(first.returncode),
+            summary.format_report(culprit, workers, host, run_dir))

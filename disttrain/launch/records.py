@@ -7,6 +7,8 @@
   tracebacks instead of ``error_file: <N/A>`` and we read the files torch's ``@record`` writes.
 * **Failure notice** (``$DISTTRAIN_RUN_DIR/failure.json``): written by the launcher *before*
   it stops the survivors, so each can say which rank failed first.
+* **Launcher pid** (``$DISTTRAIN_LAUNCHER_PID``): a worker whose parent is no longer that
+  process has lost its launcher and ends itself (``hooks``).
 * **Flight-recorder dump** (``$DISTTRAIN_FLIGHT_DIR/flight-rank<R>.json``): the
   communicator's last collectives (see ``disttrain.comm.flight_recorder``).
 """
@@ -27,6 +29,7 @@ ERROR_FILE_VAR = "DISTTRAIN_ERROR_FILE"
 TORCH_ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
 RUN_DIR_VAR = "DISTTRAIN_RUN_DIR"
 FLIGHT_DIR_VAR = "DISTTRAIN_FLIGHT_DIR"
+LAUNCHER_PID_VAR = "DISTTRAIN_LAUNCHER_PID"
 FAILURE_NOTICE = "failure.json"
 
 
@@ -43,6 +46,7 @@ class ErrorRecord:
     pid: int | None = None
     flight_file: str | None = None
     root_cause: str | None = None  # the launcher's notice, when another rank failed first
+    suspects: tuple[int, ...] = ()  # the ranks this one's communicator blamed (dead, silent)
 
     def to_json(self) -> dict[str, Any]:
         torch_part = {"message": self.message, "extraInfo": {
@@ -55,6 +59,7 @@ class ErrorRecord:
         ours = data.get("disttrain")
         if isinstance(ours, Mapping):
             known = {k: ours[k] for k in cls.__dataclass_fields__ if k in ours}
+            known["suspects"] = tuple(int(r) for r in known.get("suspects") or ())
             return cls(**known)
         message = data.get("message", "")
         if isinstance(message, Mapping):

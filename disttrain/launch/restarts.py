@@ -22,14 +22,14 @@ import sys
 from disttrain.launch import records
 from disttrain.launch.config import LaunchConfig
 from disttrain.launch.launcher import launch
-from disttrain.launch.summary import Failure, describe_exit
+from disttrain.launch.summary import Blame, describe_exit
 
 
 def launch_with_restarts(config: LaunchConfig) -> int:
     """Run the job, restarting it after a failure up to ``config.max_restarts`` times;
     return the exit code of the last attempt."""
     for attempt in range(config.max_restarts + 1):
-        failed: list[Failure] = []
+        failed: list[Blame] = []
         code = launch(_attempt_config(config, attempt), attempt, failed.append)
         if not failed or config.max_restarts == 0:  # done, stopped by a signal, or no restarts
             return code
@@ -51,9 +51,13 @@ def _attempt_config(config: LaunchConfig, attempt: int) -> LaunchConfig:
     return dataclasses.replace(config, run_dir=os.path.join(config.run_dir, f"restart-{attempt}"))
 
 
-def describe_failure(failure: Failure) -> str:
-    """``rank 1 was killed by SIGKILL`` / ``rank 2 exited with code 1 (ValueError: …)``."""
-    worker = failure.worker
+def describe_failure(blame: Blame) -> str:
+    """``rank 1 was killed by SIGKILL`` / ``rank 2 exited with code 1 (ValueError: …)`` /
+    ``rank 1 was stopped (…)``: the culprit, when a survivor's record names it."""
+    if blame.named_by_another:
+        word = "rank" if len(blame.ranks) == 1 else "ranks"
+        return f"{word} {', '.join(map(str, blame.ranks))} {blame.how}"
+    worker = blame.failure.worker
     assert worker.returncode is not None
     record = records.read_error_record(worker.error_file) if worker.error_file else None
     message = " ".join(record.message.split())[:200] if record is not None else ""

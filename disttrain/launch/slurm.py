@@ -3,8 +3,12 @@
 ``srun`` starts one process per task and tells each its place through SLURM_PROCID (the
 global rank), SLURM_LOCALID (the index on its node), SLURM_NTASKS and the node list in
 Slurm's compressed hostlist syntax, e.g. ``node[01-03,07],gpu5``. Rank 0 runs on the first
-node of the step, so that node is the master; the port comes from MASTER_PORT or, failing
-that, from the job id, so every task computes the same one without talking to the others.
+node of the step, so that node is the master. The port comes from MASTER_PORT or is derived
+from the job id *and* the step id: two ``srun`` steps of one job may run at the same time
+and must not meet on one port (see :mod:`disttrain.launch.placement` for collisions).
+
+Only a task of a step is launched: the batch script of ``sbatch`` also sees SLURM_PROCID=0
+and SLURM_NTASKS, but no SLURM_STEP_ID, and it is one process, not a rank of N.
 """
 
 from __future__ import annotations
@@ -12,60 +16,74 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Mapping
-from typing import NamedTuple
+
+from disttrain.launch.placement import (
+    PartialPlacement,
+    PlacementError,
+    derived_port,
+    parse_int,
+    require,
+)
 
 NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-_PORT_BASE, _PORT_SPAN = 20000, 20000  # derived ports fall in 20000..39999
+STEP_VARS = ("SLURM_STEP_ID", "SLURM_STEPID")
 
 
-class SlurmTask(NamedTuple):
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int | None
-    master_addr: str | None
-    master_port: int | None
+def step_id(env: Mapping[str, str]) -> str | None:
+    """The step this process is a task of (None: not started by srun)."""
+    for name in STEP_VARS:
+        if env.get(name):
+            return env[name].strip()
+    return None
 
 
-def _error(message: str) -> ValueError:
-    from disttrain.launch.env import PlacementError  # env imports this module
+def detect(env: Mapping[str, str]) -> bool:
+    """Whether this process is a task of an srun step."""
+    return step_id(env) is not None
 
-    return PlacementError(message)
 
-
-def _int(env: Mapping[str, str], name: str, fix: str) -> int:
+def batch_tasks(env: Mapping[str, str]) -> int | None:
+    """SLURM_NTASKS when this is a batch script (sbatch/salloc shell) of several tasks, not
+    one of them: the case where starting ranks without srun is the likely mistake."""
+    if detect(env) or "SLURM_JOB_ID" not in env:
+        return None
     try:
-        return int(env[name].strip())
+        tasks = int(env.get("SLURM_NTASKS", "1"))
     except ValueError:
-        raise _error(f"{name}={env[name]!r} is not an integer; {fix}") from None
+        return None
+    return tasks if tasks > 1 else None
 
 
-def task_from_env(env: Mapping[str, str]) -> SlurmTask:
+def task_from_env(env: Mapping[str, str]) -> PartialPlacement:
     """This task's place, from the variables srun sets (MASTER_ADDR/PORT override)."""
-    rank = _int(env, "SLURM_PROCID", "srun sets it to the task's global rank")
-    size_var = "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS"
-    if size_var not in env:
-        raise _error("SLURM_PROCID is set but SLURM_NTASKS is not; run the script with srun "
-                     "(which sets both), or set RANK/WORLD_SIZE instead")
-    world = _int(env, size_var, "srun sets it to the number of tasks")
-    local_rank = _int(env, "SLURM_LOCALID", "srun sets it") if "SLURM_LOCALID" in env else 0
-    local_world = _local_world_size(env)
-    addr = env.get("MASTER_ADDR") or _first_node(env)
-    port = None
+    why = f"{_step_var(env)} says srun started this process (srun sets both)"
+    require(env, ("SLURM_PROCID",), why)
+    rank = parse_int("SLURM_PROCID", env["SLURM_PROCID"], "srun sets it to the task's rank")
+    size_var = "SLURM_NPROCS" if env.get("SLURM_NPROCS") and not env.get("SLURM_NTASKS") \
+        else "SLURM_NTASKS"
+    require(env, (size_var,), why)
+    world = parse_int(size_var, env[size_var], "srun sets it to the number of tasks")
+    local_rank = (parse_int("SLURM_LOCALID", env["SLURM_LOCALID"], "srun sets it")
+                  if env.get("SLURM_LOCALID") else None)
+    part = PartialPlacement("slurm", rank, world, local_rank, _local_world_size(env),
+                            env.get("MASTER_ADDR") or _first_node(env),
+                            addr_hint="export MASTER_ADDR before srun",
+                            port_hint="export MASTER_PORT before srun")
     if env.get("MASTER_PORT"):
-        port = _int(env, "MASTER_PORT", "set it to a free TCP port on the first node")
+        part.master_port = parse_int("MASTER_PORT", env["MASTER_PORT"],
+                                     "set it to a free TCP port on the first node")
     elif env.get("SLURM_JOB_ID"):
-        port = derived_port(_int(env, "SLURM_JOB_ID", "Slurm sets it to the job id"))
-    if addr is None and world > 1:
-        raise _error("under Slurm the master is the first node of SLURM_STEP_NODELIST, "
-                     "SLURM_JOB_NODELIST or SLURM_NODELIST, but none is set; set MASTER_ADDR "
-                     "to the address of the node running task 0")
-    return SlurmTask(rank, world, local_rank, local_world, addr, port)
+        part.rendezvous_id = f"slurm-{env['SLURM_JOB_ID'].strip()}.{step_id(env)}"
+        part.master_port = derived_port(part.rendezvous_id)
+    if part.master_addr is None and world > 1:
+        raise PlacementError("under Slurm the master is the first node of SLURM_STEP_NODELIST, "
+                             "SLURM_JOB_NODELIST or SLURM_NODELIST, but none is set; set "
+                             "MASTER_ADDR to the address of the node running task 0")
+    return part
 
 
-def derived_port(job_id: int) -> int:
-    """A rendezvous port every task of job ``job_id`` derives alike (20000..39999)."""
-    return _PORT_BASE + job_id % _PORT_SPAN
+def _step_var(env: Mapping[str, str]) -> str:
+    return next((f"{n}={env[n]}" for n in STEP_VARS if env.get(n)), "SLURM_STEP_ID")
 
 
 def _first_node(env: Mapping[str, str]) -> str | None:

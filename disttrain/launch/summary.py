@@ -1,10 +1,14 @@
 """The launcher's report when a run fails: who failed first, how, and where each rank was.
 
-The root cause is the first worker the launcher saw exit with an error; among workers seen
-in the same poll, one that failed on its own beats one that only reports a dead peer or was
-terminated, then the earliest error record. The report shows its host, exit code or signal,
-the tail of its traceback (from its error record, else its stderr), and, per rank, the last
-collective in its flight recorder, which shows at a glance which rank fell behind.
+The first failure is the first worker the launcher saw exit with an error; among workers
+seen in the same poll, one that failed on its own beats one that only reports a dead peer
+or was terminated, then the earliest error record. When that first failure is only a
+consequence (a survivor's timeout) and its communicator named the ranks to blame, those
+are the culprit (:func:`blame`): a rank that fell silent (stopped, or stuck) never exits by
+itself, so it is never the first to fail. The report shows the culprit's host, how it
+ended (exit code, signal, or stopped), the tail of the traceback that names it (from the
+error record, else stderr), and, per rank, the last collective in its flight recorder,
+which shows at a glance which rank fell behind.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from disttrain.comm.liveness import DEAD, RUNNING, STOPPED, process_state
 from disttrain.launch import records
 from disttrain.launch.process import Worker
 
 _TAIL = 15
-_CONSEQUENCES = ("PeerFailedError", "WorkerTerminated", "CommTimeoutError")
+_CONSEQUENCES = ("PeerFailedError", "WorkerTerminated", "CommTimeoutError",
+                 "BarrierTimeoutError", "InitError")
 
 
 def exit_code(returncode: int) -> int:
@@ -80,44 +86,95 @@ def first_failure(candidates: Sequence[Failure]) -> Failure:
     return min(candidates, key=Failure.sort_key)
 
 
-def notice_for(failure: Failure, host: str) -> records.FailureNotice:
-    worker = failure.worker
-    assert worker.returncode is not None
+@dataclass(frozen=True)
+class Blame:
+    """Whom the report names: the first failure itself, or the ranks it blamed."""
+
+    failure: Failure  # the first failure (it names the culprit when it is a consequence)
+    ranks: tuple[int, ...]  # the culprit(s)
+    how: str  # "was killed by SIGKILL", "was stopped (SIGSTOP or a debugger) ..."
+    worker: Worker | None  # the culprit's worker when it runs on this node
+
+    @property
+    def named_by_another(self) -> bool:
+        return self.ranks != (self.failure.rank,)
+
+
+def blame(first: Failure, workers: Sequence[Worker]) -> Blame:
+    """The culprit of a failure whose first report is ``first`` (see the module doc)."""
+    suspects = first.record.suspects if first.record is not None else ()
+    own = Blame(first, (first.rank,), describe_exit(first.worker.returncode or 0),
+                first.worker)
+    if not first.is_consequence() or not suspects or first.rank in suspects:
+        return own
+    local = [w for w in workers if w.rank in suspects]
+    if not local:
+        return Blame(first, tuple(suspects), "did not respond (on another node)", None)
+    worker = local[0]
+    state = DEAD if worker.returncode is not None else process_state(worker.pid)
+    how = {STOPPED: "was stopped (SIGSTOP or a debugger) and did not respond",
+           RUNNING: "did not respond (alive, but stuck outside the collective its peers "
+                    "were in)"}.get(state, "")
+    if not how:
+        code = worker.poll()
+        how = describe_exit(code) if code is not None else "died"
+    return Blame(first, tuple(suspects), how, worker)
+
+
+def notice_for(culprit: Blame, host: str) -> records.FailureNotice:
+    failure = culprit.failure
+    worker = culprit.worker or failure.worker
     message = failure.record.message if failure.record else ""
-    return records.FailureNotice(worker.rank, host, worker.pid, describe_exit(worker.returncode),
-                                 message)
+    if culprit.named_by_another:
+        message = f"named by rank {failure.rank}: {message}"
+    return records.FailureNotice(culprit.ranks[0], host, worker.pid, culprit.how, message)
 
 
-def format_report(root: Failure, workers: Sequence[Worker], host: str, run_dir: str) -> str:
-    worker = root.worker
-    assert worker.returncode is not None
+def format_report(culprit: Blame, workers: Sequence[Worker], host: str, run_dir: str) -> str:
+    root = culprit.failure
+    worker = culprit.worker or root.worker
     others = [w for w in workers if w is not worker]
+    stopped = "" if not others else f" and the other {len(others)} local worker(s) were stopped"
+    who = (f"rank {culprit.ranks[0]}" if len(culprit.ranks) == 1 else
+           f"ranks {list(culprit.ranks)}")
+    verb = "it" if len(culprit.ranks) == 1 else "they"
+    named = f" (named by rank {root.rank})" if culprit.named_by_another else ""
     lines = [
-        f"disttrain launch: rank {root.rank} failed first; it {describe_exit(worker.returncode)}"
-        f"{'' if not others else f' and the other {len(others)} local worker(s) were stopped'}.",
-        f"===== root cause: rank {root.rank} =====",
-        f"  host       : {host} (local rank {worker.local_rank}, pid {worker.pid})",
-        f"  exit       : {describe_exit(worker.returncode)}",
+        f"disttrain launch: {who} failed first; {verb} {culprit.how}{named}{stopped}.",
+        f"===== root cause: {who} =====",
     ]
+    if culprit.worker is not None:
+        lines.append(f"  host       : {host} (local rank {worker.local_rank}, pid {worker.pid})")
+    lines.append(f"  exit       : {culprit.how}")
+    if culprit.named_by_another:
+        accuser = describe_exit(root.worker.returncode or 0)
+        lines.append(f"  named by   : rank {root.rank} (which then {accuser})")
+    lines += _error_lines(root)
+    lines += _other_ranks(others)
+    lines += _collectives(workers, run_dir)
+    lines.append(f"error records and flight-recorder dumps: {run_dir}")
+    return "\n".join(lines)
+
+
+def _error_lines(root: Failure) -> list[str]:
+    """The error (and traceback tail) of the first failure, from its record or stderr."""
+    worker = root.worker
     if root.record is not None:
-        lines += [f"  error      : {_one_line(root.record.message)}",
-                  f"  error file : {worker.error_file}"]
+        lines = [f"  error      : {_one_line(root.record.message)}",
+                 f"  error file : {worker.error_file}"]
         if root.record.flight_file:
             lines.append(f"  flight rec.: {root.record.flight_file}")
         tail = root.record.traceback.rstrip("\n").splitlines()[-_TAIL:]
         source = "traceback"
     else:
-        lines.append("  error file : <none: the process ended before writing one "
-                     "(killed by a signal, or it does not call disttrain.init())>")
+        lines = ["  error file : <none: the process ended before writing one "
+                 "(killed by a signal, or it does not call disttrain.init())>"]
         tail = [line.rstrip("\n") for line in worker.stderr_tail][-_TAIL:]
         source = "stderr"
     if tail:
         lines.append(f"  {source} (last {len(tail)} lines):")
         lines += [f"    {line}" for line in tail]
-    lines += _other_ranks(others)
-    lines += _collectives(workers, run_dir)
-    lines.append(f"error records and flight-recorder dumps: {run_dir}")
-    return "\n".join(lines)
+    return lines
 
 
 def _other_ranks(others: Sequence[Worker]) -> list[str]:

@@ -112,8 +112,17 @@ def _workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--servers", type=int, default=None,
                    help="parameter servers (default: workers // 8)")
     p.add_argument("--staleness", type=int, default=2, help="ps-ssp bound")
-    p.add_argument("--worker-speeds", type=Speeds.parse, default=Speeds(),
+    p.add_argument("--worker-speeds", type=_speeds, default=Speeds(),
                    help="none, lognormal:SIGMA or straggler:FRACTION:FACTOR")
+
+
+def _speeds(text: str) -> Speeds:
+    """``--worker-speeds``; argparse shows the message (it hides a plain ValueError's)."""
+    try:
+        return Speeds.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--worker-speeds {text!r}: ")
+                                         + f" (got {text!r})") from None
 
 
 def _transport(name: str) -> str:

@@ -11,9 +11,9 @@
     disttrain run --strategy ps-ssp -n 4 --servers 1 --staleness 2 --straggler 1:2
 
 With ``-n N > 1`` it starts N local ranks itself (the parameter-server strategies start N
-workers and --servers more ranks); inside a launched job (``RANK`` and ``WORLD_SIZE`` set by
-torchrun, ``disttrain launch`` or Slurm) it runs as that rank, and the last
-``DISTTRAIN_PS_SERVERS`` ranks (``disttrain launch --servers S``) serve.
+workers and --servers more ranks); inside a launched job (torchrun, ``disttrain launch``,
+``srun`` or ``mpirun``: the same detection as ``disttrain.init()``) it runs as that rank,
+and the last ``DISTTRAIN_PS_SERVERS`` (or --servers) ranks serve.
 Exit codes: 0 done, 1 a rank failed (named on stderr), 2 bad arguments.
 """
 
@@ -82,9 +82,11 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     _loop_arguments(p)
     _data_and_parallel_arguments(p)
     p.add_argument("--transport", choices=("torch", "shm", "auto"), default="torch",
-                   help="how disttrain.comm moves bytes between local ranks (default torch)")
-    p.add_argument("--comm-timeout", type=float, default=120.0,
-                   help="seconds any collective may wait (default %(default)s)")
+                   help="how disttrain.comm moves bytes between ranks (default torch; shm "
+                        "needs every rank on one machine, auto picks it when they are)")
+    p.add_argument("--comm-timeout", type=float, default=None,
+                   help="seconds any collective may wait (default: $DISTTRAIN_TIMEOUT, else "
+                        "120)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds the whole run may take (default: no limit)")
     p.add_argument("--json", metavar="FILE", help="write rank 0's result summary as JSON")
@@ -280,19 +282,21 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        in_job = spawn.in_launched_job()
-        if in_job:
+        launcher = spawn.in_launched_job()
+        in_job = launcher is not None
+        if launcher is not None:
             config = _resume_after_restart(_servers_from_job(config))
-        world_size = _world_size(args.nproc, in_job)
-        if not in_job:  # -n counts workers; a parameter-server run adds its servers
-            world_size = ranks_needed(config, world_size)
+            world_size = _job_world_size(args.nproc, launcher, config)
+        else:  # -n counts workers; a parameter-server run adds its servers
+            world_size = ranks_needed(config, _local_workers(args.nproc))
         checked_setup(config, world_size)
         require_available(config.device)  # a one-line error, before any rank starts
         resolve(MODELS, config.model, "model")
         resolve(DATASETS, config.dataset, "dataset")
-        comm_config = CommConfig(timeout_s=args.comm_timeout)
+        comm_config = CommConfig(timeout_s=_comm_timeout(args.comm_timeout))
         if in_job:
-            result: TrainResult | None = spawn.run_in_job(config, comm_config, args.backend)
+            result: TrainResult | None = spawn.run_in_job(config, comm_config, args.backend,
+                                                          args.transport)
             if result is not None and result.rank != 0:
                 result = None
         elif world_size == 1 and not get_strategy(config.strategy).needs_comm:
@@ -313,13 +317,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _world_size(nproc: int | None, in_job: bool) -> int:
-    if in_job:
-        world = int(os.environ["WORLD_SIZE"])
-        if nproc is not None and nproc != world:
-            raise ValueError(f"-n {nproc} disagrees with WORLD_SIZE={world} set by the "
-                             f"launcher; drop -n inside a launched job")
-        return world
+def _comm_timeout(flag: float | None) -> float:
+    """--comm-timeout, else $DISTTRAIN_TIMEOUT (what disttrain.init() reads), else 120 s."""
+    if flag is not None:
+        if not 0 < flag < float("inf"):
+            raise ValueError(f"--comm-timeout must be a positive number of seconds, got {flag:g}")
+        return flag
+    from disttrain.launch.env import resolve_timeout
+
+    return resolve_timeout(None, os.environ) if os.environ.get("DISTTRAIN_TIMEOUT") else 120.0
+
+
+_SIZE_VARS = {"torchrun": "WORLD_SIZE", "slurm": "SLURM_NTASKS",
+              "mpi": "OMPI_COMM_WORLD_SIZE or PMI_SIZE"}
+
+
+def _job_world_size(nproc: int | None, launcher: str, config: TrainConfig) -> int:
+    """The launched job's size (its variables checked: an incomplete set is an error
+    naming the missing one); ``-n`` may repeat it (workers, for a parameter-server run)
+    but not contradict it."""
+    from disttrain.launch.env import resolve_placement
+
+    world = resolve_placement(os.environ).world_size
+    if nproc is not None and ranks_needed(config, nproc) != world:
+        counted = ranks_needed(config, nproc)
+        extra = f" ({nproc} workers + servers)" if counted != nproc else ""
+        raise ValueError(f"-n {nproc}{extra} disagrees with the {world} ranks the launcher "
+                         f"started ({_SIZE_VARS[launcher]}={world}); drop -n inside a "
+                         f"launched job")
+    return world
+
+
+def _local_workers(nproc: int | None) -> int:
     nproc = 1 if nproc is None else nproc
     if nproc < 1:
         raise ValueError(f"-n must be ≥ 1, got {nproc}")

@@ -1,22 +1,27 @@
 """Run the training loop on ranks: local processes started here, or the ranks of a launched job.
 
-``run_local`` spawns ``world_size`` processes on this machine. They meet through a ``file://``
-store in a fresh temporary directory (no port to clash with other jobs), use the given
-backend (Gloo, or NCCL with a GPU per rank: rank r trains on ``cuda:r``), and send their
-:class:`TrainResult` back through a pipe to this process (their parent). A rank that raises
-or dies is named, the others are stopped, and :class:`RankFailedError` says which.
+``run_local`` spawns ``world_size`` processes on this machine. They meet through a file store
+in a fresh temporary directory (no port to clash with other jobs) with the same rendezvous
+as ``disttrain.init()`` (a rank that never comes is named), use the given backend (Gloo, or
+NCCL with a GPU per rank: rank r trains on ``cuda:r``), and send their
+:class:`TrainResult` back through a pipe to this process (their parent). A rank that raises,
+dies or falls silent is named (:mod:`disttrain.train.rank_failures`), the others are
+stopped, and :class:`RankFailedError` says which. Every rank gets SIGKILL from the kernel
+if this process dies (``PR_SET_PDEATHSIG``), so a killed ``disttrain run`` leaves no rank.
 
-``run_in_job`` is for processes started by ``torchrun``, ``disttrain launch`` or Slurm, where
-``RANK``/``WORLD_SIZE`` are already in the environment.
+``run_in_job`` is for processes started by ``torchrun``, ``disttrain launch``, ``srun`` or
+``mpirun`` (:func:`in_launched_job` asks :func:`disttrain.launch.launcher_of`).
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -24,20 +29,18 @@ import traceback
 from typing import Any
 
 from disttrain.comm import CommConfig, Communicator
+from disttrain.comm.transports.shm_segment import SHM_TAG_VAR, unlink_tagged
+from disttrain.train import rank_failures
 from disttrain.train.config import TrainConfig
 from disttrain.train.device import select_local_gpu
 from disttrain.train.loop import train
+from disttrain.train.rank_failures import RankFailedError, root_cause
 from disttrain.train.result import TrainResult
 
+__all__ = ["RankFailedError", "in_launched_job", "make_comm", "root_cause", "run_in_job",
+           "run_local"]
+
 log = logging.getLogger(__name__)
-
-
-class RankFailedError(RuntimeError):
-    """A rank raised, died or timed out; ``rank`` and ``kind`` say which and how."""
-
-    def __init__(self, rank: int, kind: str, detail: str) -> None:
-        super().__init__(f"rank {rank} {kind}: {detail}")
-        self.rank, self.kind, self.detail = rank, kind, detail
 
 
 def _threads_per_rank(world_size: int) -> int:
@@ -57,20 +60,27 @@ def make_comm(transport: str, comm_config: CommConfig) -> Communicator:
     return Communicator(make_transport(transport, timeout_s=comm_config.timeout_s), comm_config)
 
 
-def _worker(rank: int, world_size: int, store: str, config: TrainConfig,
+def _worker(rank: int, world_size: int, store_path: str, config: TrainConfig,
             comm_config: CommConfig, transport: str, log_level: int, conn: Any,
-            backend: str = "gloo") -> None:
+            parent: int, shm_tag: str, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
+    from disttrain.launch import deathsig, rendezvous
+    from disttrain.launch.env import resolve_init_timeout
+
+    deathsig.set_parent_death_signal(signal.SIGKILL, parent)  # no rank outlives disttrain run
+    os.environ[SHM_TAG_VAR] = shm_tag  # the parent removes what a killed rank leaves
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(_threads_per_rank(world_size))
+    comm = None
     try:
         select_local_gpu(config.device, rank)  # cuda:rank: every rank here is local
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=comm_config.timeout_s))
+        store = dist.FileStore(store_path, world_size)
+        start_s = resolve_init_timeout(None, comm_config.timeout_s, os.environ)
+        rendezvous.join(store, rank, world_size, start_s)
+        rendezvous.init_group(backend, store, rank, world_size, start_s, comm_config.timeout_s)
         comm = make_comm(transport, comm_config)
         try:
             result = train(config, comm)
@@ -79,8 +89,8 @@ def _worker(rank: int, world_size: int, store: str, config: TrainConfig,
         conn.send(("ok", result.without_model()))
     except (ValueError, ImportError) as exc:  # bad input or a missing package (exit 2 in the CLI)
         conn.send(("invalid", str(exc)))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as exc:
+        conn.send(("error", traceback.format_exc(), rank_failures.facts_of(exc, comm)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -96,6 +106,7 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
     torch.distributed ``backend`` (:func:`~disttrain.train.device.local_backend`)."""
     comm_config = comm_config or CommConfig()
     ctx = mp.get_context("spawn")
+    shm_tag = f"r{os.getpid():x}{secrets.token_hex(3)}"
     with tempfile.TemporaryDirectory(prefix="disttrain-run-") as tmp:
         store = os.path.join(tmp, "store")
         procs, conns = [], []
@@ -103,7 +114,8 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker, name=f"disttrain-rank{rank}", daemon=True,
                                args=(rank, world_size, store, config, comm_config, transport,
-                                     logging.getLogger().getEffectiveLevel(), child, backend))
+                                     logging.getLogger().getEffectiveLevel(), child,
+                                     os.getpid(), shm_tag, backend))
             proc.start()
             child.close()
             procs.append(proc)
@@ -116,21 +128,20 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
             return results
         finally:
             _stop(procs, grace_s=30.0 if finished else 0.0)
+            left = unlink_tagged(shm_tag)  # a rank killed during shared-memory set-up
+            if left:
+                log.warning("removed shared-memory segment(s) a dead rank left: %s", left)
             log.debug("all %d ranks stopped (exit codes %s)", world_size,
                       [proc.exitcode for proc in procs])
 
 
-# A rank whose error ends in one of these failed because another rank did: a dead or
-# failed peer (disttrain.comm's errors, Gloo's broken connections) or a wait that ran out.
-_CONSEQUENCES = ("PeerFailedError", "CommTimeoutError", "Connection closed by peer",
-                 "Connection reset by peer", "Broken pipe")
 _GRACE_S = 1.0  # after a first failure, how long the others may take to report theirs
 
 
 def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None) -> list[TrainResult]:
     """Every rank's result, or the root cause of a failure: after the first error or death,
     the other ranks get ``_GRACE_S`` to report theirs, and the first failure that is not a
-    consequence of another's is raised (see :func:`root_cause`)."""
+    consequence of another's is raised (see :func:`rank_failures.root_cause`)."""
     results: dict[int, TrainResult] = {}
     failed: list[RankFailedError] = []  # in the order they were seen
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -150,7 +161,7 @@ def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None) -> lis
             if item in waiting:
                 rank = waiting.pop(item)
                 try:
-                    _receive(item, rank, results)
+                    _receive(item, rank, results, procs[rank])
                 except RankFailedError as exc:
                     failed.append(exc)
             elif item in sentinels:
@@ -158,84 +169,74 @@ def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None) -> lis
                 conn = conns[rank]
                 if conn in waiting and not conn.poll(0.5):
                     waiting.pop(conn)
-                    failed.append(RankFailedError(
-                        rank, "died", f"process exited with code {procs[rank].exitcode}"))
+                    failed.append(rank_failures.died(rank, procs[rank].exitcode))
         if failed and grace_end is None:
             grace_end = time.monotonic() + _GRACE_S
     if failed:
-        raise root_cause(failed)
+        raise root_cause(failed, {rank: proc.pid for rank, proc in enumerate(procs)})
     return [results[rank] for rank in range(len(procs))]
 
 
-def root_cause(failed: list[RankFailedError]) -> RankFailedError:
-    """The first failure (in the order seen) that is not a consequence of another rank's
-    (a broken connection, a dead peer, a timeout); the first one if all are. A survivor
-    blocked on the failed rank may report before it, and must not be named instead."""
-    return min(failed, key=lambda e: any(m in e.detail for m in _CONSEQUENCES))
-
-
-def _receive(conn: Any, rank: int, results: dict[int, TrainResult]) -> None:
+def _receive(conn: Any, rank: int, results: dict[int, TrainResult], proc: Any) -> None:
     try:
-        status, value = conn.recv()
+        message = conn.recv()
     except EOFError:
-        raise RankFailedError(rank, "died", "process exited without a result") from None
+        proc.join(0.5)  # its exit status says how it ended
+        raise rank_failures.died(rank, proc.exitcode) from None
+    status, value = message[0], message[1]
     if status == "invalid":
         raise ValueError(f"{value} (reported by rank {rank})")
     if status == "error":
         log.error("rank %d failed:\n%s", rank, value)
-        last = value.strip().splitlines()[-1] if value.strip() else "unknown error"
-        raise RankFailedError(rank, "failed", last)
+        raise rank_failures.from_report(rank, value, message[2] if len(message) > 2 else None)
     results[rank] = value
 
 
 def _stop(procs: list[Any], grace_s: float) -> None:
     """Let finished ranks exit (they destroy their process group); stop the rest. After a
-    failure the survivors are usually blocked on the failed rank, so they go at once."""
+    failure the survivors are usually blocked on the failed rank, so they go at once. A
+    stopped rank (SIGSTOP) gets SIGCONT after SIGTERM, or SIGTERM could not act on it."""
     deadline = time.monotonic() + grace_s
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-            proc.join(timeout=5)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
             proc.join()
 
 
-def in_launched_job() -> bool:
-    """True when a launcher (torchrun, disttrain launch, srun wrapper) set RANK/WORLD_SIZE."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+def in_launched_job() -> str | None:
+    """The launcher whose contract this process's environment carries ("torchrun" for
+    torchrun and disttrain launch, "slurm", "mpi"), or None: the same decision as
+    ``disttrain.init()``'s, so a process is never one rank of a job for one and a world of
+    its own for the other."""
+    from disttrain.launch.env import launcher_of
+
+    return launcher_of(os.environ)
 
 
 def run_in_job(config: TrainConfig, comm_config: CommConfig | None = None,
-               backend: str | None = None) -> TrainResult:
-    """Train as one rank of an already launched job (environment variables set); the
-    backend follows ``config.device`` unless ``backend`` (or $DISTTRAIN_BACKEND) says."""
-    import torch.distributed as dist
+               backend: str | None = None, transport: str = "torch") -> TrainResult:
+    """Train as one rank of an already launched job (its launcher's variables set), moving
+    bytes by ``transport`` as ``run_local`` does; the backend follows ``config.device``
+    unless ``backend`` (or $DISTTRAIN_BACKEND) says."""
+    from disttrain.launch import hooks, init, shutdown
 
     comm_config = comm_config or CommConfig()
-    comm = _init_from_environment(comm_config, config.device, backend)
+    comm = init(None if backend in (None, "auto") else backend, device=config.device,
+                timeout_s=comm_config.timeout_s)  # reads every launcher's contract
+    if transport != "torch":
+        comm = make_comm(transport, comm_config)
+        hooks.register(comm)  # its flight recorder is the one to dump on a failure
     try:
         return train(config, comm)
     finally:
         comm.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _init_from_environment(comm_config: CommConfig, device: str = "auto",
-                           backend: str | None = None) -> Communicator:
-    import torch.distributed as dist
-
-    try:
-        from disttrain.launch import init  # reads torchrun's and Slurm's contracts
-    except ImportError:  # an installation without disttrain.launch: plain env:// below
-        pass
-    else:
-        return init(None if backend == "auto" else backend, device=device,
-                    timeout_s=comm_config.timeout_s)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="env://",
-                                timeout=datetime.timedelta(seconds=comm_config.timeout_s))
-    return Communicator.from_torch(config=comm_config)
+        shutdown()

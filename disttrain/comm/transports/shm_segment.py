@@ -15,21 +15,28 @@ every counter has exactly one writer and no two writers share a line (no false s
 The size depends on the world size and the configured slot sizes, never on message sizes:
 large messages stream through the fixed slots in rounds.
 
-The segment's name is unlinked as soon as every rank has attached (see ``shm.py``), so a
-crash can never leave a file in /dev/shm; the mappings stay valid until the processes exit.
+The segment's name is unlinked as soon as every rank has attached (see ``shm.py``); the
+mappings stay valid until the processes exit. A rank killed between creating a segment and
+that moment leaves the name behind (its resource tracker, which would remove it, is killed
+with its process group), so launchers tag their ranks' segments and remove what is left of
+them when the ranks are gone (:func:`unlink_tagged`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import mmap
 import os
 import secrets
-import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+
+# Who runs where, shared with the torch transport's failure diagnosis.
+from disttrain.comm.liveness import host_key as host_key
+from disttrain.comm.liveness import is_alive as is_alive
+from disttrain.comm.liveness import process_start_time as process_start_time
 
 LINE = 64  # bytes per cache line: every counter lives alone on one
 PAGE = 4096
@@ -37,6 +44,7 @@ MAGIC = int.from_bytes(b"distshm1", "little")  # identifies a disttrain segment
 VERSION = 2
 SLOT_HEADER = LINE  # mailbox slot header: tag, total bytes, offset, piece length
 NAME_PREFIX = "disttrain-shm-"
+SHM_TAG_VAR = "DISTTRAIN_SHM_TAG"  # set by launchers: the segments of their ranks
 
 # Rank-line fields (int64 indices within the rank's first line).
 PID, START_TIME, STATE = 0, 1, 2
@@ -113,30 +121,31 @@ class ShmLayout:
                 self.mailbox_slot_bytes, self.size]
 
 
-def host_key() -> bytes:
-    """32 bytes that are equal exactly for processes that can share memory and see each
-    other's pids: same host name, same boot, same mount, pid and network namespaces.
+def new_segment_name(environ: Mapping[str, str] | None = None) -> str:
+    """A fresh name such as ``disttrain-shm-3f9c0a1b22de``; with the launcher's tag
+    ($DISTTRAIN_SHM_TAG) ``disttrain-shm-<tag>-3f9c0a1b22de``, so that the launcher can
+    remove what a rank killed during set-up left (:func:`unlink_tagged`)."""
+    tag = (os.environ if environ is None else environ).get(SHM_TAG_VAR, "")
+    if tag and not (tag.isascii() and tag.isalnum()):
+        raise ValueError(f"{SHM_TAG_VAR}={tag!r} must be letters and digits only")
+    return NAME_PREFIX + (f"{tag}-" if tag else "") + secrets.token_hex(6)
 
-    Two network namespaces on one machine count as two hosts, so the launcher's
-    namespace "machines" (issue 9, hierarchical collectives) fall back to torch.
-    """
-    parts = [socket.gethostname()]
+
+def unlink_tagged(tag: str, directory: str = "/dev/shm") -> list[str]:
+    """Remove every segment named with launcher tag ``tag`` (see :func:`new_segment_name`):
+    a name outlives set-up only if a rank died in the window between creating a segment
+    and every rank attaching it, and then a launcher whose ranks are all gone removes it.
+    Returns the names removed."""
+    if not tag:
+        return []
+    prefix = f"{NAME_PREFIX}{tag}-"
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
     except OSError:
-        parts.append("no-boot-id")
-    for ns in ("mnt", "pid", "net"):
-        try:
-            parts.append(f"{ns}:{os.stat(f'/proc/self/ns/{ns}').st_ino}")
-        except OSError:
-            parts.append(f"{ns}:?")
-    return hashlib.sha256("\0".join(parts).encode()).digest()
-
-
-def new_segment_name() -> str:
-    """A fresh per-job name such as ``disttrain-shm-3f9c0a1b22de``."""
-    return NAME_PREFIX + secrets.token_hex(6)
+        return []  # no /dev/shm here: no names to leak either
+    for name in names:
+        unlink_name(name)
+    return names
 
 
 def create_segment(name: str, size: int) -> SharedMemory:
@@ -218,38 +227,3 @@ def release(shm: SharedMemory | AttachedSegment) -> bool:
     except BufferError:
         return False
     return True
-
-
-def process_start_time(pid: int) -> int:
-    """The kernel's start time of ``pid`` (clock ticks since boot), 0 when unknown. A pid is
-    identified by (pid, start time), so a recycled pid is not mistaken for a live peer."""
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields and len(fields) > 19 else 0
-
-
-def is_alive(pid: int, start_time: int) -> bool:
-    """Whether process ``pid`` (started at ``start_time``) still runs. A zombie is dead:
-    a SIGKILLed rank stays a zombie until its parent reaps it, and ``os.kill(pid, 0)``
-    alone would call it alive."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    fields = _stat_fields(pid)
-    if fields is None:
-        return not os.path.isdir("/proc/self")  # no /proc: trust os.kill
-    if fields[0] in ("Z", "X", "x"):
-        return False
-    return not (start_time and len(fields) > 19 and int(fields[19]) != start_time)
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat after the command name: [state, ppid, ...] (field 3 onwards)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    return text[text.rfind(")") + 2 :].split()

@@ -14,21 +14,23 @@ Two torch.distributed pitfalls are handled here:
   one-rank groups), so overlapping and nested groups work.
 * When one rank dies, Gloo fails *every* pending transfer of its peers with the same error,
   so the peer a rank was waiting for is not necessarily the one that died.
-  :meth:`TorchTransport.unresponsive_ranks` asks the rendezvous store who is still there.
+  :meth:`TorchTransport.diagnose` asks the rendezvous store who is still there and looks
+  at the processes of silent peers on this host (:mod:`disttrain.comm.checkin`).
 """
 
 from __future__ import annotations
 
 import datetime
 import inspect
-import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from disttrain.comm.checkin import Verdict, check_in
 from disttrain.comm.errors import CommError
+from disttrain.comm.liveness import ProcessInfo, read_table
 from disttrain.comm.transport import RawWork, Transport
 from disttrain.comm.transports import gloo_threads
 
@@ -36,6 +38,7 @@ _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "closed by
               "connection refused", "eof", "socket closed")
 _SETUP_TAG = (1 << 30) + 1  # above every collective and user tag: group set-up messages
 _SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
+_TABLE_READ_S = 5.0  # longest wait for the members' process table
 
 
 def translate_error(exc: BaseException) -> BaseException:
@@ -81,6 +84,13 @@ def _naming(peer: int, call: Any, *args: Any) -> Any:
     except (TimeoutError, ConnectionError) as exc:
         setattr(exc, "peer", peer)  # noqa: B010
         raise
+
+
+def job_store() -> Any:
+    """The store the job met through (where ``disttrain.init()`` published each rank's
+    process): torch hands out the default group's store under a prefix of its own."""
+    store = dist.distributed_c10d._get_default_store()
+    return getattr(store, "underlying_store", store)
 
 
 class _ClosedGroup:
@@ -131,7 +141,19 @@ class TorchTransport(Transport):
         backend = str(dist.get_backend(self._group)).lower()
         self._device_type = "cuda" if "nccl" in backend else "cpu"
         self.timeout_s = timeout_s
+        self._table: tuple[ProcessInfo | None, ...] | None = None
+        self._table_read = False
+        self._read_table()
         gloo_threads.tune_io_threads()  # Gloo's I/O threads must not spin on a busy core
+
+    def _read_table(self) -> None:
+        """Read the members' process table now, while the store surely answers: after a
+        network partition it may not (then the table still tells this host's ranks from
+        the others)."""
+        try:
+            self._processes(job_store())
+        except Exception:  # no default store (or no table): diagnosed without one
+            self._table_read = True
 
     @property
     def rank(self) -> int:
@@ -226,23 +248,32 @@ class TorchTransport(Transport):
             dist.new_group([me], timeout=timeout, use_local_synchronization=True)
 
     def unresponsive_ranks(self, grace_s: float) -> list[int] | None:
-        """After a broken connection, check in through the rendezvous store and return the
-        group ranks that did not check in within ``grace_s`` (dead, or stuck elsewhere).
+        """The group ranks to blame after a failure (see :meth:`diagnose`); None when the
+        store cannot tell."""
+        verdict = self.diagnose(grace_s)
+        return None if verdict is None else list(verdict.missing)
+
+    def diagnose(self, grace_s: float) -> Verdict | None:
+        """After a broken connection or a timeout, check in through the rendezvous store
+        and return who is to blame, with how each is known (:mod:`disttrain.comm.checkin`):
+        a dead or stopped rank is named at once, a silent one after ``grace_s``.
 
         Gloo breaks every survivor's transfers at once when a rank dies, so survivors check
         in within milliseconds and the missing ranks are the dead ones. ``None`` when the
-        store cannot tell (e.g. it lived in the dead rank)."""
+        store cannot tell (e.g. it lived in the dead rank on another host)."""
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = job_store()
             prefix = f"disttrain/failure/{self._group.group_name}/"
-            store.set(prefix + str(self._global_ranks[self._rank]), "1")
-            missing = [r for r in range(self.world_size) if r != self._rank]
-            deadline = time.monotonic() + grace_s
-            while True:
-                missing = [r for r in missing
-                           if not store.check([prefix + str(self._global_ranks[r])])]
-                if not missing or time.monotonic() >= deadline:
-                    return missing
-                time.sleep(0.05)
+            table = self._processes(store)
+            return check_in(store, prefix, self._rank, self._global_ranks, table, grace_s)
         except Exception:  # a diagnosis aid: it must never mask the real error
             return None
+
+    def _processes(self, store: Any) -> tuple[ProcessInfo | None, ...] | None:
+        """The members' processes as they published them when they joined (read once,
+        while the store answers; None when they did not publish, e.g. a file store set up
+        by hand)."""
+        if self._table is None and not self._table_read:
+            self._table_read = True
+            self._table = read_table(store, self._global_ranks, _TABLE_READ_S)
+        return self._table

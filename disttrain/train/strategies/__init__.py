@@ -156,6 +156,8 @@ class StrategySpec:
         config.micro_batch(dp)  # raises with the fix when the global batch does not split
         if self.check is not None:
             self.check(config, world_size, dp)
+        if self.layout in ("pipeline", "model"):
+            _check_layers(config, world_size // dp)
         return dp
 
 
@@ -192,6 +194,22 @@ def _check_pipeline(config: TrainConfig, world_size: int, dp: int) -> None:
         if config.checkpoint_dir is not None:
             raise ValueError("torch-gpipe is a benchmark baseline and writes no checkpoints; "
                              "use --strategy gpipe for checkpointed pipeline training")
+
+
+def _check_layers(config: TrainConfig, stages: int) -> None:
+    """Refuse more stages than the model has layers (or a --partition that does not fit it)
+    before any rank starts: the model is built here once, on the CPU, to count them."""
+    from disttrain.parallel.pipeline.partition import check_balance, check_stages, layers_of
+    from disttrain.train.data import build_dataset
+    from disttrain.train.models import build_model
+
+    info = build_dataset(config.dataset, config.data).info
+    layers = len(layers_of(build_model(config.model, info)))
+    partition = config.parallel.partition
+    if isinstance(partition, tuple):
+        check_balance(partition, layers, stages)
+    else:
+        check_stages(layers, stages)
 
 
 def _check_ps(config: TrainConfig, world_size: int, dp: int) -> None:
