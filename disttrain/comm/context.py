@@ -113,6 +113,7 @@ class CollectiveContext:
         on_progress: Callable[[], None] | None = None,
         scratch: ScratchArena | None = None,
         probe_posts: bool = True,
+        probe_waits: bool = True,
     ) -> None:
         self.transport = transport
         self.stats = stats
@@ -130,6 +131,7 @@ class CollectiveContext:
         # False (single point-to-point messages): a refused post raises at once, naming the
         # peer, instead of first waiting up to the grace period for the others to check in
         self._probe_posts = probe_posts
+        self._probe_waits = probe_waits  # False: a broken wait names its peer at once too
 
     def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """``numel`` uninitialised elements of ``like``'s dtype and device, for this
@@ -193,7 +195,8 @@ class CollectiveContext:
             pending.raw.wait(self.timeout_s)
         except (TimeoutError, ConnectionError) as exc:
             raise self.failure(describe_wait("waiting", pending.kind, pending.peer), exc,
-                               pending.peer, timed_out=isinstance(exc, TimeoutError)) from exc
+                               pending.peer, timed_out=isinstance(exc, TimeoutError),
+                               probe=self._probe_waits) from exc
         if self._on_progress is not None:
             self._on_progress()
 
