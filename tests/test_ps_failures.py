@@ -1,4 +1,5 @@
 """A killed server or worker is reported by role and rank within the timeout; nobody hangs.
+In async and ssp mode the servers and the other workers outlive a killed worker.
 
 The victim rank runs its role in a subprocess that SIGKILLs itself mid-training (the
 harness's own processes are daemons, which may not have multiprocessing children, and a
@@ -17,6 +18,8 @@ import tempfile
 import time
 from typing import Any
 
+import pytest
+
 from tests.dist import run_fresh
 from tests.ps_cases import catching, make_mlp, mlp_batch, sgd
 
@@ -26,8 +29,8 @@ KILL_AT = 2  # the victim dies at this clock (worker) or parameter version (serv
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def play(comm: Any, kill: bool) -> Any:
-    """Serve, or train for up to 40 steps; the victim SIGKILLs itself at KILL_AT."""
+def play(comm: Any, kill: bool, mode: str = "sync", servers: int = 1, steps: int = 40) -> Any:
+    """Serve, or train for up to ``steps`` steps; the victim SIGKILLs itself at KILL_AT."""
     import torch.nn.functional as F
 
     from disttrain.parallel.parameter_server import (
@@ -37,8 +40,8 @@ def play(comm: Any, kill: bool) -> Any:
         run_parameter_server,
     )
 
-    roles = assign_roles(comm.world_size, 1)
-    config = PSConfig(mode="sync", timeout_s=PS_TIMEOUT_S)
+    roles = assign_roles(comm.world_size, servers)
+    config = PSConfig(mode=mode, staleness=1, timeout_s=PS_TIMEOUT_S)
 
     def die(at: int) -> None:
         if kill and at == KILL_AT:
@@ -48,17 +51,16 @@ def play(comm: Any, kill: bool) -> Any:
         return run_parameter_server(comm, roles, make_mlp(), sgd, config, on_update=die)
     model = make_mlp()
     ps = PSWorker(comm, model, roles, config)
-    for _ in range(40):
+    for _ in range(steps):
         clock = ps.clock
         die(clock)
         ps.pull()
         x, y = mlp_batch(ps.clock, 4)
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        # the survivor reaches the gate well after the victim's last message, so the server's
-        # deadline (from that message) fires before the survivor's own (from its gated pull)
-        # even if the server is descheduled for a second on a loaded machine
-        time.sleep(1.5 if clock == KILL_AT else 0.3)
+        # the survivor reaches the gate after the victim died, so in sync mode the server
+        # holds it there when it stops, and tells it
+        time.sleep(1.5 if clock == KILL_AT and mode == "sync" else 0.1)
         ps.push()
     return ps.close()
 
@@ -78,15 +80,17 @@ def connect(rank: int, world_size: int, store: str) -> Any:
     return Communicator.from_torch(config=CommConfig(timeout_s=COMM_TIMEOUT_S))
 
 
-def victim_main(rank: int, world_size: int, store: str) -> None:
-    play(connect(rank, world_size, store), kill=True)
+def victim_main(rank: int, world_size: int, store: str, *args: Any) -> None:
+    play(connect(rank, world_size, store), True, *args)
 
 
-def rank_main(rank: int, world_size: int, store: str, victim: int) -> dict[str, Any]:
+def rank_main(rank: int, world_size: int, store: str, victim: int,
+              *args: Any) -> dict[str, Any]:
+    """``args``: play's mode, servers and steps."""
     if rank != victim:
-        return catching(play, connect(rank, world_size, store), False)
+        return catching(play, connect(rank, world_size, store), False, *args)
     code = (f"from tests.test_ps_failures import victim_main; "
-            f"victim_main({rank}, {world_size}, {store!r})")
+            f"victim_main({rank}, {world_size}, {store!r}, *{args!r})")
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=log)
         try:
@@ -122,3 +126,23 @@ def test_killed_worker_is_reported_by_the_server_and_the_other_worker() -> None:
 def test_killed_server_is_reported_by_every_worker() -> None:
     results = run_fresh(rank_main, 3, 2, timeout_s=100)
     _check(results, 2, {0: "server 0 (rank 2)", 1: "server 0 (rank 2)"})
+
+
+@pytest.mark.parametrize(("mode", "servers"), [("async", 2), ("ssp", 1)])
+def test_async_and_ssp_outlive_a_killed_worker(mode: str, servers: int) -> None:
+    # 3 workers; worker 1 dies before its clock 2: the servers drop it (in ssp its clock
+    # leaves the bound, or the gate would hold the others for ever) and the others finish
+    steps = 8
+    results = run_fresh(rank_main, 3 + servers, 1, mode, servers, steps, timeout_s=100)
+    assert results[1]["exit"] == -signal.SIGKILL, results[1]["stderr"]
+    for rank in (0, 2):
+        outcome = results[rank]
+        assert outcome["error"] is None, outcome
+        report = outcome["result"]
+        assert report.steps == steps and report.lost_workers == (1,), report
+    for rank in range(3, 3 + servers):
+        report = results[rank]["result"]
+        assert sorted(report.lost) == [1], report.lost
+        assert "worker 1 (rank 1)" in report.lost[1] and "at clock 2" in report.lost[1]
+        # every push applied on arrival: the survivors' and the victim's first two
+        assert report.version == 2 * steps + KILL_AT == report.histogram.total

@@ -175,7 +175,7 @@ def test_header_round_trip() -> None:
 
 
 @pytest.mark.parametrize(("change", "status"), [
-    ({"magic": MAGIC + 1}, Status.BAD_MAGIC), ({"protocol": 2}, Status.BAD_VERSION),
+    ({"magic": MAGIC + 1}, Status.BAD_MAGIC), ({"protocol": 1}, Status.BAD_VERSION),
     ({"type": 42}, Status.BAD_TYPE), ({"type": Msg.GRANT}, Status.BAD_TYPE),
     ({"sender": 1}, Status.BAD_SENDER), ({"dtype": 99}, Status.BAD_DTYPE),
     ({"count": -1}, Status.BAD_SIZE), ({"count": 1001}, Status.TOO_LARGE),

@@ -3,7 +3,7 @@ the sums over every rank that the training loop's ``ps-*`` strategies put in the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +17,9 @@ from disttrain.parallel.parameter_server.roles import PSRoles
 @dataclass
 class ServerReport:
     """What one server did: its final version and clock, the staleness of every applied
-    update, requests served and rejected (by status), and its bytes on the wire."""
+    update, requests served and rejected (by status), its bytes on the wire, and the workers
+    the run went on without (``lost``: rank → how this server lost it, or which other
+    server reported it)."""
 
     server: int
     rank: int
@@ -29,6 +31,7 @@ class ServerReport:
     rejected: dict[str, int]
     bytes_sent: int
     bytes_recv: int
+    lost: dict[int, str] = field(default_factory=dict)  # lost worker rank → what happened
 
     @property
     def histogram(self) -> StalenessHistogram:
@@ -51,6 +54,7 @@ class WorkerReport:
     comm_s: float
     straggler_sleep_s: float
     slow_clocks: tuple[int, ...] = ()
+    lost_workers: tuple[int, ...] = ()  # ranks of the workers the run went on without
 
 
 def gather_extras(comm: Communicator, roles: PSRoles, config: PSConfig, mine: list[float],

@@ -122,6 +122,14 @@ class ServerShard:
         """A worker finished its part of update ``key``, computed on ``pulled_version``."""
         self._pending_for(key).pulled_versions.append(pulled_version)
 
+    def discard(self, worker: int) -> int:
+        """Drop the pending updates of a lost ``worker`` (applied on arrival, keyed by
+        worker); returns how many were dropped."""
+        keys = [key for key in self._pending if key[1] == worker]
+        for key in keys:
+            del self._pending[key]
+        return len(keys)
+
     def apply(self, key: UpdateKey) -> list[int]:
         """Average update ``key`` over its contributors, step the optimizer, bump the version.
         Returns the staleness of each contribution."""
