@@ -10,6 +10,7 @@ survivors return what they raised, and when.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,9 @@ from typing import Any
 
 import pytest
 
+from disttrain.launch.config import LaunchConfig
 from tests.dist import run_fresh
+from tests.launch_scripts.harness import SCRIPTS, clean_env, run_cli
 from tests.ps_cases import catching, make_mlp, mlp_batch, sgd
 
 COMM_TIMEOUT_S = 60.0  # Gloo's own limit: the parameter server's deadlines fire long before
@@ -146,3 +149,54 @@ def test_async_and_ssp_outlive_a_killed_worker(mode: str, servers: int) -> None:
         assert "worker 1 (rank 1)" in report.lost[1] and "at clock 2" in report.lost[1]
         # every push applied on arrival: the survivors' and the victim's first two
         assert report.version == 2 * steps + KILL_AT == report.histogram.total
+
+
+# ------------------------------------------------------------------ disttrain run / launch
+RUN = ("--model", "mlp", "--steps", "10", "--global-batch", "30", "--eval-every", "4",
+       "--log-every", "0", "--no-progress", "--comm-timeout", "20")
+
+
+def test_run_ps_async_finishes_without_a_killed_worker_and_reports_it(tmp_path: Any) -> None:
+    # worker 1 dies in its 4th training step; async evaluations mid-run are each worker's
+    # own, so nothing waits for it; the survivors' final evaluation and result are one
+    out = tmp_path / "result.json"
+    proc = run_cli("run", "--strategy", "ps-async", "-n", "3", "--servers", "1", *RUN,
+                   "--model", "tests.launch_scripts.ps_victim:mlp", "--json", str(out),
+                   env=clean_env(PS_KILL="1:4"))
+    assert proc.returncode == 0, proc.stderr
+    assert "lost worker 1 (rank 1) at clock 3" in proc.stderr
+    assert "rank 1 died" in proc.stderr and "went on without it" in proc.stderr
+    assert "lost_workers=[1]" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["rank"] == 0 and result["steps"] == 10 and result["accuracy"] > 0
+    assert result["extras"]["lost_workers"] == [1] and result["extras"]["workers"] == 3
+
+
+def test_run_ps_sync_fails_at_a_killed_worker_naming_it() -> None:
+    proc = run_cli("run", "--strategy", "ps-sync", "-n", "3", "--servers", "1", *RUN,
+                   "--model", "tests.launch_scripts.ps_victim:mlp", env=clean_env(PS_KILL="1:4"))
+    assert proc.returncode == 1, proc.stderr
+    assert "disttrain run: rank 1 died" in proc.stderr
+
+
+def test_launch_goes_on_without_worker_0_when_told(tmp_path: Any) -> None:
+    # rank 0 (which reports by default) dies after step 3; 2 servers agree on the loss and
+    # the first survivor, worker 1, prints the result
+    out = tmp_path / "result.json"
+    proc = run_cli("launch", "-n", "3", "--servers", "2", "--tolerate-worker-loss",
+                   str(SCRIPTS / "fault_run.py"), "--strategy", "ps-async", *RUN,
+                   "--json", str(out), env=clean_env(FAULT_KILL="0:3"))
+    assert proc.returncode == 0, proc.stderr
+    assert ("disttrain launch: worker rank 0 was killed by SIGKILL; the job goes on without "
+            "it (--tolerate-worker-loss)") in proc.stderr
+    for server in (0, 1):
+        assert f"server {server} (rank {3 + server}): lost worker 0 (rank 0)" in proc.stderr
+    assert "[rank 1] lost_workers=[0]" in proc.stdout
+    assert "[rank 0] result" not in proc.stdout and "[rank 2] result" not in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["rank"] == 1 and result["steps"] == 10 and result["world_size"] == 5
+
+
+def test_tolerating_worker_loss_needs_to_know_the_workers() -> None:
+    with pytest.raises(ValueError, match="--tolerate-worker-loss needs --servers S"):
+        LaunchConfig(str(SCRIPTS / "fault_run.py"), nproc_per_node=2, tolerate_worker_loss=True)

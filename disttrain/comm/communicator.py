@@ -422,6 +422,11 @@ class Communicator:
         return error
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the communicator holds no process group)."""
+        return self._closed
+
+    @property
     def failed(self) -> bool:
         """Whether a collective or message failed on this communicator (it is unusable,
         but for point-to-point messages and groups among the ranks whose pairs work)."""

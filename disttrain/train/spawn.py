@@ -4,7 +4,10 @@
 store in a fresh temporary directory (no port to clash with other jobs), use the given
 backend (Gloo, or NCCL with a GPU per rank: rank r trains on ``cuda:r``), and send their
 :class:`TrainResult` back through a pipe to this process (their parent). A rank that raises
-or dies is named, the others are stopped, and :class:`RankFailedError` says which.
+or dies is named, the others are stopped, and :class:`RankFailedError` says which; but a
+rank the strategy outlives (a ps-async or ps-ssp worker: ``StrategySpec.losable_ranks``) is
+only reported (a warning) when the others finish without it and say so
+(``extras["lost_workers"]``), and the survivors' results are returned.
 
 ``run_in_job`` is for processes started by ``torchrun``, ``disttrain launch`` or Slurm, where
 ``RANK``/``WORLD_SIZE`` are already in the environment.
@@ -28,6 +31,7 @@ from disttrain.train.config import TrainConfig
 from disttrain.train.device import select_local_gpu
 from disttrain.train.loop import train
 from disttrain.train.result import TrainResult
+from disttrain.train.strategies import get_strategy
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +93,8 @@ def _worker(rank: int, world_size: int, store: str, config: TrainConfig,
 def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | None = None,
               timeout_s: float | None = None, transport: str = "torch",
               backend: str = "gloo") -> list[TrainResult]:
-    """Train on ``world_size`` new local processes; returns every rank's result (rank order).
+    """Train on ``world_size`` new local processes; returns every rank's result (rank order;
+    the surviving ranks' of a run that outlived a rank, the first of them the one reporting).
 
     ``timeout_s`` bounds the whole run (None: no limit; every collective is still bounded by
     ``comm_config.timeout_s``); ``transport`` is how disttrain.comm moves bytes, over the
@@ -109,8 +114,9 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
             procs.append(proc)
             conns.append(parent)
         finished = False
+        losable = get_strategy(config.strategy).losable_ranks(config, world_size)
         try:
-            results = _collect(procs, conns, timeout_s)
+            results = _collect(procs, conns, timeout_s, losable)
             finished = True
             log.debug("results from all %d ranks received", world_size)
             return results
@@ -127,12 +133,15 @@ _CONSEQUENCES = ("PeerFailedError", "CommTimeoutError", "Connection closed by pe
 _GRACE_S = 1.0  # after a first failure, how long the others may take to report theirs
 
 
-def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None) -> list[TrainResult]:
+def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None,
+             losable: frozenset[int] = frozenset()) -> list[TrainResult]:
     """Every rank's result, or the root cause of a failure: after the first error or death,
     the other ranks get ``_GRACE_S`` to report theirs, and the first failure that is not a
-    consequence of another's is raised (see :func:`root_cause`)."""
+    consequence of another's is raised (see :func:`root_cause`). The failure of a rank in
+    ``losable`` is set aside while the others go on (:func:`_survivors`)."""
     results: dict[int, TrainResult] = {}
     failed: list[RankFailedError] = []  # in the order they were seen
+    lost: list[RankFailedError] = []  # losable ranks' failures, before any other
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     grace_end: float | None = None  # set by the first failure
     waiting = {conn: rank for rank, conn in enumerate(conns)}
@@ -152,19 +161,32 @@ def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None) -> lis
                 try:
                     _receive(item, rank, results)
                 except RankFailedError as exc:
-                    failed.append(exc)
+                    (lost if rank in losable and not failed else failed).append(exc)
             elif item in sentinels:
                 rank = sentinels.pop(item)
                 conn = conns[rank]
                 if conn in waiting and not conn.poll(0.5):
                     waiting.pop(conn)
-                    failed.append(RankFailedError(
-                        rank, "died", f"process exited with code {procs[rank].exitcode}"))
+                    death = RankFailedError(rank, "died",
+                                            f"process exited with code {procs[rank].exitcode}")
+                    (lost if rank in losable and not failed else failed).append(death)
         if failed and grace_end is None:
             grace_end = time.monotonic() + _GRACE_S
     if failed:
-        raise root_cause(failed)
-    return [results[rank] for rank in range(len(procs))]
+        raise root_cause(lost + failed)
+    return _survivors(results, lost)
+
+
+def _survivors(results: dict[int, TrainResult], lost: list[RankFailedError]
+               ) -> list[TrainResult]:
+    """The results, in rank order, of a run that outlived the ranks of ``lost`` (warned
+    about); every survivor must say it went on without them, or the first is raised."""
+    for exc in lost:
+        if not all(exc.rank in r.extras.get("lost_workers", ()) for r in results.values()):
+            raise exc  # the others did not go on without it: it failed their run
+        log.warning("rank %d %s (%s); the other ranks went on without it", exc.rank, exc.kind,
+                    exc.detail)
+    return [results[rank] for rank in sorted(results)]
 
 
 def root_cause(failed: list[RankFailedError]) -> RankFailedError:

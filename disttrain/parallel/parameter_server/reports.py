@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from disttrain.comm import Communicator
 from disttrain.parallel.parameter_server.config import PSConfig
 from disttrain.parallel.parameter_server.consistency import StalenessHistogram
+from disttrain.parallel.parameter_server.final import Survivors
 from disttrain.parallel.parameter_server.roles import PSRoles
 
 
@@ -57,12 +57,14 @@ class WorkerReport:
     lost_workers: tuple[int, ...] = ()  # ranks of the workers the run went on without
 
 
-def gather_extras(comm: Communicator, roles: PSRoles, config: PSConfig, mine: list[float],
+def gather_extras(team: Survivors, roles: PSRoles, config: PSConfig, mine: list[float],
                   staleness: dict[int, int]) -> dict[str, Any]:
-    """Every rank: sum over all ranks (two all-reduces) the workers' rates, bytes, sleeps,
-    compute and step times and the servers' traffic and staleness histograms. ``mine``:
-    rate, wire bytes/step, dense bytes/step, straggler sleep, compute s/step, server bytes
-    sent, received, then one mean step time per worker (zero but in this worker's slot)."""
+    """Every surviving rank: sum over them (two all-reduces) the workers' rates, bytes,
+    sleeps, compute and step times and the servers' traffic and staleness histograms.
+    ``mine``: rate, wire bytes/step, dense bytes/step, straggler sleep, compute s/step, server
+    bytes sent, received, then one mean step time per worker (zero but in this worker's
+    slot, and a lost worker's). Means are over the surviving workers."""
+    comm = team.comm
     top = torch.tensor([max(staleness, default=-1)], dtype=torch.float64)
     comm.all_reduce(top, op="max")
     bins = [0.0] * (int(top) + 1)
@@ -70,12 +72,13 @@ def gather_extras(comm: Communicator, roles: PSRoles, config: PSConfig, mine: li
         bins[k] = float(n)
     sums = torch.tensor(mine + bins, dtype=torch.float64)
     comm.all_reduce(sums)
-    w = roles.num_workers
     rate, wire, dense, sleep, compute, sent, recv, *rest = sums.tolist()
-    step_s, hist = rest[:w], rest[w:]
+    step_s, hist = rest[:roles.num_workers], rest[roles.num_workers:]
+    w = len(team.workers)
     histogram = {k: int(n) for k, n in enumerate(hist) if n}
     updates = sum(histogram.values())
-    return {"samples_per_s": rate, "mode": config.mode, "workers": w,
+    return {"samples_per_s": rate, "mode": config.mode, "workers": roles.num_workers,
+            "lost_workers": list(team.lost),
             "servers": roles.num_servers, "staleness_bound": config.bound,
             "worker_bytes_per_step": wire / w, "dense_bytes_per_step": dense / w,
             "straggler": {str(r): f for r, f in config.straggler.items()},
