@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from disttrain.launch.config import LaunchConfig
+from disttrain.parallel.checkpoint_files import verify
 from tests.dist import run_fresh
 from tests.launch_scripts.harness import SCRIPTS, clean_env, run_cli
 from tests.ps_cases import catching, make_mlp, mlp_batch, sgd
@@ -182,10 +183,11 @@ def test_run_ps_sync_fails_at_a_killed_worker_naming_it() -> None:
 def test_launch_goes_on_without_worker_0_when_told(tmp_path: Any) -> None:
     # rank 0 (which reports by default) dies after step 3; 2 servers agree on the loss and
     # the first survivor, worker 1, prints the result
-    out = tmp_path / "result.json"
+    out, ckpt = tmp_path / "result.json", tmp_path / "ckpt"
     proc = run_cli("launch", "-n", "3", "--servers", "2", "--tolerate-worker-loss",
                    str(SCRIPTS / "fault_run.py"), "--strategy", "ps-async", *RUN,
-                   "--json", str(out), env=clean_env(FAULT_KILL="0:3"))
+                   "--json", str(out), "--checkpoint-dir", str(ckpt),
+                   env=clean_env(FAULT_KILL="0:3"))
     assert proc.returncode == 0, proc.stderr
     assert ("disttrain launch: worker rank 0 was killed by SIGKILL; the job goes on without "
             "it (--tolerate-worker-loss)") in proc.stderr
@@ -195,6 +197,13 @@ def test_launch_goes_on_without_worker_0_when_told(tmp_path: Any) -> None:
     assert "[rank 0] result" not in proc.stdout and "[rank 2] result" not in proc.stdout
     result = json.loads(out.read_text())
     assert result["rank"] == 1 and result["steps"] == 10 and result["world_size"] == 5
+    # the survivors' end checkpoint: sealed, the run file from worker 1, no file of rank 0
+    step = ckpt / "step-00000010"
+    verify(str(step))
+    assert (ckpt / "latest").read_text() == step.name
+    assert sorted(p.name for p in step.iterdir() if p.name.startswith(("ps-", "rank-"))) == [
+        "ps-run.pt", "ps-server-000", "ps-server-001", "rank-00001.pt", "rank-00002.pt",
+        "rank-00003.pt", "rank-00004.pt"]
 
 
 def test_tolerating_worker_loss_needs_to_know_the_workers() -> None:

@@ -109,8 +109,8 @@ def test_ps_sync_stops_and_resumes_to_the_uninterrupted_parameters(pools: Any,
     whole = pool.run(rank_train, config)
     stop = dataclasses.replace(config, steps=4, checkpoint_dir=str(tmp_path))
     pool.run(rank_train, stop)
-    assert sorted(p.name for p in (tmp_path / "step-00000004").glob("ps-*.pt")) == [
-        "ps-run.pt", "ps-server-000.pt", "ps-server-001.pt"]
+    assert sorted(p.name for p in (tmp_path / "step-00000004").glob("ps-*")) == [
+        "ps-run.pt", "ps-server-000", "ps-server-001"]
     other = dataclasses.replace(stop, strategy="ps-async", resume=True)  # lr ÷ W, not lr
     with pytest.raises(ValueError, match="written by ps-sync with 2 workers; resume it with"):
         resume_from(other, assign_roles(4, 2))
