@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -209,3 +210,15 @@ def test_launch_goes_on_without_worker_0_when_told(tmp_path: Any) -> None:
 def test_tolerating_worker_loss_needs_to_know_the_workers() -> None:
     with pytest.raises(ValueError, match="--tolerate-worker-loss needs --servers S"):
         LaunchConfig(str(SCRIPTS / "fault_run.py"), nproc_per_node=2, tolerate_worker_loss=True)
+
+
+def test_launch_names_a_killed_server_even_when_worker_losses_are_tolerated() -> None:
+    # server 0 (rank 2) dies at version 5: the workers cannot go on without its keys, each
+    # names it, and the launcher blames it, not a worker that reported it first
+    proc = run_cli("launch", "-n", "2", "--servers", "2", "--tolerate-worker-loss",
+                   str(SCRIPTS / "ps_server_fault.py"), "--strategy", "ps-async", *RUN,
+                   env=clean_env(PS_SERVER_KILL="2:5"))
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert "rank 2 failed first; it was killed by SIGKILL" in proc.stderr
+    for worker in (0, 1):
+        assert re.search(rf"\[rank {worker}\].*server 0 \(rank 2\) failed", proc.stderr)

@@ -18,7 +18,8 @@ from disttrain.launch import records
 from disttrain.launch.process import Worker
 
 _TAIL = 15
-_CONSEQUENCES = ("PeerFailedError", "WorkerTerminated", "CommTimeoutError")
+_CONSEQUENCES = ("PeerFailedError", "WorkerTerminated", "CommTimeoutError",
+                 "PSPeerFailedError", "PSTimeoutError")  # a parameter server's peers
 
 
 def exit_code(returncode: int) -> int:

@@ -128,7 +128,8 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
 
 # A rank whose error ends in one of these failed because another rank did: a dead or
 # failed peer (disttrain.comm's errors, Gloo's broken connections) or a wait that ran out.
-_CONSEQUENCES = ("PeerFailedError", "CommTimeoutError", "Connection closed by peer",
+_CONSEQUENCES = ("PeerFailedError", "CommTimeoutError", "PSTimeoutError",
+                 "Connection closed by peer",
                  "Connection reset by peer", "Broken pipe")
 _GRACE_S = 1.0  # after a first failure, how long the others may take to report theirs
 
