@@ -341,3 +341,21 @@ def test_click_data_is_deterministic_and_learnable_shape() -> None:
     model = ClickModel(50, 40, dim=4, hidden=8)
     assert model(x1).shape == (500,)
     assert set(model.sparse_ids(x1)) == {"users.weight", "items.weight"}
+
+
+def test_a_failed_message_names_its_peer_as_dead_or_silent() -> None:
+    # a broken connection means the peer died: a mode that outlives workers may drop it; a
+    # transport timeout means it is silent, which nobody may take for a death
+    import threading
+
+    from disttrain.comm import CommTimeoutError, PeerFailedError
+    from disttrain.parallel.parameter_server.errors import PSPeerFailedError, PSTimeoutError
+    from disttrain.parallel.parameter_server.poll import Watch, finish
+
+    for error, expected in ((PeerFailedError("closed"), PSPeerFailedError),
+                            (CommTimeoutError("timed out after 9s"), PSTimeoutError)):
+        watch = Watch(None, threading.Event())  # type: ignore[arg-type]
+        watch.error = error
+        with pytest.raises(expected, match=r"worker 1 \(rank 1\)") as info:
+            finish(watch, "worker 1 (rank 1)", 1, "waiting")
+        assert info.value.rank == 1
