@@ -286,8 +286,13 @@ class _Run:
             return  # already written after the last step
         if final and self.step == self.start_step:
             return  # nothing new since the checkpoint we resumed from
-        checkpoint.save(directory, self.step, self.strategy, self.strategy.result_comm(),
-                        self.meta, self._position(), self.scaler, rank=self.rank)
+        checkpoint.save(directory, self.step, self.strategy, self._result_comm(), self.meta,
+                        self._position(), self.scaler, rank=self.rank)
+
+    def _result_comm(self) -> Communicator | None:
+        """The ranks that finish the run: every rank, unless the strategy lost some."""
+        survivors = self.strategy.result_comm()
+        return self.comm if survivors is None else survivors
 
     # ------------------------------------------------------------------ the result
     def _gathered(self, peak: int) -> tuple[float, list[float | None]]:
@@ -300,7 +305,7 @@ class _Run:
         theory = self.strategy.theory_bytes_per_step
         mine = [float(peak), sum(sent) / len(sent) if sent else -1.0,
                 -1.0 if theory is None else float(theory)]
-        comm = self.strategy.result_comm()  # the ranks that finish the run
+        comm = self._result_comm()
         if comm is not None and comm.world_size > 1:
             loss = torch.tensor([last], dtype=torch.float64)
             comm.all_reduce(loss)

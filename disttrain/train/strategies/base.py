@@ -258,9 +258,9 @@ class Strategy:
     # ------------------------------------------------------------------ measurements
     def result_comm(self) -> Communicator | None:
         """The communicator the loop gathers the result over and writes the final checkpoint
-        with: ``comm``, unless the strategy went on without some ranks (a parameter server
-        that outlived a worker), then one over the ranks that finish the run."""
-        return self.comm
+        with when not the loop's own (None): one over the ranks that finish the run, for a
+        strategy that went on without some (a parameter server that outlived a worker)."""
+        return None
 
     def communicators(self) -> list[Communicator]:
         """Every communicator this strategy sends through (their stats are summed)."""

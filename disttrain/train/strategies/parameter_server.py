@@ -294,7 +294,7 @@ class WorkerRankStrategy(Strategy):
         return totals
 
     def result_comm(self) -> Communicator | None:
-        return self.team.comm if self.team is not None else self.comm
+        return self.team.comm if self.team is not None else None
 
     def extras(self, warmup_steps: int) -> dict[str, Any]:
         assert self.comm is not None
@@ -374,7 +374,7 @@ class ServerRankStrategy(Strategy):
         return _score_over(self.team, totals)
 
     def result_comm(self) -> Communicator | None:
-        return self.team.comm if self.team is not None else self.comm
+        return self.team.comm if self.team is not None else None
 
     def save_state(self, path: str, rank: int) -> None:
         """This server's shard: values, optimizer state, version and clock. The loop
