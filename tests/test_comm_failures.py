@@ -339,3 +339,71 @@ def test_new_group_without_a_member_times_out_naming_it():
     assert res["elapsed"] < NO_HANG_S
     assert res["after"]["type"] == "CommError"  # a late set-up message could still arrive
     assert "failed earlier" in res["after"]["message"]
+
+
+def _outlive_a_peer(rank: int, world_size: int, store: str) -> dict[str, Any]:
+    """Rank 2 waits for messages from ranks 0 and 1 (patient 60 s timeout, no check-in);
+    rank 1 dies. Rank 2 names it at once, rank 0's message still lands, the pair with rank 0
+    still works both ways, a collective refuses at once, and a group without rank 1 works."""
+    from disttrain.comm.cost_model import LinkCosts
+    from disttrain.comm.transports.torch_p2p import TorchTransport
+
+    _init(rank, world_size, store)
+    comm = Communicator(TorchTransport(), CommConfig(timeout_s=60), costs=LinkCosts())
+    out: dict[str, Any] = {}
+    if rank == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        time.sleep(2.0)  # after rank 1's death
+        comm.send(torch.full((3,), 7.0), 2, tag=5)
+        back = torch.zeros(3)
+        comm.recv(back, 2, tag=6)
+        out["back"] = back.tolist()
+    if rank == 2:
+        from_0, from_1 = torch.zeros(3), torch.zeros(3)
+        work_0 = comm.irecv(from_0, 0, tag=5, check_in=False)
+        work_1 = comm.irecv(from_1, 1, tag=5, check_in=False)
+        start = time.monotonic()
+        try:
+            work_1.wait()
+        except CommError as exc:
+            out["lost"] = _describe(exc)
+        out["lost_after_s"] = time.monotonic() - start
+        work_0.wait()
+        out["from_0"] = from_0.tolist()
+        comm.send(torch.full((3,), 9.0), 0, tag=6)
+        out["failed"] = comm.failed
+        out["collective"] = _after_failure(comm)
+        try:
+            comm.isend(torch.ones(1), 1)
+        except CommError as exc:
+            out["to_dead"] = str(exc)
+    group = comm.new_group([0, 2])
+    assert group is not None
+    total = torch.full((1,), float(rank))
+    group.all_reduce(total)
+    out["sum"] = total.item()
+    group.close()
+    comm.close()
+    return out
+
+
+def outlive_a_peer(rank: int, world_size: int, store: str) -> dict[str, Any]:
+    import torch.distributed  # noqa: F401 - imported once here, before the fork
+
+    return _in_child(_outlive_a_peer, rank, world_size, store)
+
+
+def test_a_broken_pair_leaves_the_others_usable():
+    first, victim, third = run_fresh(outlive_a_peer, 3, timeout_s=120)
+    assert victim["exit"] == -signal.SIGKILL
+    assert first["result"] == {"back": [9.0] * 3, "sum": 2.0}, first
+    out = third["result"]
+    assert out["lost"]["type"] == "PeerFailedError" and out["lost"]["peer"] == 1, out
+    assert "check in" not in out["lost"]["message"], out  # named at once, nobody asked
+    assert out["lost_after_s"] < NO_HANG_S, out  # not the 30.5 s check-in round
+    assert out["from_0"] == [7.0] * 3 and out["sum"] == 2.0 and out["failed"], out
+    assert out["collective"]["type"] == "CommError", out  # it would involve rank 1
+    assert "cannot be used again with rank 1" in out["collective"]["message"], out
+    assert "cannot be used again with rank 1" in out["to_dead"], out

@@ -130,8 +130,8 @@ def test_an_unfinished_polled_send_does_not_abort_the_exit(capfd):
 
 
 class _FakeComm:
-    def __init__(self, unfinished: int, failed: bool) -> None:
-        self.rank, self.unfinished, self.failed = 0, unfinished, failed
+    def __init__(self, unfinished: int, failed: bool, closed: bool = False) -> None:
+        self.rank, self.unfinished, self.failed, self.closed = 0, unfinished, failed, closed
 
 
 @pytest.mark.parametrize("case, shuts_down, warning", [
@@ -139,6 +139,8 @@ class _FakeComm:
     ("group destroyed by the script", True, None),  # the comm still holds it: closed
     ("async collectives running", False, "asynchronous collectives are unfinished"),
     ("communicator failed", False, "the communicator of rank 0 has failed"),
+    # a run that went on without a dead peer closed its communicators: nothing can hang
+    ("failed communicator closed", True, None),
     ("failing", False, None),  # on the way out of an error: nothing that could hang
     ("forked child", False, None),  # the parent's group is not the child's to destroy
 ])
@@ -147,7 +149,8 @@ def test_the_exit_handler_shuts_down_only_when_nothing_can_hang(monkeypatch, cap
     from disttrain.launch import hooks, join
 
     comm = _FakeComm(unfinished=2 if case == "async collectives running" else 0,
-                     failed=case == "communicator failed")
+                     failed=case.startswith(("communicator failed", "failed communicator")),
+                     closed=case == "failed communicator closed")
     calls, bounded = [], []
     monkeypatch.setattr(join, "_opened", [lambda: comm])
     monkeypatch.setattr(join, "_init_pid", os.getpid() + (case == "forked child"))

@@ -1,4 +1,5 @@
 """A killed server or worker is reported by role and rank within the timeout; nobody hangs.
+In async and ssp mode the servers and the other workers outlive a killed worker.
 
 The victim rank runs its role in a subprocess that SIGKILLs itself mid-training (the
 harness's own processes are daemons, which may not have multiprocessing children, and a
@@ -9,7 +10,9 @@ survivors return what they raised, and when.
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +20,12 @@ import tempfile
 import time
 from typing import Any
 
+import pytest
+
+from disttrain.launch.config import LaunchConfig
+from disttrain.parallel.checkpoint_files import verify
 from tests.dist import run_fresh
+from tests.launch_scripts.harness import SCRIPTS, clean_env, run_cli
 from tests.ps_cases import catching, make_mlp, mlp_batch, sgd
 
 COMM_TIMEOUT_S = 60.0  # Gloo's own limit: the parameter server's deadlines fire long before
@@ -26,8 +34,8 @@ KILL_AT = 2  # the victim dies at this clock (worker) or parameter version (serv
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def play(comm: Any, kill: bool) -> Any:
-    """Serve, or train for up to 40 steps; the victim SIGKILLs itself at KILL_AT."""
+def play(comm: Any, kill: bool, mode: str = "sync", servers: int = 1, steps: int = 40) -> Any:
+    """Serve, or train for up to ``steps`` steps; the victim SIGKILLs itself at KILL_AT."""
     import torch.nn.functional as F
 
     from disttrain.parallel.parameter_server import (
@@ -37,8 +45,8 @@ def play(comm: Any, kill: bool) -> Any:
         run_parameter_server,
     )
 
-    roles = assign_roles(comm.world_size, 1)
-    config = PSConfig(mode="sync", timeout_s=PS_TIMEOUT_S)
+    roles = assign_roles(comm.world_size, servers)
+    config = PSConfig(mode=mode, staleness=1, timeout_s=PS_TIMEOUT_S)
 
     def die(at: int) -> None:
         if kill and at == KILL_AT:
@@ -48,17 +56,16 @@ def play(comm: Any, kill: bool) -> Any:
         return run_parameter_server(comm, roles, make_mlp(), sgd, config, on_update=die)
     model = make_mlp()
     ps = PSWorker(comm, model, roles, config)
-    for _ in range(40):
+    for _ in range(steps):
         clock = ps.clock
         die(clock)
         ps.pull()
         x, y = mlp_batch(ps.clock, 4)
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        # the survivor reaches the gate well after the victim's last message, so the server's
-        # deadline (from that message) fires before the survivor's own (from its gated pull)
-        # even if the server is descheduled for a second on a loaded machine
-        time.sleep(1.5 if clock == KILL_AT else 0.3)
+        # the survivor reaches the gate after the victim died, so in sync mode the server
+        # holds it there when it stops, and tells it
+        time.sleep(1.5 if clock == KILL_AT and mode == "sync" else 0.1)
         ps.push()
     return ps.close()
 
@@ -78,15 +85,17 @@ def connect(rank: int, world_size: int, store: str) -> Any:
     return Communicator.from_torch(config=CommConfig(timeout_s=COMM_TIMEOUT_S))
 
 
-def victim_main(rank: int, world_size: int, store: str) -> None:
-    play(connect(rank, world_size, store), kill=True)
+def victim_main(rank: int, world_size: int, store: str, *args: Any) -> None:
+    play(connect(rank, world_size, store), True, *args)
 
 
-def rank_main(rank: int, world_size: int, store: str, victim: int) -> dict[str, Any]:
+def rank_main(rank: int, world_size: int, store: str, victim: int,
+              *args: Any) -> dict[str, Any]:
+    """``args``: play's mode, servers and steps."""
     if rank != victim:
-        return catching(play, connect(rank, world_size, store), False)
+        return catching(play, connect(rank, world_size, store), False, *args)
     code = (f"from tests.test_ps_failures import victim_main; "
-            f"victim_main({rank}, {world_size}, {store!r})")
+            f"victim_main({rank}, {world_size}, {store!r}, *{args!r})")
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=log)
         try:
@@ -122,3 +131,94 @@ def test_killed_worker_is_reported_by_the_server_and_the_other_worker() -> None:
 def test_killed_server_is_reported_by_every_worker() -> None:
     results = run_fresh(rank_main, 3, 2, timeout_s=100)
     _check(results, 2, {0: "server 0 (rank 2)", 1: "server 0 (rank 2)"})
+
+
+@pytest.mark.parametrize(("mode", "servers"), [("async", 2), ("ssp", 1)])
+def test_async_and_ssp_outlive_a_killed_worker(mode: str, servers: int) -> None:
+    # 3 workers; worker 1 dies before its clock 2: the servers drop it (in ssp its clock
+    # leaves the bound, or the gate would hold the others for ever) and the others finish
+    steps = 8
+    results = run_fresh(rank_main, 3 + servers, 1, mode, servers, steps, timeout_s=100)
+    assert results[1]["exit"] == -signal.SIGKILL, results[1]["stderr"]
+    for rank in (0, 2):
+        outcome = results[rank]
+        assert outcome["error"] is None, outcome
+        report = outcome["result"]
+        assert report.steps == steps and report.lost_workers == (1,), report
+    for rank in range(3, 3 + servers):
+        report = results[rank]["result"]
+        assert sorted(report.lost) == [1], report.lost
+        assert "worker 1 (rank 1)" in report.lost[1] and "at clock 2" in report.lost[1]
+        # every push applied on arrival: the survivors' and the victim's first two
+        assert report.version == 2 * steps + KILL_AT == report.histogram.total
+
+
+# ------------------------------------------------------------------ disttrain run / launch
+RUN = ("--model", "mlp", "--steps", "10", "--global-batch", "30", "--eval-every", "4",
+       "--log-every", "0", "--no-progress", "--comm-timeout", "20")
+
+
+def test_run_ps_async_finishes_without_a_killed_worker_and_reports_it(tmp_path: Any) -> None:
+    # worker 1 dies in its 4th training step; async evaluations mid-run are each worker's
+    # own, so nothing waits for it; the survivors' final evaluation and result are one
+    out = tmp_path / "result.json"
+    proc = run_cli("run", "--strategy", "ps-async", "-n", "3", "--servers", "1", *RUN,
+                   "--model", "tests.launch_scripts.ps_victim:mlp", "--json", str(out),
+                   env=clean_env(PS_KILL="1:4"))
+    assert proc.returncode == 0, proc.stderr
+    assert "lost worker 1 (rank 1) at clock 3" in proc.stderr
+    assert "rank 1 died" in proc.stderr and "went on without it" in proc.stderr
+    assert "lost_workers=[1]" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["rank"] == 0 and result["steps"] == 10 and result["accuracy"] > 0
+    assert result["extras"]["lost_workers"] == [1] and result["extras"]["workers"] == 3
+
+
+def test_run_ps_sync_fails_at_a_killed_worker_naming_it() -> None:
+    proc = run_cli("run", "--strategy", "ps-sync", "-n", "3", "--servers", "1", *RUN,
+                   "--model", "tests.launch_scripts.ps_victim:mlp", env=clean_env(PS_KILL="1:4"))
+    assert proc.returncode == 1, proc.stderr
+    assert "disttrain run: rank 1 died" in proc.stderr
+
+
+def test_launch_goes_on_without_worker_0_when_told(tmp_path: Any) -> None:
+    # rank 0 (which reports by default) dies after step 3; 2 servers agree on the loss and
+    # the first survivor, worker 1, prints the result
+    out, ckpt = tmp_path / "result.json", tmp_path / "ckpt"
+    proc = run_cli("launch", "-n", "3", "--servers", "2", "--tolerate-worker-loss",
+                   str(SCRIPTS / "fault_run.py"), "--strategy", "ps-async", *RUN,
+                   "--json", str(out), "--checkpoint-dir", str(ckpt),
+                   env=clean_env(FAULT_KILL="0:3"))
+    assert proc.returncode == 0, proc.stderr
+    assert ("disttrain launch: worker rank 0 was killed by SIGKILL; the job goes on without "
+            "it (--tolerate-worker-loss)") in proc.stderr
+    for server in (0, 1):
+        assert f"server {server} (rank {3 + server}): lost worker 0 (rank 0)" in proc.stderr
+    assert "[rank 1] lost_workers=[0]" in proc.stdout
+    assert "[rank 0] result" not in proc.stdout and "[rank 2] result" not in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["rank"] == 1 and result["steps"] == 10 and result["world_size"] == 5
+    # the survivors' end checkpoint: sealed, the run file from worker 1, no file of rank 0
+    step = ckpt / "step-00000010"
+    verify(str(step))
+    assert (ckpt / "latest").read_text() == step.name
+    assert sorted(p.name for p in step.iterdir() if p.name.startswith(("ps-", "rank-"))) == [
+        "ps-run.pt", "ps-server-000", "ps-server-001", "rank-00001.pt", "rank-00002.pt",
+        "rank-00003.pt", "rank-00004.pt"]
+
+
+def test_tolerating_worker_loss_needs_to_know_the_workers() -> None:
+    with pytest.raises(ValueError, match="--tolerate-worker-loss needs --servers S"):
+        LaunchConfig(str(SCRIPTS / "fault_run.py"), nproc_per_node=2, tolerate_worker_loss=True)
+
+
+def test_launch_names_a_killed_server_even_when_worker_losses_are_tolerated() -> None:
+    # server 0 (rank 2) dies at version 5: the workers cannot go on without its keys, each
+    # names it, and the launcher blames it, not a worker that reported it first
+    proc = run_cli("launch", "-n", "2", "--servers", "2", "--tolerate-worker-loss",
+                   str(SCRIPTS / "ps_server_fault.py"), "--strategy", "ps-async", *RUN,
+                   env=clean_env(PS_SERVER_KILL="2:5"))
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert "rank 2 failed first; it was killed by SIGKILL" in proc.stderr
+    for worker in (0, 1):
+        assert re.search(rf"\[rank {worker}\].*server 0 \(rank 2\) failed", proc.stderr)

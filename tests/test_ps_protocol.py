@@ -76,6 +76,7 @@ def _bad_before_training() -> list[tuple[Header, tuple[torch.Tensor, ...], Statu
         (Header(**{**pull, "type": Msg.PUSH, "extra": END_CLOCK, "version": 10**6}), (),
          Status.BAD_CLOCK),
         (Header(Msg.HELLO, BAD_WORKER, key=12345), (), Status.CONFIG_MISMATCH),
+        (Header(Msg.DONE, BAD_WORKER, count=5), (), Status.BAD_SIZE),  # one flag per worker
     ]
 
 

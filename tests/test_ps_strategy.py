@@ -109,8 +109,8 @@ def test_ps_sync_stops_and_resumes_to_the_uninterrupted_parameters(pools: Any,
     whole = pool.run(rank_train, config)
     stop = dataclasses.replace(config, steps=4, checkpoint_dir=str(tmp_path))
     pool.run(rank_train, stop)
-    assert sorted(p.name for p in (tmp_path / "step-00000004").glob("ps-*.pt")) == [
-        "ps-run.pt", "ps-server-000.pt", "ps-server-001.pt"]
+    assert sorted(p.name for p in (tmp_path / "step-00000004").glob("ps-*")) == [
+        "ps-run.pt", "ps-server-000", "ps-server-001"]
     other = dataclasses.replace(stop, strategy="ps-async", resume=True)  # lr ÷ W, not lr
     with pytest.raises(ValueError, match="written by ps-sync with 2 workers; resume it with"):
         resume_from(other, assign_roles(4, 2))
@@ -135,3 +135,21 @@ def test_ps_refuses_mid_run_checkpoints() -> None:
     with pytest.raises(ValueError, match="at the end of a run only"):
         checked_setup(config, 3)  # 2 workers + 1 server; refused before any rank starts
     checked_setup(dataclasses.replace(config, checkpoint_every=0), 3)
+
+
+@pytest.mark.nccl_rules
+def test_every_rank_reports_the_final_evaluation_of_the_final_parameters(pools: Any) -> None:
+    # 3 workers + 2 servers: the servers once scored only worker 0's shard of the held-out
+    # split (0.611 against the workers' 0.657); the final evaluation is one over all ranks
+    config = quiet(strategy="ps-sync", steps=12, global_batch=30, eval_every=0,
+                   parallel=ParallelOptions(servers=2))
+    per_rank = pools(5).run(rank_train, config)
+    results = [r for _, r in per_rank]
+    reference = train(dataclasses.replace(config, strategy="single", parallel=ParallelOptions(),
+                                          steps=12))
+    for rank, result in enumerate(results):
+        assert (result.accuracy, result.eval_loss) == (results[0].accuracy,
+                                                       results[0].eval_loss), rank
+        assert result.evaluations[-1].step == 12
+    assert results[0].accuracy == pytest.approx(reference.accuracy, abs=ONE_SAMPLE)
+    assert results[0].eval_loss == pytest.approx(reference.eval_loss, rel=1e-4)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from disttrain.comm import Communicator
 from disttrain.parallel import DataParallel
+from disttrain.parallel.checkpoint_files import verify
 from disttrain.parallel.parameter_server import StalenessHistogram, load_checkpoint, partition
 from disttrain.parallel.parameter_server.flat import gather_flat
 from disttrain.parallel.parameter_server.partition import specs_of
@@ -174,7 +175,8 @@ def test_checkpoint_restores_values_optimizer_state_and_clock(pools: Any, tmp_pa
     first, rest = 3, 2
     saved = pools(3).run(ps_train, 1, first, B, opt="adam", mode="sync",
                          server_kwargs={"checkpoint_dir": str(tmp_path)})
-    state = load_checkpoint(str(tmp_path / "ps-server-000.pt"))
+    verify(str(tmp_path / "ps-server-000"))  # sealed as every disttrain checkpoint
+    state = load_checkpoint(str(tmp_path / "ps-server-000"))
     assert (state["version"], state["clock"]) == (first, first)
     model = make_mlp()
     part = partition(specs_of(model), 1)

@@ -3,12 +3,15 @@ protocol, clocks and staleness, the server shard's optimizer step and checkpoint
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from disttrain.parallel.checkpoint_files import CheckpointError
 from disttrain.parallel.parameter_server import (
     ClickData,
     ClickModel,
@@ -38,7 +41,7 @@ from disttrain.parallel.parameter_server.protocol import (
     decode_request,
     dtype_code,
 )
-from disttrain.parallel.parameter_server.shard import save_checkpoint
+from disttrain.parallel.parameter_server.shard import checkpoint_path, save_checkpoint
 
 
 # ---------------------------------------------------------------- roles and config
@@ -176,7 +179,7 @@ def test_header_round_trip() -> None:
 
 
 @pytest.mark.parametrize(("change", "status"), [
-    ({"magic": MAGIC + 1}, Status.BAD_MAGIC), ({"protocol": 2}, Status.BAD_VERSION),
+    ({"magic": MAGIC + 1}, Status.BAD_MAGIC), ({"protocol": 1}, Status.BAD_VERSION),
     ({"type": 42}, Status.BAD_TYPE), ({"type": Msg.GRANT}, Status.BAD_TYPE),
     ({"sender": 1}, Status.BAD_SENDER), ({"dtype": 99}, Status.BAD_DTYPE),
     ({"count": -1}, Status.BAD_SIZE), ({"count": 1001}, Status.TOO_LARGE),
@@ -319,8 +322,11 @@ def test_shard_checkpoint_round_trip(tmp_path: object) -> None:
         shard.add_dense((clock, -1), slice(0, 4), torch.ones(4, dtype=torch.float64))
         shard.contribute((clock, -1), clock)
         shard.apply((clock, -1))
-    path = f"{tmp_path}/shard.pt"
-    save_checkpoint(path, shard.state_dict(clock=2))
+    path = checkpoint_path(str(tmp_path), 0)
+    save_checkpoint(path, shard.state_dict(clock=1))
+    save_checkpoint(path, shard.state_dict(clock=2))  # replaces the first one whole
+    assert sorted(os.listdir(tmp_path)) == ["ps-server-000"]
+    assert sorted(os.listdir(path)) == ["manifest.json", "shard.pt"]
     fresh, _ = _shard()
     assert fresh.load_state_dict(load_checkpoint(path)) == 2
     assert fresh.version == 2 and torch.equal(fresh.param.data, shard.param.data)
@@ -330,6 +336,21 @@ def test_shard_checkpoint_round_trip(tmp_path: object) -> None:
     state["range"] = [0, 1]
     with pytest.raises(ValueError, match="does not fit"):
         fresh.load_state_dict(state)
+
+
+def test_a_damaged_shard_checkpoint_is_refused_naming_the_file(tmp_path: object) -> None:
+    shard, _ = _shard()
+    path = checkpoint_path(str(tmp_path), 0)
+    save_checkpoint(path, shard.state_dict(clock=0))
+    file = os.path.join(path, "shard.pt")
+    data = bytearray(open(file, "rb").read())
+    data[-200] ^= 0xFF  # a flipped byte inside the tensors: torch would load it
+    open(file, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=re.escape(f"{file} is damaged: its SHA-256")):
+        load_checkpoint(path)
+    os.unlink(os.path.join(path, "manifest.json"))
+    with pytest.raises(CheckpointError, match=r"has no manifest\.json"):
+        load_checkpoint(path)
 
 
 # ---------------------------------------------------------------- the click model
@@ -344,3 +365,21 @@ def test_click_data_is_deterministic_and_learnable_shape() -> None:
     model = ClickModel(50, 40, dim=4, hidden=8)
     assert model(x1).shape == (500,)
     assert set(model.sparse_ids(x1)) == {"users.weight", "items.weight"}
+
+
+def test_a_failed_message_names_its_peer_as_dead_or_silent() -> None:
+    # a broken connection means the peer died: a mode that outlives workers may drop it; a
+    # transport timeout means it is silent, which nobody may take for a death
+    import threading
+
+    from disttrain.comm import CommTimeoutError, PeerFailedError
+    from disttrain.parallel.parameter_server.errors import PSPeerFailedError, PSTimeoutError
+    from disttrain.parallel.parameter_server.poll import Watch, finish
+
+    for error, expected in ((PeerFailedError("closed"), PSPeerFailedError),
+                            (CommTimeoutError("timed out after 9s"), PSTimeoutError)):
+        watch = Watch(None, threading.Event())  # type: ignore[arg-type]
+        watch.error = error
+        with pytest.raises(expected, match=r"worker 1 \(rank 1\)") as info:
+            finish(watch, "worker 1 (rank 1)", 1, "waiting")
+        assert info.value.rank == 1

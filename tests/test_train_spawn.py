@@ -50,3 +50,16 @@ def test_when_every_failure_is_a_consequence_the_first_seen_is_named():
     assert root_cause([first, second]) is first
     culprit = RankFailedError(1, "died", "process exited with code 7")
     assert root_cause([first, culprit, second]) is culprit
+
+
+def test_a_parameter_server_peer_error_is_a_consequence_too():
+    from disttrain.launch.records import ErrorRecord
+    from disttrain.launch.summary import Failure
+
+    waited = RankFailedError(0, "failed", "PSTimeoutError: server 0 (rank 2) did not answer")
+    culprit = RankFailedError(2, "died", "process exited with code -9")
+    assert root_cause([waited, culprit]) is culprit
+    for message in ("PSPeerFailedError: server 0 (rank 2) failed", "PSTimeoutError: server 0"):
+        record = ErrorRecord(message, "", 1.0)
+        assert Failure(None, record).is_consequence(), message  # type: ignore[arg-type]
+    assert not Failure(None, ErrorRecord("PSError: mine", "", 1.0)).is_consequence()  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ Strategies talk only to a Communicator (never to torch.distributed), which
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import weakref
@@ -29,7 +30,7 @@ from disttrain.comm.context import (
     instance_tag_base,
 )
 from disttrain.comm.cost_model import LinkCosts, load_costs
-from disttrain.comm.errors import CommError
+from disttrain.comm.errors import CommError, PeerFailedError
 from disttrain.comm.flight_recorder import FlightRecorder
 from disttrain.comm.ops import ReduceOp, check_dtype, finish_
 from disttrain.comm.p2p_work import P2PWork
@@ -64,6 +65,7 @@ class Communicator:
         self._seq = 0
         self._p2p_seq = 0
         self._failure: BaseException | None = None
+        self._peer_failures: dict[int, BaseException] = {}  # pairs a message broke on
         self._closed = False
         self._children: list[weakref.ref[Communicator]] = []  # from new_group, closed with it
         self._progress = ProgressThread(f"disttrain-comm-r{transport.rank}")
@@ -113,13 +115,21 @@ class Communicator:
             tag_base=self._tag_base, on_progress=self._progress.beat, scratch=self._scratch,
         )
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, peers: Sequence[int] | None = None) -> None:
+        """Raise if the communicator is closed or failed, or a message with one of ``peers``
+        (None: every rank, as a collective involves them all) broke earlier."""
         if self._closed:
             raise CommError("this communicator was closed (Communicator.close or "
                             "disttrain.shutdown); create a new one to communicate again")
         if self._failure is not None:
             raise CommError(f"this communicator failed earlier and cannot be used again: "
                             f"{self._failure}") from self._failure
+        broken = [p for p in (self._peer_failures if peers is None else peers)
+                  if p in self._peer_failures]
+        if broken:
+            exc = self._peer_failures[broken[0]]
+            raise CommError(f"this communicator failed earlier and cannot be used again with "
+                            f"rank {broken[0]}: {exc}") from exc
 
     def _collective(self, op: str, algorithm: str | None, nbytes: int,
                     signature: Callable[[], Sequence[int]],
@@ -305,10 +315,12 @@ class Communicator:
         return out, t
 
     # ----------------------------------------------------------------- point to point
-    def _p2p(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> P2PWork:
-        self._check_usable()
+    def _p2p(self, kind: str, tensor: torch.Tensor, peer: int, tag: int,
+             check_in: bool = True) -> P2PWork:
+        self._check_usable(())
         t = self._tensor("tensor", tensor)
         peer, tag = checks.p2p_args(kind, peer, tag, self.world_size, self.rank, MAX_USER_TAG)
+        self._check_usable((peer,))
         if self._p2p_seq == 0:  # a point-to-point workload: its I/O must not wait (auto)
             self.transport.tune_io("p2p")
         self._p2p_seq += 1
@@ -318,7 +330,8 @@ class Communicator:
         # replies, a pipeline stage's failure notice).
         work = P2PWork.start(self.transport, self.stats, kind, checks.flat(t), peer, tag,
                              seq=self._p2p_seq, timeout_s=self.config.timeout_s,
-                             on_error=self._fail)
+                             on_error=functools.partial(self._fail_message, peer),
+                             check_in=check_in)
         self.stats.count_call(kind)
         return work
 
@@ -326,15 +339,31 @@ class Communicator:
         if self._failure is None:
             self._failure = exc
 
+    def _fail_message(self, peer: int, exc: BaseException) -> None:
+        """A point-to-point message failed. A broken connection poisons that pair only: a
+        late message can come from that peer alone, so the others stay reachable (a
+        parameter server outlives a dead worker). A timeout poisons the communicator: Gloo
+        breaks every connection of a process whose wait expired."""
+        if isinstance(exc, PeerFailedError):
+            self._peer_failures.setdefault(peer, exc)
+        else:
+            self._fail(exc)
+
     @staged()
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        """Start sending ``tensor`` to rank ``dst``; returns a handle with ``wait()``."""
-        return self._p2p("send", tensor, dst, tag)
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *,
+              check_in: bool = True) -> Work:
+        """Start sending ``tensor`` to rank ``dst``; returns a handle with ``wait()``.
+        ``check_in``: when the connection breaks, first wait (up to the grace period) for
+        the other ranks to check in, to tell a dead ``dst`` from one that gave up; False
+        names ``dst`` at once (a caller that only needs to know this peer is gone)."""
+        return self._p2p("send", tensor, dst, tag, check_in)
 
     @staged(out=("tensor",))
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
-        """Start receiving into ``tensor`` from rank ``src``; returns a handle with ``wait()``."""
-        return self._p2p("recv", tensor, src, tag)
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, *,
+              check_in: bool = True) -> Work:
+        """Start receiving into ``tensor`` from rank ``src``; returns a handle with ``wait()``
+        (``check_in`` as for :meth:`isend`)."""
+        return self._p2p("recv", tensor, src, tag, check_in)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()
@@ -377,8 +406,8 @@ class Communicator:
         """A sub-communicator over ``ranks`` (ranks of this communicator). Members must call it
         with the same list; non-members get ``None``. Rank i of the new communicator is
         ``ranks[i]`` here."""
-        self._check_usable()
         members = checks.group_ranks(ranks, self.world_size)
+        self._check_usable(members)  # a group of ranks whose pairs all still work
         try:
             sub = self.transport.subgroup(members)
         except (TimeoutError, ConnectionError) as exc:
@@ -404,9 +433,15 @@ class Communicator:
         return error
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the communicator holds no process group)."""
+        return self._closed
+
+    @property
     def failed(self) -> bool:
-        """Whether a collective or message failed on this communicator (it is unusable)."""
-        return self._failure is not None
+        """Whether a collective or message failed on this communicator (it is unusable,
+        but for point-to-point messages and groups among the ranks whose pairs work)."""
+        return self._failure is not None or bool(self._peer_failures)
 
     @property
     def unfinished(self) -> int:

@@ -116,6 +116,7 @@ class CollectiveContext:
         on_progress: Callable[[], None] | None = None,
         scratch: ScratchArena | None = None,
         probe_posts: bool = True,
+        probe_waits: bool = True,
     ) -> None:
         self.transport = transport
         self.stats = stats
@@ -134,6 +135,7 @@ class CollectiveContext:
         # peer, instead of first waiting up to the grace period for the others to check in
         self._probe_posts = probe_posts
         self.notes: dict[int, str] = {}  # how each blamed rank is known (unresponsive())
+        self._probe_waits = probe_waits  # False: a broken wait names its peer at once too
 
     def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """``numel`` uninitialised elements of ``like``'s dtype and device, for this
@@ -197,7 +199,8 @@ class CollectiveContext:
             pending.raw.wait(self.timeout_s)
         except (TimeoutError, ConnectionError) as exc:
             raise self.failure(describe_wait("waiting", pending.kind, pending.peer), exc,
-                               pending.peer, timed_out=isinstance(exc, TimeoutError)) from exc
+                               pending.peer, timed_out=isinstance(exc, TimeoutError),
+                               probe=self._probe_waits) from exc
         if self._on_progress is not None:
             self._on_progress()
 

@@ -56,11 +56,12 @@ class P2PWork(Work):
     @classmethod
     def start(cls, transport: Transport, stats: TrafficStats, kind: str, flat: torch.Tensor,
               peer: int, tag: int, *, seq: int, timeout_s: float,
-              on_error: Callable[[BaseException], None]) -> P2PWork:
-        """Post a ``kind`` ("send" or "recv") of ``flat`` with user tag ``tag``."""
+              on_error: Callable[[BaseException], None], check_in: bool = True) -> P2PWork:
+        """Post a ``kind`` ("send" or "recv") of ``flat`` with user tag ``tag``; a failed
+        wait asks who else is still there first only with ``check_in``."""
         ctx = CollectiveContext(transport, stats, op=kind, seq=seq, algorithm="p2p",
                                 timeout_s=timeout_s, chunk_bytes=1, tag_base=tag,
-                                probe_posts=False)
+                                probe_posts=False, probe_waits=check_in)
         pending = ctx.isend(flat, peer) if kind == "send" else ctx.irecv(flat, peer)
         return cls(ctx, pending, on_error)
 

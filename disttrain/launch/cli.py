@@ -16,6 +16,8 @@ _EPILOG = """examples:
   disttrain launch -n 2 -m mypkg.train
   # parameter server: 4 workers (ranks 0-3) and 1 server (rank 4)
   disttrain launch -n 4 --servers 1 -m disttrain run --strategy ps-async --epochs 3
+  # ... going on without a worker that dies
+  disttrain launch -n 4 --servers 1 --tolerate-worker-loss -m disttrain run --strategy ps-async
   # two machines, run on each with its own --node-rank:
   disttrain launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -n 8 train.py
 
@@ -36,6 +38,10 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--servers", type=int, default=0, metavar="S",
                    help="also start S parameter-server processes, ranks N..N+S-1, and tell "
                    "every process (DISTTRAIN_PS_SERVERS=S; one machine only; default 0)")
+    p.add_argument("--tolerate-worker-loss", action="store_true",
+                   help="with --servers: a worker rank (0..N-1) that fails or dies does not "
+                   "stop the job; the others go on (ps-async and ps-ssp outlive a worker) "
+                   "and the launcher reports the loss")
     p.add_argument("--nnodes", default="1", metavar="M", help="machines in the job (default 1)")
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
                    metavar="K", help="this machine's index, 0..M-1")
@@ -79,7 +85,7 @@ def build_config(args: argparse.Namespace) -> LaunchConfig:
         master_addr=args.master_addr, master_port=args.master_port,
         store_bind_addr=args.store_bind_addr, grace_s=args.grace_s,
         run_dir=args.run_dir, prefix_output=args.prefix_output, servers=args.servers,
-        max_restarts=args.max_restarts)
+        max_restarts=args.max_restarts, tolerate_worker_loss=args.tolerate_worker_loss)
 
 
 def run(args: argparse.Namespace) -> int:

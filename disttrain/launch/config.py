@@ -43,6 +43,9 @@ class LaunchConfig:
     # process gets DISTTRAIN_PS_SERVERS so that roles.servers_from_env() knows the split.
     servers: int = 0
     max_restarts: int = 0  # whole-job restarts after a failure (disttrain.launch.restarts)
+    # A worker rank (0..nproc-1 of a --servers job) that fails or dies does not stop the job:
+    # ps-async and ps-ssp go on without it (docs/parameter_server.md, "When a worker dies").
+    tolerate_worker_loss: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("-n/--nproc-per-node", self.nproc_per_node, "the number of workers on "
@@ -78,6 +81,13 @@ class LaunchConfig:
                 self.servers < 0):
             raise ValueError(f"--servers must be a whole number ≥ 0 (parameter-server "
                              f"processes to start beside the workers), got {self.servers!r}")
+        if not isinstance(self.tolerate_worker_loss, bool):
+            raise ValueError(f"tolerate_worker_loss must be True or False, got "
+                             f"{self.tolerate_worker_loss!r}")
+        if self.tolerate_worker_loss and not self.servers:
+            raise ValueError("--tolerate-worker-loss needs --servers S: the launcher must know "
+                             "which ranks are parameter-server workers (the first -n) whose "
+                             "loss the job outlives")
         if self.servers and self.nnodes > 1:
             raise ValueError("--servers starts the servers on this one machine; across "
                              "machines count them in -n on every node and export "
@@ -116,6 +126,12 @@ class LaunchConfig:
     def local_processes(self) -> int:
         """Processes this launcher starts: the workers, then the servers (single node)."""
         return self.nproc_per_node + self.servers
+
+    @property
+    def losable_ranks(self) -> frozenset[int]:
+        """Ranks whose failure does not stop the job (``tolerate_worker_loss``)."""
+        return frozenset(range(self.nproc_per_node)) if self.tolerate_worker_loss else (
+            frozenset())
 
     @property
     def hosts_store(self) -> bool:

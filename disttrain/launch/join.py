@@ -129,7 +129,7 @@ def _shutdown_at_exit() -> None:
     exit; the bound is lifted once it is done."""
     if hooks.is_failing() or os.getpid() != _init_pid:
         return
-    comms = [c for c in (ref() for ref in _opened) if c is not None]
+    comms = [c for c in (ref() for ref in _opened) if c is not None and not c.closed]
     failed = [c.rank for c in comms if c.failed]
     busy = [(c.rank, c.unfinished) for c in comms if c.unfinished]
     if failed or busy:

@@ -4,7 +4,9 @@
                       │  127.0.0.1, or on --master-addr across nodes: store.py)
                       ▼
     spawn N workers ──► watch every 50 ms ──► all exited 0 ─────────────► exit 0
-      (torchrun env)      │                ──► a worker failed: 0.5 s for the others
+      (torchrun env)      │                   (with --tolerate-worker-loss: all the others,
+                          │                    a lost worker announced when seen)
+                          │                ──► a worker failed: 0.5 s for the others
                           │                    to exit by themselves ──┐
                           │                                            ▼
                           └─ SIGINT/SIGTERM ─► forward ──► failure notice, SIGTERM (and
@@ -137,13 +139,24 @@ def _role_env(config: LaunchConfig, rank: int) -> dict[str, str]:
             "ROLE_WORLD_SIZE": str(size)}
 
 
-def _watch(workers: list[Worker], caught: _Signals, run_dir: str, host: str) -> _Outcome:
+def _watch(workers: list[Worker], caught: _Signals, run_dir: str, host: str,
+           losable: frozenset[int] = frozenset()) -> _Outcome:
+    """Until every worker exited, one failed, or a signal came. The failure of a rank in
+    ``losable`` (``--tolerate-worker-loss``) is announced and the others go on; it is still
+    a candidate for the root cause if another rank fails afterwards."""
+    lost: set[int] = set()
     while True:
         if caught.received:
             return _Outcome("signal", signum=caught.received[0])
         for worker in workers:
             worker.poll()
-        if summary.failures(workers):
+        failures = summary.failures(workers)
+        for failure in failures:
+            if failure.rank in losable and failure.rank not in lost:
+                lost.add(failure.rank)
+                _say(f"{describe_loss(failure)}; the job goes on without it "
+                     f"(--tolerate-worker-loss)")
+        if any(f.rank not in losable for f in failures):
             _settle(workers, caught)
             root = summary.blame(summary.first_failure(summary.failures(workers)), workers)
             # Written before the others are signalled, so their last words can name it.
@@ -152,6 +165,19 @@ def _watch(workers: list[Worker], caught: _Signals, run_dir: str, host: str) -> 
         if all(w.returncode is not None for w in workers):
             return _Outcome("success")
         caught.wait(_POLL_S)
+
+
+def describe_loss(failure: summary.Failure) -> str:
+    """``worker rank 1 was killed by SIGKILL`` / ``… exited with code 1 (PSError: …)``."""
+    worker = failure.worker
+    assert worker.returncode is not None
+    message = " ".join(failure.record.message.split())[:200] if failure.record else ""
+    return f"worker rank {worker.rank} {summary.describe_exit(worker.returncode)}" + (
+        f" ({message})" if message else "")
+
+
+def _say(line: str) -> None:
+    print(f"disttrain launch: {line}", file=sys.stderr, flush=True)
 
 
 def _settle(workers: list[Worker], caught: _Signals) -> None:
@@ -220,7 +246,7 @@ def launch(config: LaunchConfig, restart_count: int = 0,
             _spawn(config, port, run_dir, shm_tag, workers, restart_count)
             for worker in workers:
                 worker.start_output(lock, config.prefix_output)
-            outcome = _watch(workers, caught, run_dir, host)
+            outcome = _watch(workers, caught, run_dir, host, config.losable_ranks)
         finally:  # also when spawning or watching raised: nothing may outlive the launcher
             _stop(workers, (caught.received or [signal.SIGTERM])[0], config.grace_s, caught)
             left = unlink_tagged(shm_tag)  # a rank killed during shared-memory set-up

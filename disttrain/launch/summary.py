@@ -24,7 +24,8 @@ from disttrain.launch.process import Worker
 
 _TAIL = 15
 _CONSEQUENCES = ("PeerFailedError", "WorkerTerminated", "CommTimeoutError",
-                 "BarrierTimeoutError", "InitError")
+                 "BarrierTimeoutError", "InitError",
+                 "PSPeerFailedError", "PSTimeoutError")  # a parameter server's peers
 
 
 def exit_code(returncode: int) -> int:

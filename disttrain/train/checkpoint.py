@@ -52,10 +52,15 @@ class Resumed:
 
 
 def save(directory: str, step: int, strategy: Strategy, comm: Communicator | None,
-         meta: dict[str, Any], sampler: dict[str, int], scaler: Any = None) -> str:
-    """Write the checkpoint of ``step`` from every rank; returns its path (``scaler``: fp16's
-    loss scaler, whose scale the run continues with)."""
-    rank = comm.rank if comm is not None else 0
+         meta: dict[str, Any], sampler: dict[str, int], scaler: Any = None, *,
+         rank: int | None = None) -> str:
+    """Write the checkpoint of ``step`` from every rank of ``comm``; returns its path
+    (``scaler``: fp16's loss scaler, whose scale the run continues with). ``rank``: this
+    rank's number in the run, which names its files (default: its rank in ``comm``; they
+    differ when ``comm`` holds only the ranks that finish a run that lost some); the first
+    rank of ``comm`` writes ``meta.pt`` and ``latest``."""
+    me = comm.rank if comm is not None else 0
+    rank = me if rank is None else rank
     world_size = comm.world_size if comm is not None else 1
     path = os.path.join(directory, f"step-{step:08d}")
     os.makedirs(path, exist_ok=True)
@@ -63,11 +68,11 @@ def save(directory: str, step: int, strategy: Strategy, comm: Communicator | Non
     extra = {"loss_scaler": scaler.state_dict()} if scaler is not None else {}
     atomic_save({"rng": torch.get_rng_state(), "sampler": sampler, **extra},
                 os.path.join(path, f"rank-{rank:05d}.pt"))
-    if rank == 0:
+    if me == 0:
         atomic_save({**meta, "step": step}, os.path.join(path, "meta.pt"))
     barrier = comm.barrier if comm is not None and world_size > 1 else _no_barrier
-    checkpoint_files.seal(path, rank, world_size, barrier)
-    if rank == 0:  # every rank's files are sealed: `latest` may move
+    checkpoint_files.seal(path, me, world_size, barrier)
+    if me == 0:  # every rank's files are sealed: `latest` may move
         atomic_write_text(os.path.join(directory, LATEST), os.path.basename(path))
     log.debug("checkpoint of step %d written to %s", step, path)
     return path

@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         if in_job:
             result: TrainResult | None = spawn.run_in_job(config, comm_config, args.backend,
                                                           args.transport)
-            if result is not None and result.rank != 0:
+            if result is not None and result.rank != reporting_rank(result):
                 result = None
         elif world_size == 1 and not get_strategy(config.strategy).needs_comm:
             select_local_gpu(config.device, 0)
@@ -389,9 +389,18 @@ def _report(result: TrainResult, json_path: str | None) -> None:
               f"max {ps['staleness_max']}) worker_bytes_per_step="
               f"{ps['worker_bytes_per_step']:.0f} dense={ps['dense_bytes_per_step']:.0f} "
               f"step_ms_by_worker=[{', '.join(f'{1e3 * t:.1f}' for t in ps['worker_step_s'])}]")
+        if ps.get("lost_workers"):
+            print(f"lost_workers={ps['lost_workers']} (the run went on without them)")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result.summary(), f, indent=2)
+
+
+def reporting_rank(result: TrainResult) -> int:
+    """The rank that prints the result: 0, or the first survivor of a run that went on
+    without some workers (ps-async, ps-ssp: ``extras["lost_workers"]``)."""
+    lost = set(result.extras.get("lost_workers", ()))
+    return min(r for r in range(result.world_size) if r not in lost)
 
 
 def samples_per_s(result: TrainResult) -> float:

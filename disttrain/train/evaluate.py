@@ -1,5 +1,6 @@
-"""Evaluation on the held-out split: each data-parallel shard is scored where the strategy
-holds the output, then ``strategy.combine_scores`` gives every rank the totals
+"""Evaluation on the held-out split: each shard (``strategy.eval_shards``, by default one per
+data-parallel rank) is scored where the strategy holds the output, then
+``strategy.combine_scores`` gives every rank the totals
 ``(correct, count, loss_sum)`` of the whole split (one all-reduce for data parallelism; the
 last stage shares its scores in a pipeline).
 
@@ -44,10 +45,10 @@ def evaluate(strategy: Strategy, dataset: Dataset[Any], loss_fn: LossFn, autocas
     moved to ``device``, the CPU by default)."""
     device = device if device is not None else torch.device("cpu")
     total = size(dataset)
-    sampler = DistributedSampler(total, strategy.dp_size, strategy.dp_rank, shuffle=False,
-                                 pad=False)
+    sampler = DistributedSampler(total, strategy.eval_shards, strategy.eval_shard,
+                                 shuffle=False, pad=False)
     indices = torch.as_tensor(sampler.indices(), dtype=torch.long)
-    batches = batch_count(total, strategy.dp_size, batch_size, strategy.eval_min_rows)
+    batches = batch_count(total, strategy.eval_shards, batch_size, strategy.eval_min_rows)
     totals = torch.zeros(3, dtype=torch.float64)  # correct, count, loss summed over targets
     strategy.before_eval()
     modules = strategy.eval_modules()

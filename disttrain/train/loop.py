@@ -301,26 +301,33 @@ class _Run:
             return  # already written after the last step
         if final and self.step == self.start_step:
             return  # nothing new since the checkpoint we resumed from
-        checkpoint.save(directory, self.step, self.strategy, self.comm, self.meta,
-                        self._position(), self.scaler)
+        checkpoint.save(directory, self.step, self.strategy, self._result_comm(), self.meta,
+                        self._position(), self.scaler, rank=self.rank)
+
+    def _result_comm(self) -> Communicator | None:
+        """The ranks that finish the run: every rank, unless the strategy lost some."""
+        survivors = self.strategy.result_comm()
+        return self.comm if survivors is None else survivors
 
     # ------------------------------------------------------------------ the result
     def _gathered(self, peak: int, state: int) -> tuple[float, list[float | None]]:
-        """Mean of the last step's loss over ranks; the maxima over ranks of peak memory
-        (this rank's: ``peak``), mean bytes sent per step, the theoretical bytes per step
-        (None: not known), model-state bytes (``state``) and peak activation bytes."""
+        """Mean of the last step's loss over the ranks that finish the run (the strategy's
+        ``result_comm``: every rank, unless some were lost); the maxima over them of peak
+        memory (this rank's: ``peak``), mean bytes sent per step, the theoretical bytes per
+        step (None: not known), model-state bytes (``state``) and peak activation bytes."""
         last = self.losses[-1] if self.losses else float("nan")
         sent = self.bytes_sent if self._bytes_sent() is not None else []
         theory = self.strategy.theory_bytes_per_step
         mine = [float(peak), sum(sent) / len(sent) if sent else -1.0,
                 -1.0 if theory is None else float(theory), float(state),
                 float(self.activations.peak)]
-        if self.comm is not None and self.world_size > 1:
+        comm = self._result_comm()
+        if comm is not None and comm.world_size > 1:
             loss = torch.tensor([last], dtype=torch.float64)
-            self.comm.all_reduce(loss)
-            last = float(loss) / self.world_size
+            comm.all_reduce(loss)
+            last = float(loss) / comm.world_size
             most = torch.tensor(mine, dtype=torch.float64)
-            self.comm.all_reduce(most, op="max")
+            comm.all_reduce(most, op="max")
             mine = most.tolist()
         return last, [None if v < 0 else v for v in mine]
 

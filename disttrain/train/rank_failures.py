@@ -20,8 +20,8 @@ from disttrain.comm.liveness import DEAD, STOPPED, process_state
 # A rank whose error ends in one of these failed because another rank did: a dead or
 # failed peer (disttrain.comm's errors, Gloo's broken connections) or a wait that ran out.
 CONSEQUENCES = ("PeerFailedError", "CommTimeoutError", "BarrierTimeoutError", "InitError",
-                "RendezvousError", "Connection closed by peer", "Connection reset by peer",
-                "Broken pipe")
+                "RendezvousError", "PSPeerFailedError", "PSTimeoutError",
+                "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 class RankFailedError(RuntimeError):

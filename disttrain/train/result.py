@@ -22,7 +22,9 @@ class EvalPoint:
 @dataclass(frozen=True)
 class TrainResult:
     """One rank's view of a finished run. Fields ending in ``_max`` or ``final_loss`` and the
-    evaluations are the same on every rank (gathered); the rest are this rank's."""
+    last evaluation are the same on every rank that finished the run (gathered), and so are
+    the evaluations before it but for the parameter servers' (ps-async and ps-ssp workers
+    score alone, a server's are NaN: docs/parameter_server.md); the rest are this rank's."""
 
     strategy: str
     rank: int

@@ -6,8 +6,11 @@ as ``disttrain.init()`` (a rank that never comes is named), use the given backen
 NCCL with a GPU per rank: rank r trains on ``cuda:r``), and send their
 :class:`TrainResult` back through a pipe to this process (their parent). A rank that raises,
 dies or falls silent is named (:mod:`disttrain.train.rank_failures`), the others are
-stopped, and :class:`RankFailedError` says which. Every rank gets SIGKILL from the kernel
-if this process dies (``PR_SET_PDEATHSIG``), so a killed ``disttrain run`` leaves no rank.
+stopped, and :class:`RankFailedError` says which; but a rank the strategy outlives (a
+ps-async or ps-ssp worker: ``StrategySpec.losable_ranks``) is only reported (a warning) when
+the others finish without it and say so (``extras["lost_workers"]``), and the survivors'
+results are returned. Every rank gets SIGKILL from the kernel if this process dies
+(``PR_SET_PDEATHSIG``), so a killed ``disttrain run`` leaves no rank.
 
 ``run_in_job`` is for processes started by ``torchrun``, ``disttrain launch``, ``srun`` or
 ``mpirun`` (:func:`in_launched_job` asks :func:`disttrain.launch.launcher_of`).
@@ -36,6 +39,7 @@ from disttrain.train.device import select_local_gpu
 from disttrain.train.loop import train
 from disttrain.train.rank_failures import RankFailedError, root_cause
 from disttrain.train.result import TrainResult
+from disttrain.train.strategies import get_strategy
 
 __all__ = ["RankFailedError", "in_launched_job", "make_comm", "root_cause", "run_in_job",
            "run_local"]
@@ -99,7 +103,8 @@ def _worker(rank: int, world_size: int, store_path: str, config: TrainConfig,
 def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | None = None,
               timeout_s: float | None = None, transport: str = "torch",
               backend: str = "gloo") -> list[TrainResult]:
-    """Train on ``world_size`` new local processes; returns every rank's result (rank order).
+    """Train on ``world_size`` new local processes; returns every rank's result (rank order;
+    the surviving ranks' of a run that outlived a rank, the first of them the one reporting).
 
     ``timeout_s`` bounds the whole run (None: no limit; every collective is still bounded by
     ``comm_config.timeout_s``); ``transport`` is how disttrain.comm moves bytes, over the
@@ -121,8 +126,9 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
             procs.append(proc)
             conns.append(parent)
         finished = False
+        losable = get_strategy(config.strategy).losable_ranks(config, world_size)
         try:
-            results = _collect(procs, conns, timeout_s)
+            results = _collect(procs, conns, timeout_s, losable)
             finished = True
             log.debug("results from all %d ranks received", world_size)
             return results
@@ -138,12 +144,15 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
 _GRACE_S = 1.0  # after a first failure, how long the others may take to report theirs
 
 
-def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None) -> list[TrainResult]:
+def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None,
+             losable: frozenset[int] = frozenset()) -> list[TrainResult]:
     """Every rank's result, or the root cause of a failure: after the first error or death,
     the other ranks get ``_GRACE_S`` to report theirs, and the first failure that is not a
-    consequence of another's is raised (see :func:`rank_failures.root_cause`)."""
+    consequence of another's is raised (see :func:`rank_failures.root_cause`). The failure
+    of a rank in ``losable`` is set aside while the others go on (:func:`_survivors`)."""
     results: dict[int, TrainResult] = {}
     failed: list[RankFailedError] = []  # in the order they were seen
+    lost: list[RankFailedError] = []  # losable ranks' failures, before any other
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     grace_end: float | None = None  # set by the first failure
     waiting = {conn: rank for rank, conn in enumerate(conns)}
@@ -163,18 +172,31 @@ def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None) -> lis
                 try:
                     _receive(item, rank, results, procs[rank])
                 except RankFailedError as exc:
-                    failed.append(exc)
+                    (lost if rank in losable and not failed else failed).append(exc)
             elif item in sentinels:
                 rank = sentinels.pop(item)
                 conn = conns[rank]
                 if conn in waiting and not conn.poll(0.5):
                     waiting.pop(conn)
-                    failed.append(rank_failures.died(rank, procs[rank].exitcode))
+                    death = rank_failures.died(rank, procs[rank].exitcode)
+                    (lost if rank in losable and not failed else failed).append(death)
         if failed and grace_end is None:
             grace_end = time.monotonic() + _GRACE_S
     if failed:
-        raise root_cause(failed, {rank: proc.pid for rank, proc in enumerate(procs)})
-    return [results[rank] for rank in range(len(procs))]
+        raise root_cause(lost + failed, {rank: proc.pid for rank, proc in enumerate(procs)})
+    return _survivors(results, lost)
+
+
+def _survivors(results: dict[int, TrainResult], lost: list[RankFailedError]
+               ) -> list[TrainResult]:
+    """The results, in rank order, of a run that outlived the ranks of ``lost`` (warned
+    about); every survivor must say it went on without them, or the first is raised."""
+    for exc in lost:
+        if not all(exc.rank in r.extras.get("lost_workers", ()) for r in results.values()):
+            raise exc  # the others did not go on without it: it failed their run
+        log.warning("rank %d %s (%s); the other ranks went on without it", exc.rank, exc.kind,
+                    exc.detail)
+    return [results[rank] for rank in sorted(results)]
 
 
 def _receive(conn: Any, rank: int, results: dict[int, TrainResult], proc: Any) -> None:

@@ -126,9 +126,11 @@ class Channel:
             yield from wait(self._post(self.comm.irecv, values, TAG_REPLY_PAYLOAD, doing), doing)
         return answer, values
 
-    def _post(self, start: Callable[[torch.Tensor, int, int], Work], tensor: torch.Tensor,
-              tag: int, doing: str) -> Work:
-        return post(lambda: start(tensor, self.rank, tag), self.peer, self.rank, doing)
+    def _post(self, start: Callable[..., Work], tensor: torch.Tensor, tag: int,
+              doing: str) -> Work:
+        # a broken connection names the server at once (no check-in round)
+        return post(lambda: start(tensor, self.rank, tag, check_in=False), self.peer,
+                    self.rank, doing)
 
     def _await(self, work: Any, doing: str, timeout_s: float) -> Generator[Wait, None, None]:
         watch = self.watcher.watch(work)

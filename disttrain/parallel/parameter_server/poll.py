@@ -26,7 +26,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from disttrain.comm import Work
+from disttrain.comm import CommTimeoutError, Work
 from disttrain.parallel.parameter_server.errors import PSPeerFailedError, PSTimeoutError
 
 _IDLE_CHECK_S = 0.1  # a safety net: completions wake the loop at once
@@ -133,7 +133,12 @@ def settle(sends: list[Work], peer: str, rank: int, doing: str) -> None:
 
 
 def finish(watch: Watch, peer: str, rank: int, doing: str) -> None:
-    """Raise the transport's error, if the message failed, as one naming the peer."""
+    """Raise the transport's error, if the message failed, as one naming the peer: a broken
+    connection as PSPeerFailedError (the peer died), a transport timeout as PSTimeoutError
+    (a silent peer is no dead one: nobody may go on without it)."""
+    if isinstance(watch.error, CommTimeoutError):
+        raise PSTimeoutError(f"{peer} did not answer while {doing}: the transport's own "
+                             f"timeout expired ({watch.error})", rank) from watch.error
     if watch.error is not None:
         raise PSPeerFailedError(f"{peer} failed: its connection broke while {doing}; the "
                                 f"process most likely died ({watch.error})",

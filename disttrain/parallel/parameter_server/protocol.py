@@ -6,7 +6,7 @@ message starts with a header of :data:`HEADER_FIELDS` int64 (96 bytes), always t
     field          request (worker → server)                 reply (server → worker)
     -------------  ----------------------------------------  ---------------------------------
     MAGIC          0x44545053 ("DTPS")                       same
-    VERSION        protocol version (1)                      same
+    VERSION        protocol version (2)                      same
     TYPE           HELLO PULL PUSH SPARSE_PULL SPARSE_PUSH    GRANT or REPLY
                    CLOCK HEARTBEAT DONE
     STATUS         0                                         0 = OK, else the error (Status)
@@ -15,7 +15,7 @@ message starts with a header of :data:`HEADER_FIELDS` int64 (96 bytes), always t
     KEY            dense: global offset of the first element same as the request
                    sparse: index of the embedding table
                    HELLO: the config fingerprint
-    COUNT          dense: elements; sparse: rows             elements/rows of the reply payload
+    COUNT          dense: elements; sparse: rows; DONE: W    elements/rows of the reply payload
     DTYPE          payload dtype code (DTYPE_CODES)          same
     CLOCK          the worker's clock                        HELLO: the server's clock
     PARAM_VERSION  CLOCK (or END_CLOCK push): the version    the server's parameter version
@@ -31,7 +31,10 @@ so it never receives a byte it did not size and agree to, and a rejected request
 stray payload behind in the transport (HTTP's ``Expect: 100-continue`` works the same way).
 Every request gets exactly one REPLY; a REPLY with STATUS ≠ OK is a rejection, logged on the
 server, which goes on serving. The exception is PEER_FAILED: a server that stops because a
-peer failed answers the requests it holds at a consistency gate with it (KEY: that rank).
+peer failed answers the requests it holds (at a consistency gate, or a DONE) with it (KEY:
+that rank). DONE (COUNT: the number of workers W) is answered once every worker is done or
+lost and the servers agreed on who was lost: its reply carries W int64 flags, 1 for each
+lost worker (:meth:`~.server.ParameterServer.serve`).
 On Gloo, tags name the four streams (:data:`TAG_REQUEST` …); NCCL ignores tags and matches a
 pair's messages in posting order, so both sides post every message of a request in the
 order of the flow (:mod:`.channel`), which keeps the streams apart there too.
@@ -47,7 +50,7 @@ import torch
 from disttrain.parallel.parameter_server.errors import ProtocolError
 
 MAGIC = 0x44545053  # "DTPS"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER_FIELDS = 12
 
 # Point-to-point tags (the Communicator's user range is 0 … 2**24 − 1).
@@ -55,6 +58,7 @@ TAG_REQUEST = 0x505300  # worker → server headers
 TAG_REQUEST_PAYLOAD = 0x505301  # worker → server payloads (after a GRANT)
 TAG_REPLY = 0x505302  # server → worker headers (GRANT, REPLY)
 TAG_REPLY_PAYLOAD = 0x505303  # server → worker payloads (pulled values)
+TAG_SERVERS = 0x505304  # server ↔ server: the workers each lost (at the end of a run)
 
 
 class Msg(IntEnum):

@@ -3,21 +3,23 @@ the sums over every rank that the training loop's ``ps-*`` strategies put in the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from disttrain.comm import Communicator
 from disttrain.parallel.parameter_server.config import PSConfig
 from disttrain.parallel.parameter_server.consistency import StalenessHistogram
+from disttrain.parallel.parameter_server.final import Survivors
 from disttrain.parallel.parameter_server.roles import PSRoles
 
 
 @dataclass
 class ServerReport:
     """What one server did: its final version and clock, the staleness of every applied
-    update, requests served and rejected (by status), and its bytes on the wire."""
+    update, requests served and rejected (by status), its bytes on the wire, and the workers
+    the run went on without (``lost``: rank → how this server lost it, or which other
+    server reported it)."""
 
     server: int
     rank: int
@@ -29,6 +31,7 @@ class ServerReport:
     rejected: dict[str, int]
     bytes_sent: int
     bytes_recv: int
+    lost: dict[int, str] = field(default_factory=dict)  # lost worker rank → what happened
 
     @property
     def histogram(self) -> StalenessHistogram:
@@ -51,14 +54,17 @@ class WorkerReport:
     comm_s: float
     straggler_sleep_s: float
     slow_clocks: tuple[int, ...] = ()
+    lost_workers: tuple[int, ...] = ()  # ranks of the workers the run went on without
 
 
-def gather_extras(comm: Communicator, roles: PSRoles, config: PSConfig, mine: list[float],
+def gather_extras(team: Survivors, roles: PSRoles, config: PSConfig, mine: list[float],
                   staleness: dict[int, int]) -> dict[str, Any]:
-    """Every rank: sum over all ranks (two all-reduces) the workers' rates, bytes, sleeps,
-    compute and step times and the servers' traffic and staleness histograms. ``mine``:
-    rate, wire bytes/step, dense bytes/step, straggler sleep, compute s/step, server bytes
-    sent, received, then one mean step time per worker (zero but in this worker's slot)."""
+    """Every surviving rank: sum over them (two all-reduces) the workers' rates, bytes,
+    sleeps, compute and step times and the servers' traffic and staleness histograms.
+    ``mine``: rate, wire bytes/step, dense bytes/step, straggler sleep, compute s/step, server
+    bytes sent, received, then one mean step time per worker (zero but in this worker's
+    slot, and a lost worker's). Means are over the surviving workers."""
+    comm = team.comm
     top = torch.tensor([max(staleness, default=-1)], dtype=torch.float64)
     comm.all_reduce(top, op="max")
     bins = [0.0] * (int(top) + 1)
@@ -66,12 +72,13 @@ def gather_extras(comm: Communicator, roles: PSRoles, config: PSConfig, mine: li
         bins[k] = float(n)
     sums = torch.tensor(mine + bins, dtype=torch.float64)
     comm.all_reduce(sums)
-    w = roles.num_workers
     rate, wire, dense, sleep, compute, sent, recv, *rest = sums.tolist()
-    step_s, hist = rest[:w], rest[w:]
+    step_s, hist = rest[:roles.num_workers], rest[roles.num_workers:]
+    w = len(team.workers)
     histogram = {k: int(n) for k, n in enumerate(hist) if n}
     updates = sum(histogram.values())
-    return {"samples_per_s": rate, "mode": config.mode, "workers": w,
+    return {"samples_per_s": rate, "mode": config.mode, "workers": roles.num_workers,
+            "lost_workers": list(team.lost),
             "servers": roles.num_servers, "staleness_bound": config.bound,
             "worker_bytes_per_step": wire / w, "dense_bytes_per_step": dense / w,
             "straggler": {str(r): f for r, f in config.straggler.items()},

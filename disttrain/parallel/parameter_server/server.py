@@ -11,7 +11,15 @@ clock is too far ahead for the consistency model waits inside its conversation (
 go on) until the slowest worker's CLOCK lets it through. A bad request is logged and
 answered with an error status; the conversation goes on. A worker that stays silent for
 ``timeout_s`` (no request, no heartbeat) is reported by role and rank, and the server
-stops with that error, first telling the workers it holds at a gate who failed.
+stops with that error, first telling the workers it holds (at a gate, or DONE) who failed.
+
+**A dead worker** (its connection broke: the process died) ends only its conversation where
+pushes apply on arrival (async, ssp with s > 0), as ps-lite promises: its clock leaves the
+staleness bound, its pending gradients are dropped, a warning names it, and the others go
+on. In clock-ordered modes (sync, ssp with s = 0) its share of the clock in progress is
+mixed into the others', so the server stops, as for silence. At the end the servers swap
+the workers each lost and answer every DONE with the union (:meth:`ParameterServer.serve`),
+so every surviving rank knows the same survivors.
 """
 
 from __future__ import annotations
@@ -27,7 +35,12 @@ from torch import nn
 from disttrain.comm import Communicator
 from disttrain.parallel.parameter_server.config import PSConfig
 from disttrain.parallel.parameter_server.consistency import ClockTable, StalenessHistogram
-from disttrain.parallel.parameter_server.errors import ProtocolError, PSError, PSPeerError
+from disttrain.parallel.parameter_server.errors import (
+    ProtocolError,
+    PSError,
+    PSPeerError,
+    PSPeerFailedError,
+)
 from disttrain.parallel.parameter_server.flat import gather_flat
 from disttrain.parallel.parameter_server.partition import partition, specs_of
 from disttrain.parallel.parameter_server.poll import Task, Wait, drive
@@ -53,6 +66,7 @@ from disttrain.parallel.parameter_server.shard import (
 )
 
 log = logging.getLogger(__name__)
+_NOTICE_S = 5.0  # how long a stopping server waits for the other workers' next request
 Gen = Generator[Wait, None, Any]
 
 
@@ -123,6 +137,8 @@ class ParameterServer:
         self.io = ServerIO(comm, roles, config.resolve_timeout(comm.config.timeout_s),
                            lambda: self.shard.version)
         self._gated: dict[int, Header] = {}  # worker → its request waiting at the gate
+        self._done: dict[int, Header] = {}  # worker → its DONE, answered at the end
+        self.lost: dict[int, str] = {}  # lost worker rank → what happened
 
     def restore(self, path: str) -> None:
         clock = self.shard.load_state_dict(load_checkpoint(path))
@@ -145,6 +161,10 @@ class ParameterServer:
         tasks: list[Task] = [self._conversation(w) for w in range(self.roles.num_workers)]
         try:
             drive(tasks, self.io.watcher.wakeup)
+            if len(self.lost) == self.roles.num_workers:
+                raise PSError(f"{self.name}: every worker was lost ({self._lost_list()}); "
+                              f"nothing is left to train")
+            self._release(self._agree_on_losses())
         except PSError as exc:
             log.error("%s: stopping: %s", self.name, exc)
             self._abort(exc)
@@ -158,25 +178,93 @@ class ParameterServer:
                             self.shard.version, self.clocks.slowest, self.staleness.as_dict(),
                             dict(self.requests), dict(self.rejected),
                             self.comm.stats.bytes_sent - sent0,
-                            self.comm.stats.bytes_recv - recv0)
+                            self.comm.stats.bytes_recv - recv0, dict(self.lost))
 
     def _abort(self, exc: PSError) -> None:
-        """Best effort: answer the requests held at a gate with PEER_FAILED (KEY: the failed
-        rank), so those workers learn who failed instead of timing out on this server."""
+        """Best effort: answer the requests held at a gate, the DONEs not answered yet and
+        the next request of every other worker (if it comes within a few seconds) with
+        PEER_FAILED (KEY: the failed rank), so those workers learn who failed instead of
+        timing out on, or finding gone, this server."""
         failed = exc.rank if isinstance(exc, PSPeerError) and exc.rank is not None else -1
         rank_of = self.roles.worker_rank
-        told = [rank_of(w) for w in self._gated if rank_of(w) != failed]
+        held = {**self._gated, **self._done}
+        told = [rank_of(w) for w in held if rank_of(w) != failed]
+        grace = min(self.io.timeout_s, _NOTICE_S)
+        asking = [r for r in self.io.asking() if r != failed and r not in self.lost]
         try:
-            for w, h in self._gated.items():
+            for w, h in held.items():
                 if rank_of(w) != failed:
                     self.io.reply(rank_of(w), h, status=Status.PEER_FAILED, key=failed)
-            drive([self.io.flush(rank) for rank in told], self.io.watcher.wakeup)
+            drive([*(_quietly(self.io.flush(rank)) for rank in told),
+                   *(self.io.refuse_next(rank, failed, grace) for rank in asking)],
+                  self.io.watcher.wakeup)
         except Exception as notice_error:  # the original error matters, not this one
             log.debug("%s: could not tell every worker: %s", self.name, notice_error)
 
+    # ------------------------------------------------------------ the end of a run
+    def _agree_on_losses(self) -> set[int]:
+        """Swap the workers each server lost with every other server; all adopt the union
+        (one server may have seen a worker's DONE before it died, another its death)."""
+        workers = self.roles.num_workers
+        mine = torch.zeros(workers, dtype=torch.int64)
+        for rank in self.lost:
+            mine[rank] = 1
+        others = [r for r in self.roles.server_ranks if r != self.comm.rank]
+        theirs = {r: torch.zeros(workers, dtype=torch.int64) for r in others}
+        drive([self.io.exchange(r, mine, theirs[r]) for r in others], self.io.watcher.wakeup)
+        for r, flags in theirs.items():
+            for rank in flags.nonzero().reshape(-1).tolist():
+                if rank not in self.lost:
+                    self.lost[rank] = f"lost by {self.roles.describe(r)}"
+                    log.warning("%s: %s was lost by %s; the run goes on without it",
+                                self.name, self.roles.describe(rank), self.roles.describe(r))
+        return set(self.lost)
+
+    def _release(self, lost: set[int]) -> None:
+        """Answer every surviving worker's DONE with the lost workers' flags. A worker that
+        died after its DONE cannot be left out any more (the others already know the
+        survivors): the failed flush stops the server, naming it."""
+        flags = torch.tensor([int(r in lost) for r in self.roles.worker_ranks])
+        rank_of = self.roles.worker_rank
+        answered = []
+        for w, h in list(self._done.items()):
+            del self._done[w]
+            if rank_of(w) not in lost:
+                self.io.reply(rank_of(w), h, payload=flags)
+                answered.append(rank_of(w))
+        drive([self.io.flush(rank) for rank in answered], self.io.watcher.wakeup)
+
+    def _lost_list(self) -> str:
+        return ", ".join(self.roles.describe(r) for r in sorted(self.lost))
+
     # ------------------------------------------------------------ one worker's conversation
     def _conversation(self, w: int) -> Gen:
+        """Serve worker ``w`` until its DONE; where the mode outlives a worker, its death
+        (a broken connection) ends only this conversation."""
         rank = self.roles.worker_rank(w)
+        try:
+            yield from self._serve_worker(w, rank)
+        except PSPeerFailedError as exc:
+            if exc.rank != rank or not self.config.on_arrival:
+                raise
+            self._lose(w, rank, exc)
+
+    def _lose(self, w: int, rank: int, exc: PSPeerFailedError) -> None:
+        """Go on without worker ``w``: its clock leaves the bound (the gate opens for the
+        others), its pending gradients and unsent answers are dropped."""
+        clock = self.clocks.clocks[w]
+        self.lost[rank] = f"at clock {clock}: {exc}"
+        self.clocks.leave(w)  # applied on arrival: no clock completes here
+        dropped = self.shard.discard(w)
+        self.io.forget(rank)
+        self._gated.pop(w, None)
+        alive = self.roles.num_workers - len(self.lost)
+        log.warning("%s: lost %s at clock %d (%s); %s mode goes on with %d worker(s): its "
+                    "clock leaves the staleness bound, %d pending update(s) of it dropped",
+                    self.name, self.roles.describe(rank), clock, exc, self.config.mode, alive,
+                    dropped)
+
+    def _serve_worker(self, w: int, rank: int) -> Gen:
         peer = self.roles.describe(rank)
         startup: float | None = self.config.startup_timeout(self.comm.config.timeout_s)
         while True:
@@ -210,11 +298,14 @@ class ParameterServer:
             self.io.reply(rank, h)
         elif h.type == Msg.HEARTBEAT:
             self.io.reply(rank, h)
-        else:  # DONE
+        else:  # DONE: answered once every worker is done or lost (_release)
+            workers = self.roles.num_workers
+            if h.count != workers:
+                raise ProtocolError(Status.BAD_SIZE, f"DONE must count the {workers} workers "
+                                    f"(one lost-flag each), not {h.count}")
             for clock in self.clocks.leave(w):
                 self._apply((clock, -1))
-            self.io.reply(rank, h)
-            yield from self.io.flush(rank)
+            self._done[w] = h
             return True
         return False
 
@@ -301,3 +392,11 @@ class ParameterServer:
             self.save()
         if self.on_update is not None:
             self.on_update(version)
+
+
+def _quietly(task: Gen) -> Gen:
+    """``task``, its PSError swallowed: one worker that cannot be told stops no other."""
+    try:
+        yield from task
+    except PSError:
+        pass

@@ -17,6 +17,7 @@ raises :class:`ProtocolError`.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from disttrain.parallel.checkpoint_files import CheckpointError, atomic_save, load
+from disttrain.parallel.checkpoint_files import (
+    CheckpointError,
+    atomic_save,
+    fsync_directory,
+    load,
+    seal,
+    verify,
+)
 from disttrain.parallel.parameter_server.config import staleness_lr_factor
 from disttrain.parallel.parameter_server.errors import ProtocolError
 from disttrain.parallel.parameter_server.partition import Partition, Segment
@@ -33,6 +41,7 @@ from disttrain.parallel.parameter_server.protocol import Status
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 UpdateKey = tuple[int, int]  # (clock, worker) applied on arrival; (clock, -1) clock-ordered
 CHECKPOINT_FORMAT = "disttrain.parameter_server.shard/1"
+SHARD_FILE = "shard.pt"  # in a server's checkpoint directory, beside its manifest
 
 
 @dataclass
@@ -125,6 +134,14 @@ class ServerShard:
         """A worker finished its part of update ``key``, computed on ``pulled_version``."""
         self._pending_for(key).pulled_versions.append(pulled_version)
 
+    def discard(self, worker: int) -> int:
+        """Drop the pending updates of a lost ``worker`` (applied on arrival, keyed by
+        worker); returns how many were dropped."""
+        keys = [key for key in self._pending if key[1] == worker]
+        for key in keys:
+            del self._pending[key]
+        return len(keys)
+
     def apply(self, key: UpdateKey) -> list[int]:
         """Average update ``key`` over its contributors, step the optimizer at its learning
         rate times the staleness factor, bump the version. Returns the staleness of each
@@ -171,19 +188,40 @@ class ServerShard:
 
 
 def checkpoint_path(directory: str, server: int) -> str:
-    return os.path.join(directory, f"ps-server-{server:03d}.pt")
+    """Server ``server``'s checkpoint in ``directory``: a directory of its own, sealed."""
+    return os.path.join(directory, f"ps-server-{server:03d}")
 
 
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
-    """Write atomically and durably: a crash mid-save leaves the previous checkpoint intact."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    atomic_save(state, path)
+    """Write checkpoint directory ``path``: ``shard.pt`` and the manifest that seals it (its
+    size and SHA-256, as every disttrain checkpoint: :mod:`~disttrain.parallel.
+    checkpoint_files`). Each server seals its own, so no server waits for another, even
+    when it saves mid-run (``checkpoint_every``). Written in a temporary sibling, then put in
+    place by two renames: a crash leaves the previous checkpoint or the new one, complete
+    (between the renames, microseconds, the previous one is left as ``.NAME.old-PID``)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fresh = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
+    shutil.rmtree(fresh, ignore_errors=True)
+    os.makedirs(fresh)
+    atomic_save(state, os.path.join(fresh, SHARD_FILE))
+    seal(fresh, 0, 1, lambda: None)
+    old = os.path.join(parent, f".{name}.old-{os.getpid()}") if os.path.exists(path) else None
+    if old is not None:
+        os.rename(path, old)
+    os.rename(fresh, path)
+    fsync_directory(parent)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
-    """Tensors and plain containers only (``weights_only=True``): nothing is unpickled; an
-    unreadable file raises CheckpointError naming it."""
-    state = load(path)
+    """Checkpoint directory ``path``, verified against its manifest (a damaged, truncated or
+    unsealed one raises CheckpointError naming the file); tensors and plain containers only
+    (``weights_only=True``): nothing is unpickled."""
+    verify(path)
+    file = os.path.join(path, SHARD_FILE)
+    state = load(file)
     if not isinstance(state, dict):
-        raise CheckpointError(f"{path} is not a parameter-server shard checkpoint")
+        raise CheckpointError(f"{file} is not a parameter-server shard checkpoint")
     return state

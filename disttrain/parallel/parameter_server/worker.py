@@ -6,7 +6,7 @@
         model.zero_grad()
         loss_fn(model(inputs), targets).backward()
         ps.push()                                   # gradients out, clock + 1
-    report = ps.close()                             # DONE: servers stop waiting for us
+    report = ps.close()            # DONE; returns once every worker is done or lost
 
 ``pull`` writes into the model's parameters in place; ``push`` reads their ``.grad``. The
 worker runs no optimizer: the servers do. Each call talks to all servers at once (one
@@ -75,6 +75,7 @@ class PSWorker:
         self._slow_clocks: list[int] = []  # clocks this worker was slowed on
         self._bytes0 = (comm.stats.bytes_sent, comm.stats.bytes_recv)
         self._closed = False
+        self._lost: tuple[int, ...] = ()  # workers the run went on without (from close())
         self._hello()
         self.pull_all()
 
@@ -137,9 +138,11 @@ class PSWorker:
         self._run([[Request(Msg.HEARTBEAT)] for _ in self.channels])
 
     def close(self) -> WorkerReport:
-        """Tell every server this worker is done; returns the report. Idempotent."""
+        """Tell every server this worker is done and wait until every worker is done or
+        lost (at most 90% of the communicator's timeout, as HELLO); returns the report,
+        whose ``lost_workers`` every server agreed on. Idempotent."""
         if not self._closed:
-            self._run([[Request(Msg.DONE)] for _ in self.channels])
+            self._lost = self._done()
             self._closed = True
             self.watcher.close()
         sent, recv = self.comm.stats.bytes_sent, self.comm.stats.bytes_recv
@@ -147,7 +150,31 @@ class PSWorker:
         return WorkerReport(self.role.index, self.comm.rank, self._steps,
                             sent - self._bytes0[0], recv - self._bytes0[1],
                             self._steps * 2 * self.partition.total * item, self._compute_s,
-                            self._comm_s, self._sleep_s, tuple(self._slow_clocks))
+                            self._comm_s, self._sleep_s, tuple(self._slow_clocks), self._lost)
+
+    def _done(self) -> tuple[int, ...]:
+        """DONE to every server; each answers, once the run is over, which workers were
+        lost (one flag per worker)."""
+        workers = self.roles.num_workers
+        answers: list[tuple[int, ...]] = []
+
+        def note(h: Header, flags: torch.Tensor | None) -> None:
+            assert flags is not None
+            lost = tuple(flags.nonzero().reshape(-1).tolist())
+            if self.comm.rank in lost:
+                raise PSError(f"{self.role}: {self.roles.describe(h.sender)} dropped this "
+                              f"worker (a connection of it broke); the run went on without it")
+            answers.append(lost)
+
+        self._run([[Request(Msg.DONE, count=workers, reply_elems=workers,
+                            reply_dtype=torch.int64, on_reply=note)] for _ in self.channels],
+                  timeout_s=self.config.startup_timeout(self.comm.config.timeout_s))
+        if len(set(answers)) > 1:
+            raise PSError(f"{self.role}: the servers disagree on the lost workers {answers}")
+        if answers[0]:
+            log.warning("%s: the run went on without %s", self.role,
+                        ", ".join(self.roles.describe(r) for r in answers[0]))
+        return answers[0]
 
     # ------------------------------------------------------------------ requests
     def _hello(self) -> None:

@@ -63,6 +63,7 @@ from disttrain.train.strategies.deepspeed_baseline import (
 )
 from disttrain.train.strategies.parameter_server import (
     build_parameter_server_strategy,
+    losable_ranks,
     num_servers,
 )
 from disttrain.train.strategies.pipeline import (
@@ -108,6 +109,13 @@ class StrategySpec:
     needs_comm: bool = True
     check: Check | None = None  # further checks before any rank starts
     loss_scaling: bool = True  # --precision fp16 (the loop's scaler reaches its updates)
+    # the ranks whose death a run outlives (config, world size → ranks); None: no rank's
+    losable: Callable[[TrainConfig, int], frozenset[int]] | None = None
+
+    def losable_ranks(self, config: TrainConfig, world_size: int) -> frozenset[int]:
+        """Ranks that may die without failing the run (a launcher must not stop the job for
+        them): ps-async's and ps-ssp's workers."""
+        return frozenset() if self.losable is None else self.losable(config, world_size)
 
     def data_parallel_size(self, world_size: int, config: TrainConfig | None = None) -> int:
         """How many ranks read different shards of each global batch."""
@@ -280,11 +288,11 @@ STRATEGIES: dict[str, StrategySpec] = {
                             loss_scaling=False),
     "ps-async": StrategySpec(build_parameter_server_strategy, "parameter server, asynchronous "
                              "SGD (updates applied on arrival)", PS | {"staleness_lr"}, "ps",
-                             check=_check_ps, loss_scaling=False),
+                             check=_check_ps, loss_scaling=False, losable=losable_ranks),
     "ps-ssp": StrategySpec(build_parameter_server_strategy, "parameter server, stale-"
                            "synchronous SGD (at most --staleness steps ahead)",
                            PS | {"staleness", "staleness_lr"}, "ps", check=_check_ps,
-                           loss_scaling=False),
+                           loss_scaling=False, losable=losable_ranks),
     "tp": StrategySpec(build_mesh_strategy, "tensor parallel over every rank: attention by "
                        "heads, MLP column-then-row, vocabulary-parallel embedding and loss",
                        frozenset({"algorithm", "sequence_parallel"}), "mesh", check=check_mesh),

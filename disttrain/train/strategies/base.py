@@ -203,6 +203,16 @@ class Strategy:
     eval_min_rows = 1  # fewest samples one predict() call accepts (pipelines: micro-batches)
     collective_eval = False  # predict() runs collectives: every rank needs as many batches
 
+    @property
+    def eval_shards(self) -> int:
+        """How many shards the held-out split is scored in (``combine_scores`` sums them)."""
+        return self.dp_size
+
+    @property
+    def eval_shard(self) -> int:
+        """The shard this rank scores."""
+        return self.dp_rank
+
     def before_eval(self) -> None:
         """Called on every rank before an evaluation (e.g. gather what predict needs)."""
 
@@ -246,6 +256,12 @@ class Strategy:
         self.load_state_dict(safe_load(file))
 
     # ------------------------------------------------------------------ measurements
+    def result_comm(self) -> Communicator | None:
+        """The communicator the loop gathers the result over and writes the final checkpoint
+        with when not the loop's own (None): one over the ranks that finish the run, for a
+        strategy that went on without some (a parameter server that outlived a worker)."""
+        return None
+
     def communicators(self) -> list[Communicator]:
         """Every communicator this strategy sends through (their stats are summed)."""
         return [self.comm] if self.comm is not None else []

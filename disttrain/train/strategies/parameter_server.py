@@ -9,12 +9,24 @@ there depends on its role::
     build:  PSWorker: HELLO, pull every value     build:  serve until every worker is DONE
     step:   pull → forward/backward → push                (the workers' steps happen here)
     after its last step: DONE ────────────────────────────► serving ends
-    finish (every rank): one all_reduce (the workers' last losses, their mean buffers) and S
-            broadcasts (each server's final values): every rank holds the final model
-    eval:   pull, score this worker's shard, sum  steps and evaluations: no-ops on the
-            over the workers' group               final model (nothing sent)
-    result: the loop's all-reduces over all W + S ranks; a server's "loss" is the workers'
-            mean, so the loop's average over ranks is the workers' average
+    finish (every surviving rank): one all_reduce (the workers' last losses, their mean
+            buffers) and S broadcasts (each server's final values): all hold the final model
+    eval:   pull, score the split (ps-sync: this  steps: no-ops; evaluations before the
+            worker's shard, summed over the       last: NaN (a server holds no model
+            workers' group; async, ssp: all of    until the end)
+            it, alone)
+    last eval and result (every surviving rank): each scores 1/(W + S) of the split on the
+            final model, summed over all; the loop's all-reduces; a server's "loss" is the
+            workers' mean, so the loop's average over ranks is the workers' average
+
+**A lost worker.** ``ps-async`` and ``ps-ssp`` (with staleness > 0) outlive a worker that
+dies: the servers drop it and answer every DONE with the workers they lost, and the
+survivors end the run on a group of their own (:func:`~disttrain.parallel.parameter_server.
+final.survivors`): the final evaluation, the result and the end checkpoint are theirs, the
+first survivor (the lowest surviving worker) reports, and ``extras["lost_workers"]`` lists
+the lost ranks. Its shard of each global batch is not trained on any more. That is why their
+evaluations during training are each worker's own (no collective among workers that may be
+gone); ``ps-sync`` stops at a dead worker.
 
 ``ps-sync`` averages the W gradients of a step before one update (exactly one process on
 the global batch); ``ps-async`` applies each worker's gradient when it arrives, with the
@@ -56,7 +68,7 @@ from disttrain.parallel.parameter_server import (
     assign_roles,
     build_parameter_server,
 )
-from disttrain.parallel.parameter_server.final import finish
+from disttrain.parallel.parameter_server.final import Survivors, finish, survivors
 from disttrain.parallel.parameter_server.protocol import HEADER_FIELDS
 from disttrain.parallel.parameter_server.reports import gather_extras
 from disttrain.parallel.parameter_server.shard import checkpoint_path
@@ -158,8 +170,22 @@ def build_parameter_server_strategy(ctx: BuildContext) -> Strategy:
     roles = assign_roles(comm.world_size, num_servers(ctx.config))
     steps = total_steps(ctx.config, roles.num_workers)
     if roles.role(comm.rank).kind == "server":
-        return ServerRankStrategy(ctx, comm, roles)
+        return ServerRankStrategy(ctx, comm, roles, steps)
     return WorkerRankStrategy(ctx, comm, roles, steps)
+
+
+def losable_ranks(config: TrainConfig, world_size: int) -> frozenset[int]:
+    """The ranks whose death a run of ``config`` outlives: the workers in the modes whose
+    servers drop a dead worker (async, ssp with staleness > 0), none otherwise."""
+    if not ps_config(config).on_arrival:
+        return frozenset()
+    return frozenset(assign_roles(world_size, num_servers(config)).worker_ranks)
+
+
+def _score_over(team: Survivors, totals: torch.Tensor) -> torch.Tensor:
+    if team.comm.world_size > 1:
+        team.comm.all_reduce(totals)
+    return totals
 
 
 class WorkerRankStrategy(Strategy):
@@ -170,8 +196,10 @@ class WorkerRankStrategy(Strategy):
         super().__init__(ctx.module, None, comm)
         self.roles, self.total_steps = roles, steps
         self.config = ps_config(ctx.config)  # PSWorker checks that stragglers are workers
-        self.group = comm.new_group(list(roles.worker_ranks))  # evaluation totals
+        # ps-sync's evaluation totals during training (async and ssp workers score alone)
+        self.group = None if self.config.on_arrival else comm.new_group(list(roles.worker_ranks))
         self.ps = PSWorker(comm, ctx.module, roles, self.config)
+        self.team: Survivors | None = None  # the ranks that finish the run, once it is over
         self.samples_per_step = ctx.config.global_batch // roles.num_workers
         self.theory_bytes_per_step = float(param_bytes(ctx.module)
                                            + 2 * HEADER_BYTES * roles.num_servers)
@@ -210,15 +238,17 @@ class WorkerRankStrategy(Strategy):
 
     def _done(self) -> None:
         assert self.comm is not None
-        self.report = self.ps.close()  # DONE: the servers stop when all are done
-        finish(self.comm, self.roles, self.ps.partition, self.module, self._last_loss, None)
+        self.report = self.ps.close()  # DONE: returns once every worker is done or lost
+        self.team = survivors(self.comm, self.roles, self.report.lost_workers)
+        finish(self.team, self.roles, self.ps.partition, self.module, self._last_loss, None)
 
     def save_state(self, path: str, rank: int) -> None:
         """The servers write the parameters and optimizer state (a file each); the loop
-        writes this worker's sampler position and RNG. Rank 0 adds the run's mode and
-        worker count and the buffers (BatchNorm statistics, the workers' average after
-        :func:`finish`), which no server holds."""
-        if rank == 0:
+        writes this worker's sampler position and RNG. The first surviving worker (rank 0
+        unless it was lost) adds the run's mode and worker count and the buffers (BatchNorm
+        statistics, the workers' average after :func:`finish`), which no server holds."""
+        assert self.comm is not None and self.team is not None  # saved after the last step
+        if self.comm.rank == self.team.workers[0]:
             buffers = {k: v.detach() for k, v in self.module.named_buffers()}
             atomic_save({"mode": self.config.mode, "workers": self.roles.num_workers,
                          "buffers": buffers}, os.path.join(path, RUN_FILE))
@@ -246,10 +276,27 @@ class WorkerRankStrategy(Strategy):
         if self.report is None:  # still training: read the servers' current values
             self.ps.pull_all(track=False)
 
+    @property
+    def eval_shards(self) -> int:
+        if self.team is not None:  # the final model: every survivor scores a shard
+            return self.team.comm.world_size
+        return 1 if self.group is None else self.roles.num_workers
+
+    @property
+    def eval_shard(self) -> int:
+        if self.team is not None:
+            return self.team.comm.rank
+        return 0 if self.group is None else self.dp_rank
+
     def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
+        if self.team is not None:
+            return _score_over(self.team, totals)
         if self.group is not None and self.roles.num_workers > 1:
             self.group.all_reduce(totals)
         return totals
+
+    def result_comm(self) -> Communicator | None:
+        return self.team.comm if self.team is not None else None
 
     def extras(self, warmup_steps: int) -> dict[str, Any]:
         assert self.comm is not None
@@ -261,7 +308,8 @@ class WorkerRankStrategy(Strategy):
         sleep, compute = (r.straggler_sleep_s, r.compute_s) if r is not None else (0.0, 0.0)
         step_s = [0.0] * self.roles.num_workers  # this worker's slot: its mean step time
         step_s[self.dp_rank] = sum(timed) / len(timed) if timed else 0.0
-        return gather_extras(self.comm, self.roles, self.config,
+        assert self.team is not None  # the loop asks after the last step
+        return gather_extras(self.team, self.roles, self.config,
                              [rate, self._wire / steps, dense, sleep, compute / steps, 0.0,
                               0.0, *step_s], {})
 
@@ -269,13 +317,17 @@ class WorkerRankStrategy(Strategy):
         if self.group is not None:
             self.group.close()
             self.group = None
+        if self.team is not None and self.team.own_comm:
+            self.team.comm.close()
+        self.team = None
 
 
 class ServerRankStrategy(Strategy):
     """A server: serves the whole run while its strategy is built, then idles through the
     loop on the final model (the loop's steps and evaluations send nothing here)."""
 
-    def __init__(self, ctx: BuildContext, comm: Communicator, roles: PSRoles) -> None:
+    def __init__(self, ctx: BuildContext, comm: Communicator, roles: PSRoles,
+                 steps: int) -> None:
         super().__init__(ctx.module, None, comm)
         self.roles, self.config = roles, ps_config(ctx.config)
         server = build_parameter_server(comm, roles, ctx.module,
@@ -283,8 +335,10 @@ class ServerRankStrategy(Strategy):
                                         self.config, restore_dir=resume_from(ctx.config, roles))
         self.server = server
         self.report: ServerReport = server.serve()
-        self.mean_loss = finish(comm, roles, server.shard.partition, ctx.module, 0.0,
+        self.team: Survivors | None = survivors(comm, roles, self.report.lost)
+        self.mean_loss = finish(self.team, roles, server.shard.partition, ctx.module, 0.0,
                                 server.shard.param)
+        self.total_steps, self.step = steps, 0  # the loop's step (its last evaluation's)
 
     @property
     def dp_rank(self) -> int:
@@ -296,10 +350,33 @@ class ServerRankStrategy(Strategy):
 
     def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn,
                    autocast: Autocast) -> torch.Tensor:
+        self.step += 1
         return torch.tensor(self.mean_loss)
 
+    @property
+    def final(self) -> bool:
+        """Is this the loop's last evaluation, the one the survivors make together? The
+        workers evaluated the ones before during training, when a server held no model."""
+        return self.step >= self.total_steps
+
+    @property
+    def eval_shards(self) -> int:
+        return self.team.comm.world_size if self.final and self.team is not None else 1
+
+    @property
+    def eval_shard(self) -> int:
+        return self.team.comm.rank if self.final and self.team is not None else 0
+
+    def predict(self, inputs: Any) -> torch.Tensor | None:
+        return super().predict(inputs) if self.final else None
+
     def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
-        return totals  # the workers' evaluation is the run's; this one stays local
+        if not self.final or self.team is None:
+            return torch.full_like(totals, math.nan)  # no model to score before the end
+        return _score_over(self.team, totals)
+
+    def result_comm(self) -> Communicator | None:
+        return self.team.comm if self.team is not None else None
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """This server's shard and its optimizer state, plus the module the loop built
@@ -317,11 +394,18 @@ class ServerRankStrategy(Strategy):
         self.server.save()
 
     def load_state(self, path: str, rank: int) -> None:
-        """Nothing: the shard was restored before serving (:func:`resume_from`)."""
+        """The shard was restored before serving (:func:`resume_from`); only the loop's
+        step is read here (the last evaluation is the one at the end)."""
+        self.step = int(safe_load(os.path.join(path, "meta.pt"))["step"])
 
     def extras(self, warmup_steps: int) -> dict[str, Any]:
-        assert self.comm is not None
+        assert self.team is not None
         r = self.report
         mine = [0.0] * 5 + [float(r.bytes_sent), float(r.bytes_recv)]
-        return gather_extras(self.comm, self.roles, self.config,
+        return gather_extras(self.team, self.roles, self.config,
                              mine + [0.0] * self.roles.num_workers, r.staleness)
+
+    def close(self) -> None:
+        if self.team is not None and self.team.own_comm:
+            self.team.comm.close()
+        self.team = None
