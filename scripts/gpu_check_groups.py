@@ -191,7 +191,7 @@ def group_bench(opts: Options) -> None:
         command = [sys.executable, "-m", "disttrain", "bench", "--device", opts.device,
                    "--backend", "gloo", "--strategies", ",".join(names), "-n", "2",
                    "--steps", "5" if opts.quick else "20", "--eval-every", "0",
-                   "--model", "mlp"]
+                   "--model", "mlp", "--dataset", "digits"]
         limit = (GROUP_S["bench"] - 10) * opts.slack
         done = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT)
         if done.returncode != 0:

@@ -141,3 +141,16 @@ def test_human_bytes(value, text):
     from disttrain.bench.plots import human_bytes
 
     assert human_bytes(value) == text
+
+
+def test_a_model_that_does_not_fit_the_presets_dataset_is_refused_before_any_rank():
+    """``--model mlp`` on the default preset's token data: one line naming both, exit 2."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "disttrain", "bench", "--strategies", "ddp",
+                           "--model", "mlp", "--steps", "2"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "--model mlp --dataset synthetic-lm" in done.stderr
+    assert "[1/" not in done.stderr  # no run started

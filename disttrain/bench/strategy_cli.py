@@ -176,9 +176,23 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
         pp_size=args.pp_size, device=args.device, backend=args.backend,
         **straggler_options(args.straggler))
     require_available(config.device)
+    _check_workload(config)
     for planned in plan(config):  # every run's backend can run here (NCCL: a GPU per rank)
         backend_of(config, planned)
     return config
+
+
+def _check_workload(config: BenchConfig) -> None:
+    """The model builds on the dataset (``--model mlp`` on the default preset's tokens does
+    not): said once, before any rank starts, instead of as every row's failure."""
+    from disttrain.train.data import build_dataset
+    from disttrain.train.models import build_model
+
+    try:
+        build_model(config.model, build_dataset(config.dataset, config.data).info)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (--model {config.model} --dataset {config.dataset}; a "
+                         f"preset's dataset stays unless --dataset is given)") from None
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
