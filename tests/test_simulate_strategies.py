@@ -13,8 +13,8 @@ import pytest
 
 from disttrain.cli import main
 from disttrain.comm.cost_model import LinkCosts
+from disttrain.parallel.pipeline.schedule_check import simulate as simulate_schedule
 from disttrain.parallel.pipeline.schedules import get_schedule
-from disttrain.parallel.pipeline.simulate import simulate as simulate_schedule
 from disttrain.simulate.base import Case
 from disttrain.simulate.cluster import Cluster, Link
 from disttrain.simulate.data_parallel import simulate_ddp
