@@ -128,8 +128,8 @@ def _transport(name: str) -> str:
 def load_profile(model: str, dataset: str | None, cluster: Cluster,
                  transport: str = "torch") -> ModelProfile:
     """The analytic profile for a model we have one for, else measured here."""
+    from disttrain.probe.profiler import measure_registered
     from disttrain.simulate.analytic import ANALYTIC
-    from disttrain.simulate.profile import measure_registered
 
     if model in ANALYTIC:
         return ANALYTIC[model](cluster.device_flops or 4e12)
@@ -157,13 +157,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         wl = workload(args)
         cluster = get_cluster(args.cluster, args.transport) if not args.validate else None
         if args.validate:
-            from disttrain.simulate.validate import check_arguments
+            from disttrain.probe.validate import check_arguments
 
             check_arguments(args)
     except ValueError as exc:
         parser.error(str(exc))
     if args.validate:
-        from disttrain.simulate.validate import run_validation
+        from disttrain.probe.validate import run_validation
 
         return run_validation(args)
     assert cluster is not None

@@ -3,12 +3,12 @@
 For each strategy that ``disttrain bench`` can run here (a name the training registry does
 not have is skipped, saying so) and each world size, it
 
-1. profiles the model here (:mod:`~disttrain.simulate.profile`, one thread, as ranks run),
+1. profiles the model here (:mod:`~disttrain.probe.profiler`, one thread, as ranks run),
    and times its layers again before every run of step 3, and its overheads before every
    round of the table and after the last (the profile's layer times are then those of the
    median round, each overhead the median of its measurements: a profile of the minutes
    the runs ran in, not of the seconds before them; see
-   :class:`~disttrain.simulate.profile.LayerRounds`),
+   :class:`~disttrain.probe.profiler.LayerRounds`),
 2. simulates the step on the ``local`` cluster (calibrated costs, ranks sharing the cores)
    with the configuration the benchmark uses: the global batch fixed, the ``ring``
    algorithm, every rank a pipeline stage, 8 micro-batches (the only count the benchmark
@@ -51,8 +51,9 @@ from typing import Any
 from disttrain.bench.experiments import BenchConfig
 from disttrain.bench.strategy_bench import run_table
 from disttrain.comm.cost_model import LinkCosts, load_costs
+from disttrain.probe.profiler import LayerRounds, registered_rounds
 from disttrain.simulate.cluster import local
-from disttrain.simulate.profile import LayerRounds, ModelProfile, registered_rounds
+from disttrain.simulate.profile import ModelProfile
 from disttrain.simulate.strategies import simulate
 from disttrain.simulate.workload import Workload
 from disttrain.train.strategies import STRATEGIES as RUNNABLE
