@@ -183,6 +183,7 @@ def _result(case: Case, mode: str, sim: Simulation, reps: list[tuple[float, floa
         f"ps-{mode}", case.workers, case.global_batch, step, case.ideal_s(), mem, worker_bytes,
         case.cluster.device_memory, tuple(notes),
         {"servers": servers, "representatives": len(reps), "compute_s": compute_1,
+         "optimizer_s": case.optimizer(psi / servers),  # a server's apply, as _clock charges
          "server_bytes_per_step": case.workers * psi / servers * 2 * wl.element_bytes,
          "server_memory_bytes": psi / servers * (wl.element_bytes + wl.k_bytes),
          "server_nic_busy": server_busy, "events": len(sim)})
