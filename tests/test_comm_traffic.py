@@ -211,7 +211,7 @@ def test_collectives_reuse_their_scratch_instead_of_allocating_per_call(pools, a
 
 def test_scratch_regions_of_one_collective_are_disjoint_aligned_and_reused_by_the_next():
     from disttrain.comm.context import CollectiveContext, ScratchArena
-    from disttrain.simulate.wrappers import SoloTransport
+    from disttrain.probe.wrappers import SoloTransport
 
     arena = ScratchArena(max_bytes=1 << 20)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from disttrain.simulate.layer_timing import pass_times, run_layers
+from disttrain.probe.layer_timing import pass_times, run_layers
 
 SLOW_FORWARD, SLOW_BACKWARD = 0.004, 0.008
 

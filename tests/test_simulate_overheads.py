@@ -351,8 +351,8 @@ def test_zero3s_probed_price_is_what_its_collectives_add_beyond_the_calibrated_r
     calibrated ring times (per unit two all-gathers and a reduce-scatter, (p − 1) α each
     here), never below 0; 0 when the probe failed or the model has no parameters."""
     import disttrain.simulate.cluster as cluster_module
-    from disttrain.simulate.contention import unit_ops_in_step
-    from disttrain.simulate.unit_ops import unit_bytes, unit_pattern_added, unit_price
+    from disttrain.probe.contention import unit_ops_in_step
+    from disttrain.probe.unit_ops import unit_bytes, unit_pattern_added, unit_price
 
     alpha = 1e-3
     costs = LinkCosts(alpha=alpha, beta=0.0, gamma=0.0, native_alpha=alpha, native_beta=0.0)
@@ -381,7 +381,7 @@ def test_the_unit_probes_pattern_adds_only_what_the_compute_does_not_hide() -> N
     gather again, then the reduce-scatter (0.5) after the wait, waited for at the pass's
     end: only it adds, and whatever each collective costs beyond its time adds to it once
     the gather no longer fits under the compute."""
-    from disttrain.simulate.unit_ops import unit_pattern_added
+    from disttrain.probe.unit_ops import unit_pattern_added
 
     assert unit_pattern_added(0.0, 2.0, [1.0], [0.5]) == pytest.approx(0.5)
     assert unit_pattern_added(0.25, 2.0, [1.0], [0.5]) == pytest.approx(0.75)
@@ -414,7 +414,7 @@ def test_ranks_beyond_the_cores_share_them_only_when_they_compute_at_once() -> N
 # ---------------------------------------------------------------------------- measuring
 def test_measured_overheads_come_from_the_real_wrappers(
         caplog: pytest.LogCaptureFixture) -> None:
-    from disttrain.simulate.wrappers import measure_overheads
+    from disttrain.probe.wrappers import measure_overheads
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -462,12 +462,12 @@ class _Clock:
 def _fake_clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     import types
 
-    import disttrain.simulate.overheads as overheads
-    import disttrain.simulate.wrappers as wrappers
+    import disttrain.probe.timing as timing
+    import disttrain.probe.wrappers as wrappers
 
     clock = _Clock()
     fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter)
-    monkeypatch.setattr(overheads, "time", fake_time)
+    monkeypatch.setattr(timing, "time", fake_time)
     monkeypatch.setattr(wrappers, "time", fake_time)
     return clock
 
@@ -477,8 +477,8 @@ def test_the_loops_cost_is_a_whole_step_less_what_is_charged_apart(
     """A step that runs the model (its layers charged 1 ms by the profile's pass) and 3 ms
     of other work, and whose optimizer is charged 1 ms apart: the loop's own work reads
     2 ms. A step that is only the model reads 0, never below nothing."""
-    import disttrain.simulate.wrappers as wrappers
-    from disttrain.simulate.wrappers import loop_cost
+    import disttrain.probe.wrappers as wrappers
+    from disttrain.probe.wrappers import loop_cost
 
     clock = _fake_clock(monkeypatch)
     monkeypatch.setattr(wrappers, "one_pass", lambda layers, x: [(0.0004, 0.0006)])
@@ -498,8 +498,8 @@ def test_the_loops_cost_takes_off_the_layers_sum_the_simulation_charges(
     loop's to pay: here the profile's pass charges 3 ms for its layers whatever its wall
     time, and a step takes 5 ms, so the loop's own work reads 2 ms (a plain
     forward+backward's wall time taken off instead would read about 0 here)."""
-    import disttrain.simulate.wrappers as wrappers
-    from disttrain.simulate.wrappers import loop_cost
+    import disttrain.probe.wrappers as wrappers
+    from disttrain.probe.wrappers import loop_cost
 
     clock = _fake_clock(monkeypatch)
     net = nn.Sequential(nn.Linear(8, 4))
@@ -514,10 +514,10 @@ def test_the_least_disturbed_ps_probe_counts_and_a_failed_one_is_no_reading(
     """Three parameter-server probes read (2, 3, 2.5), (1, 4, 1) and failed (0, 0, 0): the
     profile keeps the least pull and push, 1 and 3, and the median served share, 1.75 (a
     difference of two runs; the other probes faked)."""
-    import disttrain.simulate.contention as contention
-    import disttrain.simulate.ps_probe as ps_probe
-    import disttrain.simulate.stage_probe as stage_probe
-    from disttrain.simulate.wrappers import measure_overheads
+    import disttrain.probe.contention as contention
+    import disttrain.probe.ps_probe as ps_probe
+    import disttrain.probe.stage_probe as stage_probe
+    from disttrain.probe.wrappers import measure_overheads
 
     readings = iter([(2e-3, 3e-3, 2.5e-3), (1e-3, 4e-3, 1e-3), (0.0, 0.0, 0.0)])
     monkeypatch.setattr(ps_probe, "ps_exchange", lambda *a, **k: next(readings))
@@ -537,10 +537,10 @@ def test_probes_are_bound_as_the_runs_they_predict_and_the_parameter_servers_nev
     """For bound runs (``bind_cores``) every probe of 2 and of 4 ranks binds them as the
     runs are bound; the parameter server's (3 processes, as its runs, which no plan binds)
     is never asked to. For unbound runs nothing is bound."""
-    import disttrain.simulate.contention as contention
-    import disttrain.simulate.ps_probe as ps_probe
-    import disttrain.simulate.stage_probe as stage_probe
-    from disttrain.simulate.wrappers import measure_overheads
+    import disttrain.probe.contention as contention
+    import disttrain.probe.ps_probe as ps_probe
+    import disttrain.probe.stage_probe as stage_probe
+    from disttrain.probe.wrappers import measure_overheads
 
     seen: dict[tuple[str, int], bool] = {}
 
@@ -573,7 +573,7 @@ def test_probes_are_bound_as_the_runs_they_predict_and_the_parameter_servers_nev
 
 def test_bound_probe_ranks_each_run_on_the_core_a_bound_run_gives_them() -> None:
     from disttrain.bench.ranks import bind_plan
-    from disttrain.simulate.contention import forked_ranks
+    from disttrain.probe.contention import forked_ranks
 
     usable, plan = sorted(os.sched_getaffinity(0)), bind_plan(2)
     bound = sorted(forked_ranks(_report_cores, 2, bind=True))
@@ -584,7 +584,7 @@ def test_bound_probe_ranks_each_run_on_the_core_a_bound_run_gives_them() -> None
 
 def test_a_probe_rank_that_cannot_be_bound_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     import disttrain.bench.ranks as ranks_module
-    from disttrain.simulate.contention import forked_ranks
+    from disttrain.probe.contention import forked_ranks
 
     missing = max(os.sched_getaffinity(0)) + 4096  # no such core
     monkeypatch.setattr(ranks_module, "bind_plan", lambda n: [missing] * n)
@@ -597,7 +597,7 @@ def _report_cores(rank: int, ranks: int, store: str, results: Any) -> None:
 
 
 def test_probes_are_read_round_robin_so_a_slow_spell_hits_one_reading_of_each() -> None:
-    from disttrain.simulate.wrappers import _rounds
+    from disttrain.probe.wrappers import _rounds
 
     order: list[str] = []
     readings = _rounds({name: (lambda name=name: order.append(name) or len(order))
@@ -611,7 +611,7 @@ def test_the_wake_up_is_the_in_step_all_reduce_beyond_what_the_simulation_charge
     """The probe's all-reduce after compute, minus the call overhead and the calibrated
     ring the simulation already charges for it (2 (p − 1) α here), never below 0."""
     import disttrain.simulate.cluster as cluster_module
-    from disttrain.simulate.wrappers import _wakeup
+    from disttrain.probe.wrappers import _wakeup
 
     alpha = 1e-3
     costs = LinkCosts(alpha=alpha, beta=0.0, gamma=0.0, native_alpha=alpha, native_beta=0.0)
@@ -629,7 +629,7 @@ def test_the_wake_up_is_the_in_step_all_reduce_beyond_what_the_simulation_charge
 
 
 def test_the_in_step_probe_names_the_collectives_it_can_time() -> None:
-    from disttrain.simulate.contention import collective_in_step
+    from disttrain.probe.contention import collective_in_step
 
     with pytest.raises(ValueError, match="op must be 'all_reduce' or 'reduce_scatter'"):
         collective_in_step(lambda: None, 4096, op="all_gather")
@@ -637,7 +637,7 @@ def test_the_in_step_probe_names_the_collectives_it_can_time() -> None:
 
 def test_a_failed_pipeline_message_probe_is_reported_and_charges_nothing(
         caplog: pytest.LogCaptureFixture) -> None:
-    from disttrain.simulate.stage_probe import stage_message
+    from disttrain.probe.stage_probe import stage_message
 
     with caplog.at_level(logging.WARNING):
         assert stage_message(lambda: None, transport="no-such-transport") == (0.0, 0.0)
@@ -653,7 +653,7 @@ def test_the_pipeline_probe_takes_off_the_work_its_stages_ran_not_the_parents(
     what the messages cost, a few ms at most on a loaded 2-core machine."""
     import os
 
-    import disttrain.simulate.stage_probe as stage_probe
+    import disttrain.probe.stage_probe as stage_probe
 
     monkeypatch.setattr(stage_probe, "ROUNDS", 6)
     monkeypatch.setattr(stage_probe, "WARM_UP", 1)

@@ -11,7 +11,7 @@ from torch import nn
 def test_the_profile_keeps_the_median_round_of_each_batch_size() -> None:
     """Rounds at different moments disagree (this machine drifts); the layer times come
     from the round whose layers sum to the median, per batch size, not the fastest."""
-    from disttrain.simulate.profile import LayerRounds
+    from disttrain.probe.profiler import LayerRounds
 
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     rounds = LayerRounds(model, (torch.randn(4, 8), torch.randn(32, 8)))
@@ -35,7 +35,7 @@ def test_the_profile_keeps_the_median_round_of_each_batch_size() -> None:
 
 
 def test_a_later_round_leaves_the_model_and_the_thread_count_as_they_were() -> None:
-    from disttrain.simulate.profile import LayerRounds
+    from disttrain.probe.profiler import LayerRounds
 
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
     model.train()
@@ -55,8 +55,9 @@ def test_a_later_round_leaves_the_model_and_the_thread_count_as_they_were() -> N
 
 
 def test_the_profile_keeps_each_overheads_median_over_its_measurements() -> None:
+    from disttrain.probe.profiler import LayerRounds
     from disttrain.simulate.overheads import Overheads
-    from disttrain.simulate.profile import LayerRounds, ModelProfile
+    from disttrain.simulate.profile import ModelProfile
 
     measured = [Overheads(step_s=1e-3, stage_wakeup_s=5e-4, wakeup_by_ranks={4: 3e-3}),
                 Overheads(step_s=4e-3, stage_wakeup_s=1e-4, zero_s={1: 1e-3}),

@@ -78,7 +78,7 @@ def test_the_stage_work_probe_reads_work_added_to_each_send(
     stage), the probe reads about 2 ms more per message in both schedules: the stages'
     sends are half the messages they handle."""
     from disttrain.parallel.pipeline.link import StageLink
-    from disttrain.simulate.stage_probe import stage_work
+    from disttrain.probe.stage_probe import stage_work
 
     net, x = _net(), torch.randn(4, 8)
     plain = stage_work(net, x)
@@ -98,7 +98,7 @@ def test_the_stage_work_probe_reads_work_added_to_each_send(
 def test_a_middle_stage_handles_twice_the_messages_of_an_end() -> None:
     """The probe divides the stages' own work by the messages they handle: 2·m at either
     end of the pipeline (one direction each way), 4·m in the middle."""
-    from disttrain.simulate.stage_probe import MICROBATCHES, _message_ends
+    from disttrain.probe.stage_probe import MICROBATCHES, _message_ends
 
     m = MICROBATCHES
     assert [_message_ends(r, 2) for r in range(2)] == [2 * m, 2 * m]
@@ -142,7 +142,7 @@ def test_a_pipeline_pays_the_stage_work_probed_on_its_own_stage_count() -> None:
 
 def test_a_model_without_two_stages_is_reported_and_charges_nothing(
         caplog: pytest.LogCaptureFixture) -> None:
-    from disttrain.simulate.stage_probe import stage_work
+    from disttrain.probe.stage_probe import stage_work
 
     with caplog.at_level(logging.WARNING):
         assert stage_work(nn.Linear(8, 4), torch.randn(4, 8)) == {}

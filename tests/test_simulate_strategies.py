@@ -13,8 +13,8 @@ import pytest
 
 from disttrain.cli import main
 from disttrain.comm.cost_model import LinkCosts
+from disttrain.parallel.pipeline.schedule_check import simulate as simulate_schedule
 from disttrain.parallel.pipeline.schedules import get_schedule
-from disttrain.parallel.pipeline.simulate import simulate as simulate_schedule
 from disttrain.simulate.base import Case
 from disttrain.simulate.cluster import Cluster, Link
 from disttrain.simulate.data_parallel import simulate_ddp
@@ -193,8 +193,8 @@ def test_validate_rejects_micro_batches_the_bench_does_not_run(
 def test_validate_predicts_every_locally_runnable_strategy(world_size: int) -> None:
     from dataclasses import replace
 
+    from disttrain.probe.validate import predicted, single_step
     from disttrain.simulate.overheads import Overheads
-    from disttrain.simulate.validate import predicted, single_step
     from disttrain.train.strategies import STRATEGIES as RUNNABLE
 
     profile = _profile(4, fwd=1e-4, bwd=2e-4, params=1000, out_bytes=400.0)
@@ -214,7 +214,7 @@ def test_validate_binds_ranks_to_cores_unless_told_not_to(
         args: list[str], bound: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """By default the validation's runs give each rank a core of its own where there are
     enough, as the model assumes; the kernel's own placement is one option away."""
-    import disttrain.simulate.validate as validate
+    import disttrain.probe.validate as validate
 
     seen: list[bool] = []
     monkeypatch.setattr(validate, "run_validation", lambda a: seen.append(a.bind_cores) or 0)
@@ -272,7 +272,7 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
     prediction made up front beside it."""
     import argparse
 
-    import disttrain.simulate.validate as validate
+    import disttrain.probe.validate as validate
 
     profile = _profile(4, fwd=1e-4, bwd=2e-4, params=1000, out_bytes=400.0)
     later = _profile(4, fwd=3e-4, bwd=2e-4, params=1000, out_bytes=400.0)
@@ -339,7 +339,7 @@ def test_validate_predicts_before_it_measures(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_validate_compares_the_median_fresh_run() -> None:
-    from disttrain.simulate.validate import measured_step, runs_text
+    from disttrain.probe.validate import measured_step, runs_text
 
     assert measured_step({"step_time_s": 9.0, "step_time_s_runs": [3.0, 1.5, 2.0]}) == 2.0
     assert measured_step({"step_time_s": 9.0, "step_time_s_runs": [3.0, None, 2.0]}) == 2.0

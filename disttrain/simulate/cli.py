@@ -13,11 +13,15 @@ Exit codes: 0 done, 2 bad arguments, 1 a --validate run failed.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from disttrain.bench.svg import H, line_plot
+from disttrain.simulate.base import StepResult
 from disttrain.simulate.cluster import PRESETS, Cluster, get_cluster
 from disttrain.simulate.profile import ModelProfile
 from disttrain.simulate.workload import PARTITIONS, Speeds, Workload
@@ -137,8 +141,8 @@ def _transport(name: str) -> str:
 def load_profile(model: str, dataset: str | None, cluster: Cluster,
                  transport: str = "torch") -> ModelProfile:
     """The analytic profile for a model we have one for, else measured here."""
+    from disttrain.probe.profiler import measure_registered
     from disttrain.simulate.analytic import ANALYTIC
-    from disttrain.simulate.profile import measure_registered
 
     if model in ANALYTIC:
         return ANALYTIC[model](cluster.device_flops or 4e12)
@@ -166,13 +170,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         wl = workload(args)
         cluster = get_cluster(args.cluster, args.transport) if not args.validate else None
         if args.validate:
-            from disttrain.simulate.validate import check_arguments
+            from disttrain.probe.validate import check_arguments
 
             check_arguments(args)
     except ValueError as exc:
         parser.error(str(exc))
     if args.validate:
-        from disttrain.simulate.validate import run_validation
+        from disttrain.probe.validate import run_validation
 
         return run_validation(args)
     assert cluster is not None
@@ -181,7 +185,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _simulate(args: argparse.Namespace, cluster: Cluster, wl: Workload) -> int:
     from disttrain.simulate.recommend import recommend
-    from disttrain.simulate.report import svg, text_table, write_json
+    from disttrain.simulate.report import text_table, write_json
     from disttrain.simulate.strategies import sweep
 
     try:
@@ -213,3 +217,33 @@ def _simulate(args: argparse.Namespace, cluster: Cluster, wl: Workload) -> int:
     if args.plot:
         args.plot.write_text(svg(rows, f"{profile.name} on {cluster.name}"))
     return 0
+
+
+def _series(rows: list[StepResult], value: Callable[[StepResult], float]
+            ) -> list[tuple[str, list[tuple[float, float]]]]:
+    names = list(dict.fromkeys(r.strategy for r in rows))
+    series = []
+    for name in names:
+        pts = [(math.log2(r.workers), value(r)) for r in rows
+               if r.strategy == name and r.error is None]
+        series.append((name, [p for p in pts if math.isfinite(p[1])]))
+    return series
+
+
+def svg(rows: list[StepResult], title: str) -> str:
+    """Three plots against log₂ workers (step time, memory per device, scaling efficiency),
+    drawn with the benchmark's dependency-free plotting code (one SVG, nothing fetched)."""
+    device = rows[0].device_memory if rows else 0.0
+    plots = [
+        line_plot("step", f"{title}: step time", "log2(workers)", "seconds per step",
+                  _series(rows, lambda r: r.step_s)),
+        line_plot("memory", f"memory per device (a device holds {device / 1e9:.0f} GB)",
+                  "log2(workers)", "GB", _series(rows, lambda r: r.memory_bytes / 1e9)),
+        line_plot("efficiency", "scaling efficiency", "log2(workers)", "efficiency",
+                  _series(rows, lambda r: r.efficiency)),
+    ]
+    body = "".join(p.replace("<svg id=", f'<svg y="{i * H}" id=', 1)
+                   for i, p in enumerate(plots))
+    width = 760
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{3 * H}" '
+            f'viewBox="0 0 {width} {3 * H}">{body}</svg>\n')

@@ -108,7 +108,7 @@ def _bucketed(sim: Simulation, case: Case, op: str, bwd: list[int]) -> tuple[lis
 
 
 def _result(case: Case, name: str, sim: Simulation, states: float, extra_memory: float,
-            sent: float, algorithms: set[str], factor: float) -> StepResult:
+            sent: float, algorithms: set[str], factor: float, optimizer_s: float) -> StepResult:
     step = sim.run()
     compute_s = sim.busy("compute")  # wall time, stretched where ranks share the cores
     batch = case.global_batch / case.workers
@@ -123,6 +123,7 @@ def _result(case: Case, name: str, sim: Simulation, states: float, extra_memory:
     return StepResult(name, case.workers, case.global_batch, step, case.ideal_s(), mem, sent,
                       case.cluster.device_memory, tuple(notes),
                       {"exposed_comm_s": exposed, "compute_s": compute_s,
+                       "optimizer_s": optimizer_s,
                        "algorithm": ",".join(sorted(algorithms - {"none"})) or "none",
                        "events": len(sim)})
 
@@ -140,9 +141,10 @@ def simulate_ddp(case: Case) -> StepResult:
     hooks = [lay.tensors * case.overheads.hook_s_per_tensor for lay in case.profile.layers]
     _, bwd = _forward_backward(sim, case, batch, factor, extra=([0.0] * case.layers, hooks))
     reduces, sent, algorithms = _bucketed(sim, case, "all_reduce", bwd)
-    sim.add("opt", "compute", case.optimizer(case.profile.params, case.profile.tensors),
-            tuple(reduces), "optimizer")
-    return _result(case, "ddp", sim, _states(case, "ddp"), 0.0, sent, algorithms, factor)
+    opt_s = case.optimizer(case.profile.params, case.profile.tensors)
+    sim.add("opt", "compute", opt_s, tuple(reduces), "optimizer")
+    return _result(case, "ddp", sim, _states(case, "ddp"), 0.0, sent, algorithms, factor,
+                   opt_s)
 
 
 def simulate_zero12(case: Case, stage: int) -> StepResult:
@@ -162,15 +164,15 @@ def simulate_zero12(case: Case, stage: int) -> StepResult:
         # read 0.61-0.86 of its runs; charged this one, 0.91-1.17)
         reduces = [issue_collective(sim, case, "rs", seconds, (bwd[0],))]
         algorithms = {algorithm}
-    opt = sim.add("opt", "compute", case.optimizer(case.profile.params / case.workers),
-                  tuple(reduces), "optimizer")
+    opt_s = case.optimizer(case.profile.params / case.workers)
+    opt = sim.add("opt", "compute", opt_s, tuple(reduces), "optimizer")
     seconds, ag_bytes, algorithm = case.collective("all_gather", group, grads)
     ag = issue_collective(sim, case, "ag", seconds, (opt,))
     work = case.overheads.zero_s.get(stage, 0.0)  # flatten, shard, copy back (measured)
     if work:
         sim.add("zero-work", "compute", work, (ag,), "overhead")
     return _result(case, f"zero{stage}", sim, _states(case, f"zero{stage}"), 0.0,
-                   sent + ag_bytes, algorithms | {algorithm}, factor)
+                   sent + ag_bytes, algorithms | {algorithm}, factor, opt_s)
 
 
 def simulate_zero3(case: Case) -> StepResult:
@@ -218,12 +220,12 @@ def simulate_zero3(case: Case) -> StepResult:
                          (own if i in back else 0.0), _only(back, i), "backward")
         if i in back:
             collective(f"rs{i}", "reduce_scatter", i, (bwd[i],))
-    sim.add("opt", "compute", case.optimizer(case.profile.params / case.workers),
-            (len(sim) - 1,), "optimizer")
+    opt_s = case.optimizer(case.profile.params / case.workers)
+    sim.add("opt", "compute", opt_s, (len(sim) - 1,), "optimizer")
     largest = sorted((lay.params for lay in case.profile.layers), reverse=True)[:2]
     gathered = sum(largest) * case.workload.element_bytes
     return _result(case, "zero3", sim, _states(case, "zero3"), gathered, sent, algorithms,
-                   factor)
+                   factor, opt_s)
 
 
 def _only(tasks: dict[int, int], layer: int) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ of such resources add up to a load L > c, each of them advances at c/L of its sp
 (processor sharing, as the kernel's scheduler shares cores between runnable processes), so
 a task's duration is its work at full speed and its span stretches only while the cores are
 oversubscribed. ``cores=0`` (every real cluster: one device per rank) turns this off.
-``slowdown`` (≥ 1, measured: :mod:`~disttrain.simulate.contention`) is how much slower
+``slowdown`` (≥ 1, measured: :mod:`~disttrain.probe.contention`) is how much slower
 each process computes when all cores compute at once than when it runs alone (shared
 caches, memory bandwidth, a hypervisor's vCPUs); with k = min(L, c) cores busy, tasks run
 a further 1 + (slowdown − 1)·(k − 1)/(c − 1) times slower.

@@ -1,6 +1,7 @@
-"""What a training step pays besides its layers' forward and backward, measured here.
+"""What a training step pays besides its layers' forward and backward: the record the host
+probes fill (:func:`disttrain.probe.wrappers.measure_overheads`) and the strategies charge.
 
-Per-layer timing (:mod:`~disttrain.simulate.profile`) sees the arithmetic; a real step also
+Per-layer timing (:mod:`~disttrain.probe.layer_timing`) sees the arithmetic; a real step also
 runs the optimizer, the loop around the model, and the Python work of the strategy's
 wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, shown by
 ``disttrain simulate`` and used as tasks by the strategies' event simulations:
@@ -10,7 +11,7 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             less the layers' times of a profile pass and the SGD step
                             (fetch the batch, ``zero_grad``, the loss and the start of
                             backward, ``float(loss)``, the optimizer's extra after
-                            backward; ``wrappers.loop_cost``)
+                            backward; ``probe.wrappers.loop_cost``)
 ``sgd_fixed_s``,            SGD with momentum: ``fixed + bytes · per_byte`` per call on
 ``sgd_s_per_byte``          one flat tensor (fp32 parameter bytes)
 ``adam_fixed_s``,           the same for Adam
@@ -34,7 +35,7 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
 ``collective_wakeup_s``     a 2-rank ring all-reduce of the gradients issued right after
                             both ranks ran forward+backward, minus what the simulation
                             charges for it (``collective_call_s`` and the calibrated ring)
-                            (:mod:`~disttrain.simulate.contention`)
+                            (:mod:`~disttrain.probe.contention`)
 ``collective_wakeup_{p}ranks_s`` the same with p ranks (``wakeup_by_ranks``), on this
                             machine with twice as many ranks as cores: a step of more ranks
                             than cores pays it instead of the 2-rank one
@@ -58,13 +59,13 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             stage ``stage_wakeup_s`` by its own idle time, likewise)
 ``ps_pull_s``, ``ps_push_s`` one parameter-server pull and push of the model's parameters,
                             one worker and one server in two processes, the worker
-                            computing between them (:mod:`~disttrain.simulate.ps_probe`):
+                            computing between them (:mod:`~disttrain.probe.ps_probe`):
                             messages, both sides' Python and the server's work
 ``ps_served_s``             what a second worker adds to that probe's clock (the same
                             probe with two workers): the share of an exchange the server
                             serves one worker at a time (the rest overlaps the others')
 ``stage_message_s``         one message between two pipeline stages that compute nothing
-                            in between (:mod:`~disttrain.simulate.stage_probe`): both
+                            in between (:mod:`~disttrain.probe.stage_probe`): both
                             stages' Python, the header, the posted receive
 ``stage_wakeup_s``          what such a message costs more when its receiver sat idle
                             while the sender ran the model's forward+backward: waking the
@@ -73,7 +74,7 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             sends or receives (packing, posting, taking it in, the
                             schedule's Python per micro-batch): the real runtime's GPipe
                             on two stages, its steps less layers and waits
-                            (:func:`~disttrain.simulate.stage_probe.stage_work`)
+                            (:func:`~disttrain.probe.stage_probe.stage_work`)
 ``stage_work_{p}ranks_s``   the same on p > 2 stages (``stage_work_by_ranks``): a pipeline of
                             more stages than 2 pays the probe with the most stages not above
                             its own
@@ -84,7 +85,7 @@ wrapper. Each piece below is a named, measured quantity of :class:`Overheads`, s
                             stages pay it on top of their stage work
 ``concurrent_slowdown``     how much slower the model's forward+backward runs in each of
                             this machine's cores at once than alone (a ratio ≥ 1;
-                            :mod:`~disttrain.simulate.contention`)
+                            :mod:`~disttrain.probe.contention`)
 ==========================  ==========================================================
 
 Everything is measured with one thread, as ``disttrain bench`` ranks run. The collectives
@@ -95,18 +96,11 @@ in docs/simulate.md ("Overheads", the table's last column).
 
 from __future__ import annotations
 
-import logging
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-from torch import nn
-
-log = logging.getLogger(__name__)
-REPEATS = 15
 # the quantities kept by rank count (keys ≥ 2)
 RANK_KEYED = ("wakeup_by_ranks", "scatter_wakeup_by_ranks", "unit_op_by_ranks",
               "stage_work_by_ranks", "crossing_by_ranks")
@@ -247,79 +241,3 @@ class Overheads:
             lines.append(f"  {name:22s} {shown}")
         lines.append(f"  {'concurrent_slowdown':22s} ×{self.concurrent_slowdown:.2f}")
         return "\n".join(lines)
-
-
-def median_time(run: Callable[[], object], repeats: int = REPEATS) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def paired(base: Callable[[], object], other: Callable[[], object],
-           repeats: int = 21, rounds: int = 3) -> float:
-    """``other``'s time minus ``base``'s, run alternately (a load that comes and goes on a
-    shared machine hits both halves of a pair alike): the median over ``repeats`` pairs,
-    the least of ``rounds`` such medians (a burst of load inflates a whole round)."""
-    def timed() -> float:
-        start = time.perf_counter()
-        base()
-        return time.perf_counter() - start
-    return paired_charge(timed, other, repeats, rounds)
-
-
-def paired_charge(base: Callable[[], float], other: Callable[[], object],
-                  repeats: int = 21, rounds: int = 3) -> float:
-    """:func:`paired` where ``base`` returns the seconds it stands for itself (say, the
-    sum of the layer times it recorded, not its wall time)."""
-    base()
-    other()
-    medians = []
-    for _ in range(rounds):
-        diffs = []
-        for _ in range(repeats):
-            charged = base()
-            start = time.perf_counter()
-            other()
-            diffs.append(time.perf_counter() - start - charged)
-        medians.append(statistics.median(diffs))
-    return min(medians)
-
-
-def backward_call() -> float:
-    """Seconds of one ``torch.autograd.backward`` on a one-op graph of a 1-element tensor:
-    the autograd engine's own cost per call (``Overheads.backward_call_s``)."""
-    x = torch.zeros(1, requires_grad=True)
-    grad = torch.ones(1)
-    return median_time(lambda: torch.autograd.backward(x.mul(2.0), grad), 41)
-
-
-def optimizer_costs(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-                    ) -> tuple[float, float]:
-    """(fixed s, s per byte) of the step of ``make([param])`` on one flat fp32 tensor,
-    fitted from two sizes (4 KB and 1 MB)."""
-    sizes, times = (1 << 10, 1 << 18), []
-    for n in sizes:
-        p = nn.Parameter(torch.zeros(n))
-        p.grad = torch.full((n,), 1e-3)
-        opt = make([p])
-        times.append(median_time(opt.step))
-    per_byte = max(0.0, (times[1] - times[0]) / ((sizes[1] - sizes[0]) * 4))
-    return max(0.0, times[0] - sizes[0] * 4 * per_byte), per_byte
-
-
-def tensor_cost(params: Sequence[nn.Parameter], fixed: float, per_byte: float) -> float:
-    """Extra seconds per tensor of an SGD step over ``params`` against one flat tensor."""
-    if len(params) < 2:
-        return 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt = torch.optim.SGD(params, lr=0.0, momentum=0.9)
-    took = median_time(opt.step)
-    nbytes = sum(p.numel() * 4 for p in params)
-    for p in params:
-        p.grad = None
-    return max(0.0, (took - fixed - nbytes * per_byte) / (len(params) - 1))

@@ -19,7 +19,7 @@ GRANT, the payload and a REPLY (4 messages, 2 round trips). α is the transport'
 per-message cost, software included (calibrated on this machine); on this machine each
 exchange also pays the measured wake-up of communication issued after compute
 (:attr:`~disttrain.simulate.base.Case.wakeup`). When the profile measured a pull and a push
-through disttrain's own server here (:mod:`~disttrain.simulate.ps_probe`: 1.6-2.2 and
+through disttrain's own server here (:mod:`~disttrain.probe.ps_probe`: 1.6-2.2 and
 2.5-3.8 ms for LeNet, several times their messages' α-β cost, because both sides run
 Python per message), those replace the formula on this machine. Of an exchange, the share
 the server serves one worker at a time is what a second worker added to the probe's
@@ -183,6 +183,7 @@ def _result(case: Case, mode: str, sim: Simulation, reps: list[tuple[float, floa
         f"ps-{mode}", case.workers, case.global_batch, step, case.ideal_s(), mem, worker_bytes,
         case.cluster.device_memory, tuple(notes),
         {"servers": servers, "representatives": len(reps), "compute_s": compute_1,
+         "optimizer_s": case.optimizer(psi / servers),  # a server's apply, as _clock charges
          "server_bytes_per_step": case.workers * psi / servers * 2 * wl.element_bytes,
          "server_memory_bytes": psi / servers * (wl.element_bytes + wl.k_bytes),
          "server_nic_busy": server_busy, "events": len(sim)})

@@ -270,9 +270,11 @@ def _result(case: Case, name: str, rep: _Replica, step: float, sent_dp: list[flo
     wl = case.workload
     idle = [1 - rep.sim.busy(f"compute{s}") / step for s in range(pp)]
     bubble = sum(idle) / pp
-    mems = []
+    mems, optimizer_s = [], 0.0
     for s, (lo, hi) in enumerate(rep.bounds):
         params = sum(case.profile.layers[i].params for i in range(lo, hi))
+        tensors = sum(case.profile.layers[i].tensors for i in range(lo, hi))
+        optimizer_s = max(optimizer_s, case.optimizer(params, tensors))  # as _finish charges
         states = memory.model_states("ddp", params, 1, wl.element_bytes, wl.k_bytes).total
         in_flight = m if name != "1f1b" else min(pp - s, m)
         saved = sum(case.profile.layers[i].saved_bytes_per_sample for i in range(lo, hi))
@@ -283,4 +285,5 @@ def _result(case: Case, name: str, rep: _Replica, step: float, sent_dp: list[flo
     return StepResult(name, case.workers, case.global_batch, step, case.ideal_s(), max(mems),
                       sent, case.cluster.device_memory, tuple(notes),
                       {"pp": pp, "dp": dp, "microbatches": m, "bubble": bubble,
+                       "optimizer_s": optimizer_s,
                        "balance": [hi - lo for lo, hi in rep.bounds], "events": len(rep.sim)})

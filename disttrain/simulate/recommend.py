@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disttrain.bench.table import format_time
 from disttrain.simulate.base import StepResult
-from disttrain.simulate.report import format_bytes
+from disttrain.simulate.report import format_bytes, format_time
 
 
 @dataclass(frozen=True)

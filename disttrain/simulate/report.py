@@ -1,20 +1,29 @@
-"""The simulation's outputs: a text table, JSON rows, and one SVG with three plots (step
-time, memory per device, scaling efficiency against log₂ workers), drawn with the
-dependency-free SVG plots of :mod:`disttrain.bench.svg`."""
+"""The simulation's outputs: a text table and JSON rows, and the units they are written in.
+(``disttrain simulate --plot`` draws its SVG in :mod:`~disttrain.simulate.cli`, with the
+benchmark's plotting code.)"""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from disttrain.bench.svg import H, line_plot
-from disttrain.bench.table import format_time
 from disttrain.simulate.base import StepResult
 
 HEADER = ("strategy", "workers", "step", "samples/s", "eff", "mem/device", "fits",
           "sent/device", "notes")
+
+
+def format_time(seconds: float | None) -> str:
+    """Seconds in the unit that reads best: ``87 µs``, ``4.56 ms``, ``1.23 s`` (as
+    ``disttrain bench`` prints them)."""
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
 
 
 def format_bytes(nbytes: float) -> str:
@@ -52,30 +61,3 @@ def write_json(path: Path, rows: list[StepResult], meta: dict[str, Any]) -> None
         out.write(json.dumps({"meta": meta}) + "\n")
         for row in rows:
             out.write(json.dumps(row.as_dict()) + "\n")
-
-
-def _series(rows: list[StepResult], value: Any) -> list[tuple[str, list[tuple[float, float]]]]:
-    names = list(dict.fromkeys(r.strategy for r in rows))
-    series = []
-    for name in names:
-        pts = [(math.log2(r.workers), value(r)) for r in rows
-               if r.strategy == name and r.error is None]
-        series.append((name, [p for p in pts if math.isfinite(p[1])]))
-    return series
-
-
-def svg(rows: list[StepResult], title: str) -> str:
-    device = rows[0].device_memory if rows else 0.0
-    plots = [
-        line_plot("step", f"{title}: step time", "log2(workers)", "seconds per step",
-                  _series(rows, lambda r: r.step_s)),
-        line_plot("memory", f"memory per device (a device holds {device / 1e9:.0f} GB)",
-                  "log2(workers)", "GB", _series(rows, lambda r: r.memory_bytes / 1e9)),
-        line_plot("efficiency", "scaling efficiency", "log2(workers)", "efficiency",
-                  _series(rows, lambda r: r.efficiency)),
-    ]
-    body = "".join(p.replace("<svg id=", f'<svg y="{i * H}" id=', 1)
-                   for i, p in enumerate(plots))
-    width = 760
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{3 * H}" '
-            f'viewBox="0 0 {width} {3 * H}">{body}</svg>\n')

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from disttrain.simulate.base import Case, StepResult
+from disttrain.simulate.base import Case, StepResult, explain_efficiency
 from disttrain.simulate.cluster import Cluster
 from disttrain.simulate.data_parallel import simulate_ddp, simulate_zero3, simulate_zero12
 from disttrain.simulate.parameter_server import simulate_ps
@@ -51,7 +51,8 @@ def simulate(profile: ModelProfile, cluster: Cluster, workload: Workload, strate
     extended by nodes of the same kind, and the row says so."""
     check_names((strategy,))
     fitted = cluster.fitted(workers)
-    result = STRATEGIES[strategy](Case(profile, fitted, workload, workers))
+    case = Case(profile, fitted, workload, workers)
+    result = explain_efficiency(case, STRATEGIES[strategy](case))
     if fitted is not cluster:
         note = f"assumes {fitted.nodes} nodes (cluster has {cluster.nodes})"
         result = StepResult(**{**result.__dict__, "notes": (*result.notes, note)})

@@ -177,6 +177,8 @@ def _result(case: Case, strategy: str, sim: Simulation, shape: LMShape, t: int, 
     return StepResult(strategy, case.workers, case.global_batch, step, case.ideal_s(), mem,
                       sent, case.cluster.device_memory, tuple(notes),
                       {"exposed_comm_s": exposed, "compute_s": compute_s, "tp_size": t,
+                       "optimizer_s": case.optimizer(case.profile.params / t,
+                                                     max(1, case.profile.tensors)),
                        "dp_size": dp, "sequence_parallel": sp,
                        "algorithm": ",".join(sorted(algorithms - {"none"})) or "none",
                        "events": len(sim)})

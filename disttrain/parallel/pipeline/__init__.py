@@ -2,7 +2,7 @@
 micro-batches that flow through the stages under a schedule (GPipe or 1F1B).
 
 * :mod:`.partition`: which layers go to which stage (explicit, by parameters, by time);
-* :mod:`.schedules`: each stage's ordered actions, pure data; :mod:`.simulate` checks them
+* :mod:`.schedules`: each stage's ordered actions, pure data; :mod:`.schedule_check` checks them
   and prints them as a grid; :mod:`.interleaved`: interleaved 1F1B (v chunks per rank),
   data and paper simulation only;
 * :mod:`.link`, :mod:`.stage`, :mod:`.step`, :mod:`.runtime`: the engine that executes a
@@ -28,6 +28,12 @@ from disttrain.parallel.pipeline.partition import (
     time_costs,
 )
 from disttrain.parallel.pipeline.runtime import PipelineParallel, build_pipeline
+from disttrain.parallel.pipeline.schedule_check import (
+    ScheduleError,
+    SimResult,
+    format_schedule,
+    simulate,
+)
 from disttrain.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -42,7 +48,6 @@ from disttrain.parallel.pipeline.schedules import (
     gpipe,
     one_f_one_b,
 )
-from disttrain.parallel.pipeline.simulate import ScheduleError, SimResult, format_schedule, simulate
 
 __all__ = [
     "SCHEDULES",

@@ -44,7 +44,7 @@ payload's receive next: in the order sent. Both ends then remember the new size.
 the wire in the first call equal those of every later one.
 
 Sends are posted and not waited for (``isend``: the schedule never blocks on a send, which
-is what :mod:`simulate` assumes); :meth:`StageLink.flush` waits for them at the end of a
+is what :mod:`.schedule_check` assumes); :meth:`StageLink.flush` waits for them at the end of a
 call, so no message outlives the call that sent it.
 """
 

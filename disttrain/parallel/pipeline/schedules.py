@@ -7,7 +7,7 @@ each micro-batch, with the messages between neighbouring stages written out::
 
 Activations flow to stage s+1, gradients back to stage s−1. The runtime
 (:mod:`disttrain.parallel.pipeline.runtime`) only interprets these lists, and
-:mod:`~disttrain.parallel.pipeline.simulate` checks them without processes (dependency
+:mod:`~disttrain.parallel.pipeline.schedule_check` checks them without processes (dependency
 order, no deadlock, bubble, activations held), the way torchgpipe's ``clock_cycles`` and
 torch.distributed.pipelining's ``F0 F1 B0`` actions keep the schedule testable apart from
 the engine.

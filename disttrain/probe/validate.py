@@ -3,12 +3,12 @@
 For each strategy that ``disttrain bench`` can run here (a name the training registry does
 not have is skipped, saying so) and each world size, it
 
-1. profiles the model here (:mod:`~disttrain.simulate.profile`, one thread, as ranks run),
+1. profiles the model here (:mod:`~disttrain.probe.profiler`, one thread, as ranks run),
    and times its layers again before every run of step 3, and its overheads before every
    round of the table and after the last (the profile's layer times are then those of the
    median round, each overhead the median of its measurements: a profile of the minutes
    the runs ran in, not of the seconds before them; see
-   :class:`~disttrain.simulate.profile.LayerRounds`),
+   :class:`~disttrain.probe.profiler.LayerRounds`),
 2. simulates the step on the ``local`` cluster (calibrated costs, ranks sharing the cores)
    with the configuration the benchmark uses: the global batch fixed, the ``ring``
    algorithm, every rank a pipeline stage, 8 micro-batches (the only count the benchmark
@@ -49,20 +49,17 @@ import sys
 from typing import Any
 
 from disttrain.bench.experiments import BenchConfig
-from disttrain.bench.presets import get_preset
 from disttrain.bench.strategy_bench import run_table
 from disttrain.comm.cost_model import LinkCosts, load_costs
+from disttrain.probe.profiler import LayerRounds, registered_rounds
+from disttrain.probe.wrappers import GLOBAL_BATCH
+from disttrain.probe.wrappers import VALIDATE_PRESET as PRESET  # one thread, as profiled
 from disttrain.simulate.cluster import local
-from disttrain.simulate.profile import LayerRounds, ModelProfile, registered_rounds
+from disttrain.simulate.profile import ModelProfile
 from disttrain.simulate.strategies import simulate
 from disttrain.simulate.workload import Workload
 from disttrain.train.strategies import STRATEGIES as RUNNABLE
 from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
-
-# the workload the model is validated on: the benchmark's LeNet preset (SGD, batch 32), with
-# one thread in the single process as in the profile
-PRESET = "lenet-digits"
-GLOBAL_BATCH = get_preset(PRESET).global_batch  # the ZeRO-3 probe computes a rank's share
 
 
 def _plan(names: tuple[str, ...], model: str = "transformer") -> tuple[list[str], list[str]]:

@@ -4,13 +4,14 @@ A timestamp after each layer's forward, and during the one backward call a times
 the gradient of each layer's output arrives (a tensor hook), so layer i's backward is the
 time between the gradient of its output and that of its input. Summed, the layers are the
 pass, less what lies between the last forward and the first gradient (the loss, the start
-of backward), which the training loop's cost holds (``wrappers.loop_cost``). (Timing each
-layer on its own, with its own backward call, charged every layer the autograd engine's
-start and cold caches: on LeNet the layers summed to 1.3–1.7× the whole model's
-forward+backward.) Each layer also runs on its own once, on a detached input, to count the
-bytes of the tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_
-hooks``: what a layer's activations cost in memory) and its output bytes (what a pipeline
-stage sends to the next). :mod:`~disttrain.simulate.profile` fits these into a profile.
+of backward), which the training loop's cost holds
+(:func:`~disttrain.probe.wrappers.loop_cost`). (Timing each layer on its own, with its own
+backward call, charged every layer the autograd engine's start and cold caches: on LeNet
+the layers summed to 1.3–1.7× the whole model's forward+backward.) Each layer also runs on
+its own once, on a detached input, to count the bytes of the tensors autograd saves for
+backward (``torch.autograd.graph.saved_tensors_hooks``: what a layer's activations cost in
+memory) and its output bytes (what a pipeline stage sends to the next).
+:mod:`~disttrain.probe.profiler` fits these into a profile.
 """
 
 from __future__ import annotations

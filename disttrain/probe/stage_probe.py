@@ -46,7 +46,9 @@ from typing import Any
 
 import torch
 
-from disttrain.simulate.contention import forked_ranks, probe_comm
+from disttrain.parallel.pipeline import build_pipeline
+from disttrain.parallel.pipeline.link import TRAIN, Direction, StageLink
+from disttrain.probe.contention import forked_ranks, probe_comm
 
 log = logging.getLogger(__name__)
 ROUNDS = 30
@@ -56,8 +58,6 @@ PAYLOAD_BYTES = 4096  # small enough that β · bytes is noise on any transport 
 
 def _child(rank: int, ranks: int, store: str, results: Any, work: Callable[[], object],
            nbytes: int, transport: str) -> None:
-    from disttrain.parallel.pipeline.link import TRAIN, Direction, StageLink
-
     act, grad = Direction.ACTIVATION, Direction.GRADIENT
     first, last = rank == 0, rank == ranks - 1
     try:
@@ -101,7 +101,7 @@ def stage_message(work: Callable[[], object], transport: str = "torch",
     its receiver sat idle while the sender ran ``work``) on ``transport``. A round is 2
     messages; the cold one also runs ``work`` twice on each stage, and each stage's two
     runs of ``work`` right after it are taken off it (the median over rounds); ``bind`` as
-    :func:`~disttrain.simulate.contention.forked_ranks`. Both at least 0; (0, 0), logged,
+    :func:`~disttrain.probe.contention.forked_ranks`. Both at least 0; (0, 0), logged,
     if the processes fail or fork is unavailable."""
     try:
         rounds = {rank: rest for rank, *rest in
@@ -123,8 +123,6 @@ SCHEDULES = ("gpipe", "1f1b")
 
 def _work_child(rank: int, ranks: int, store: str, results: Any, module: torch.nn.Module,
                 x: torch.Tensor, transport: str) -> None:
-    from disttrain.parallel.pipeline import build_pipeline
-
     def loss(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
         return out.float().pow(2).mean()
 
@@ -167,7 +165,7 @@ def stage_work(module: torch.nn.Module, x: torch.Tensor, transport: str = "torch
     others, the median of :data:`STEPS` steps, is what it spends packing, posting, taking
     in and dispatching messages and micro-batches. Summed over the stages and divided by
     the messages they handle (:func:`_message_ends`); ``bind`` as
-    :func:`~disttrain.simulate.contention.forked_ranks`. ``{}``, logged, if the processes
+    :func:`~disttrain.probe.contention.forked_ranks`. ``{}``, logged, if the processes
     fail (a model of fewer layers than ``ranks`` has no such pipeline).
 
     In 1F1B's steady state a stage alternates forwards and backwards, so its connections

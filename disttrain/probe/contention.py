@@ -14,7 +14,7 @@ when issued right after every rank computed, as in a training step (threads and 
 that must be woken and scheduled again, the kernel's placement of the ranks). Forked ranks
 time it on the transport the profile is for (``torch``: Gloo point-to-point; ``shm``:
 shared memory); the profile charges what it takes beyond the calibrated price of the same
-collective as the wake-up (:func:`~disttrain.simulate.wrappers.measure_overheads`). On this
+collective as the wake-up (:func:`~disttrain.probe.wrappers.measure_overheads`). On this
 project's 2-vCPU test host a 2-rank Gloo all-reduce of LeNet's gradients costs 1 ms or 3-7
 ms in a step, 85 % of the time the latter, after a barrier as well as after compute
 (docs/simulate.md, "Why the model is built this way").
@@ -43,9 +43,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from disttrain.bench import ranks as bench_ranks
+from disttrain.bench.transports import make_communicator
 from disttrain.comm import Communicator
-from disttrain.simulate.overheads import median_time
+from disttrain.probe.timing import median_time
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 60.0
@@ -106,13 +109,11 @@ def forked_ranks(child: Callable[..., None], ranks: int, *args: Any,
     (:func:`~disttrain.bench.ranks.bind_plan`; unbound where it has no plan). Raises if
     fork is unavailable or a rank reports an error (a str) or is silent for TIMEOUT_S;
     always reaps the ranks."""
-    from disttrain.bench.ranks import bind_plan
-
     if "fork" not in multiprocessing.get_all_start_methods():
         raise RuntimeError("this platform cannot fork processes")
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    plan = bind_plan(ranks) if bind else None
+    plan = bench_ranks.bind_plan(ranks) if bind else None
     cores: list[int | None] = list(plan) if plan else [None] * ranks
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
@@ -136,10 +137,6 @@ def _pinned(core: int | None, child: Callable[..., None], rank: int, ranks: int,
 def probe_comm(rank: int, ranks: int, store: str, transport: str) -> Iterator[Communicator]:
     """A forked probe rank's communicator on ``transport`` (one thread, as ``disttrain
     bench`` ranks run), closed with its process group on the way out."""
-    import torch.distributed as dist
-
-    from disttrain.bench.transports import make_communicator
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, ranks), rank=rank,
                             world_size=ranks)

@@ -28,7 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from disttrain.simulate.contention import TIMEOUT_S, forked_ranks, probe_comm
+from disttrain.parallel.parameter_server import (
+    PSConfig,
+    PSWorker,
+    assign_roles,
+    run_parameter_server,
+)
+from disttrain.probe.contention import TIMEOUT_S, forked_ranks, probe_comm
 
 log = logging.getLogger(__name__)
 ROUNDS = 30
@@ -37,13 +43,6 @@ WARM_UP = 5
 
 def _child(rank: int, ranks: int, store: str, results: Any, module: nn.Module,
            work: Callable[[], object], transport: str) -> None:
-    from disttrain.parallel.parameter_server import (
-        PSConfig,
-        PSWorker,
-        assign_roles,
-        run_parameter_server,
-    )
-
     # the server's INFO lines (its key range, its staleness) are about a real job
     logging.getLogger("disttrain.parallel.parameter_server").setLevel(logging.WARNING)
     try:

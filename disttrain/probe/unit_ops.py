@@ -1,5 +1,5 @@
 """ZeRO-3's pattern on this machine: what each of its collectives costs besides its
-calibrated ring time, read from :func:`~disttrain.simulate.contention.unit_ops_in_step`.
+calibrated ring time, read from :func:`~disttrain.probe.contention.unit_ops_in_step`.
 
 The probe times a step of ZeRO-3's shape (per unit an all-gather issued before the unit's
 compute and waited for after it, in a forward and a backward pass; in the backward a
@@ -13,16 +13,19 @@ out as measured.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import nn
 
-from disttrain.parallel.pipeline.partition import layers_of
+from disttrain.simulate import cluster
+from disttrain.simulate.collectives import collective_time, group_of
 
 
-def unit_bytes(module: nn.Module) -> list[int]:
-    """Parameter bytes of each of ``module``'s layers that has parameters (ZeRO-3's
-    units, as the simulation gathers them)."""
+def unit_bytes(layers: Iterable[nn.Module]) -> list[int]:
+    """Parameter bytes of each of the model's ``layers`` (its pipeline split, as the profile
+    times it) that has parameters: ZeRO-3's units, as the simulation gathers them."""
     sizes = [sum(p.numel() * 4 for p in layer.parameters() if p.requires_grad)
-             for layer in layers_of(module)]
+             for layer in layers]
     return [n for n in sizes if n > 0]
 
 
@@ -32,22 +35,19 @@ def unit_price(added: float, sizes: list[int], ranks: int, transport: str,
     its calibrated ring time on this machine (``local(transport)``), in place of the call
     overhead and the wake-up, so that the probe's own pattern, simulated as the simulation
     runs collectives (on the link, one at a time, beside the compute), adds to its step
-    what the probe measured (``added``, :func:`~disttrain.simulate.contention.
+    what the probe measured (``added``, :func:`~disttrain.probe.contention.
     unit_ops_in_step`; ``work_s``, the probe's computation per unit and pass). Not the
     measured time less the calibrated times as if nothing overlapped: on 2 bound ranks the
     probe adds what its collectives cost calibrated (3.0 ms for LeNet on Gloo), so that
     difference reads 0, while the simulation hides part of each behind the units' compute
     and the runs pay ~0.1 ms a collective more (docs/simulate.md, "Why the model is built
     this way"). At least 0; 0 when the probe failed."""
-    from disttrain.simulate.cluster import local
-    from disttrain.simulate.collectives import collective_time, group_of
-
     if added <= 0 or not sizes:
         return 0.0
-    cluster = local(transport)
-    group = group_of(cluster, ranks)
-    gathers = [collective_time(cluster, "all_gather", "ring", group, n)[0] for n in sizes]
-    scatters = [collective_time(cluster, "reduce_scatter", "ring", group, n)[0] for n in sizes]
+    here = cluster.local(transport)
+    group = group_of(here, ranks)
+    gathers = [collective_time(here, "all_gather", "ring", group, n)[0] for n in sizes]
+    scatters = [collective_time(here, "reduce_scatter", "ring", group, n)[0] for n in sizes]
     if unit_pattern_added(0.0, work_s, gathers, scatters) >= added:
         return 0.0
     low, high = 0.0, added  # each collective charged ``added`` more adds more than that
@@ -60,7 +60,7 @@ def unit_price(added: float, sizes: list[int], ranks: int, transport: str,
 
 def unit_pattern_added(each: float, work_s: float, gathers: list[float],
                        scatters: list[float]) -> float:
-    """What :func:`~disttrain.simulate.contention.unit_ops_in_step`'s pattern adds to a
+    """What :func:`~disttrain.probe.contention.unit_ops_in_step`'s pattern adds to a
     step when every collective costs ``each`` plus its own time (``gathers[k]``,
     ``scatters[k]`` for unit k) on a link that runs one at a time beside the compute, as
     the simulation charges them: per unit and pass an all-gather issued as ``work_s`` of

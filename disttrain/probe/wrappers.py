@@ -1,5 +1,5 @@
-"""Measure the Python work of the strategies' own wrappers on one rank (for
-:class:`~disttrain.simulate.overheads.Overheads`).
+"""Measure every :class:`~disttrain.simulate.overheads.Overheads` quantity of a model
+(:func:`measure_overheads`), and the Python work of the strategies' own wrappers on one rank.
 
 A one-rank :class:`~disttrain.comm.Communicator` over :class:`SoloTransport` runs every
 collective's machinery (the call, the progress thread, the flight recorder, the wait) but
@@ -7,6 +7,11 @@ no algorithm moves a byte: what the real ``DataParallel`` and ZeRO wrappers cost
 the plain model, with nothing to communicate, is then their bookkeeping. Collective
 *transfers* on p ranks are the α-β-γ model's business; these are the software overheads
 around them.
+
+The probes of several processes (:mod:`~disttrain.probe.contention`,
+:mod:`~disttrain.probe.ps_probe`, :mod:`~disttrain.probe.stage_probe`) are read here and
+turned into the record's prices with the model's own collective costs
+(:mod:`~disttrain.simulate.collectives`): measurements flow one way, probe → record → model.
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from disttrain.bench.presets import get_preset
 from disttrain.comm import CommConfig, Communicator, LinkCosts, Transport
+from disttrain.parallel.data_parallel import DataParallel
 from disttrain.parallel.pipeline.partition import layers_of
-from disttrain.simulate.layer_timing import one_pass
-from disttrain.simulate.overheads import (
-    Overheads,
+from disttrain.parallel.zero import STAGES, ZeroConfig
+from disttrain.probe import contention, ps_probe, stage_probe
+from disttrain.probe.layer_timing import one_pass
+from disttrain.probe.timing import (
     backward_call,
     median_time,
     optimizer_costs,
@@ -34,7 +42,15 @@ from disttrain.simulate.overheads import (
     paired_charge,
     tensor_cost,
 )
-from disttrain.simulate.unit_ops import unit_bytes, unit_price
+from disttrain.probe.unit_ops import unit_bytes, unit_price
+from disttrain.simulate import cluster
+from disttrain.simulate.collectives import collective_time, group_of
+from disttrain.simulate.overheads import Overheads
+
+# the workload --validate checks the model on (disttrain.probe.validate): the benchmark's
+# LeNet preset (SGD, batch 32); the ZeRO-3 probe computes a rank's share of its batch
+VALIDATE_PRESET = "lenet-digits"
+GLOBAL_BATCH = get_preset(VALIDATE_PRESET).global_batch
 
 
 class SoloTransport(Transport):
@@ -93,8 +109,6 @@ def collective_call(comm: Communicator) -> float:
 def ddp_hook(module: nn.Module, x: torch.Tensor, comm: Communicator, call_s: float) -> float:
     """DDP's reducer per parameter tensor: (wrapped − plain forward+backward − one
     collective call per bucket) / tensors."""
-    from disttrain.parallel.data_parallel import DataParallel
-
     wrapped = DataParallel(copy.deepcopy(module), comm)
     try:
         extra = paired(_fwd_bwd(module, x), _fwd_bwd(wrapped, x))
@@ -109,8 +123,6 @@ def zero_work(stage: int, module: nn.Module, x: torch.Tensor, comm: Communicator
               call_s: float, sgd: tuple[float, float]) -> float:
     """The ZeRO ``stage`` wrapper's own work per step on one rank: its step minus the plain
     forward+backward, its collective calls and its SGD step on the flat shard."""
-    from disttrain.parallel.zero import STAGES, ZeroConfig
-
     net = copy.deepcopy(module)
     quiet = logging.getLogger("disttrain.parallel.zero")
     level = quiet.level
@@ -144,13 +156,10 @@ def _wakeup(in_step: float, call: float, nbytes: int, ranks: int, transport: str
     """What a ring ``op`` of ``nbytes`` on ``ranks`` ranks took in a step (``in_step``)
     beyond what the simulation charges it: the call's software overhead and the calibrated
     ring on this machine (``local(transport)``). At least 0; 0 when the probe failed."""
-    from disttrain.simulate.cluster import local
-    from disttrain.simulate.collectives import collective_time, group_of
-
     if in_step <= 0:
         return 0.0
-    cluster = local(transport)
-    calibrated, _ = collective_time(cluster, op, "ring", group_of(cluster, ranks), nbytes)
+    here = cluster.local(transport)
+    calibrated, _ = collective_time(here, op, "ring", group_of(here, ranks), nbytes)
     return max(0.0, in_step - call - calibrated)
 
 
@@ -185,19 +194,17 @@ def _unit_work(module: nn.Module, x: torch.Tensor, ranks: int,
                units: int) -> tuple[Callable[[], object], float]:
     """A rank's computation per collective in ZeRO-3's pattern with ``ranks`` ranks, and
     its seconds: its forward+backward at its share of the global batch ``disttrain bench``
-    and ``--validate`` train with by default (``validate.GLOBAL_BATCH``, ``x``'s rows
+    and ``--validate`` train with (:data:`GLOBAL_BATCH`, ``x``'s rows
     repeated), divided over the units' two passes."""
-    from disttrain.simulate.contention import compute_slice
-    from disttrain.simulate.validate import GLOBAL_BATCH
-
     batch = max(len(x), GLOBAL_BATCH // ranks)
     rows = x.repeat(-(-batch // len(x)), *([1] * (x.dim() - 1)))[:batch]
     seconds = median_time(_fwd_bwd(module, rows)) / (2 * max(1, units))
-    return compute_slice(seconds), seconds
+    return contention.compute_slice(seconds), seconds
 
 
-def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
-                  transport: str, bind_cores: bool = False) -> _Interference:
+def _interference(module: nn.Module, layers: Sequence[nn.Module], x: torch.Tensor,
+                  nbytes: int, cores: int, transport: str,
+                  bind_cores: bool = False) -> _Interference:
     """The gradients' all-reduce (and ZeRO's reduce-scatter) in a step, with 2 ranks and
     with twice as many ranks as cores (4 on this project's 2, as --validate runs them), a
     parameter-server exchange, a pipeline message and a pipeline stage's own work per
@@ -213,9 +220,9 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
     unbound ranks pay, not what bound runs pay: a 4-rank reduce-scatter's wake-up read
     1.23-1.33 ms unbound against 0.51-0.57 ms bound two to a core."""
     probed = [] if cores < 2 else [2, 2 * cores] if cores <= 4 else [2]
-    units = unit_bytes(module)
+    units = unit_bytes(layers)
     unit_work = {ranks: _unit_work(module, x, ranks, len(units)) for ranks in probed}
-    probes = _probes(module, x, nbytes, cores, transport, bind_cores, probed,
+    probes = _probes(module, len(layers), x, nbytes, cores, transport, bind_cores, probed,
                      {ranks: work for ranks, (work, _) in unit_work.items()}, units)
     readings = _rounds(probes)
     # The collectives: the median of three. One measurement moves by milliseconds within
@@ -250,55 +257,58 @@ def _interference(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int,
                           for ranks, rs in own.items()})
 
 
-def _probes(module: nn.Module, x: torch.Tensor, nbytes: int, cores: int, transport: str,
-            bind: bool, probed: list[int], unit_work: dict[int, Callable[[], object]],
-            units: list[int]) -> dict[str, Callable[[], Any]]:
-    """:func:`_interference`'s probes by name, each ready to take one reading."""
-    from disttrain.simulate.contention import collective_in_step, unit_ops_in_step
-    from disttrain.simulate.ps_probe import ps_exchange
-    from disttrain.simulate.stage_probe import stage_message, stage_work
-
+def _probes(module: nn.Module, max_stages: int, x: torch.Tensor, nbytes: int, cores: int,
+            transport: str, bind: bool, probed: list[int],
+            unit_work: dict[int, Callable[[], object]], units: list[int]
+            ) -> dict[str, Callable[[], Any]]:
+    """:func:`_interference`'s probes by name, each ready to take one reading (``max_stages``:
+    the model's layers, the most pipeline stages it can be split into). Each probe is
+    looked up on its module when the probes are made, so a test can stand in for one."""
     probes: dict[str, Callable[[], Any]] = {
-        f"{op}:{ranks}": functools.partial(collective_in_step, _fwd_bwd(module, x), nbytes,
-                                           transport=transport, ranks=ranks, op=op, bind=bind)
+        f"{op}:{ranks}": functools.partial(contention.collective_in_step, _fwd_bwd(module, x),
+                                           nbytes, transport=transport, ranks=ranks, op=op,
+                                           bind=bind)
         for op in ("all_reduce", "reduce_scatter") for ranks in probed}
     probes.update({f"units:{ranks}": functools.partial(
-        unit_ops_in_step, unit_work[ranks], units, transport=transport, ranks=ranks, bind=bind)
-        for ranks in probed})
+        contention.unit_ops_in_step, unit_work[ranks], units, transport=transport,
+        ranks=ranks, bind=bind) for ranks in probed})
     if cores > 1:  # the parameter server's never bound: its runs are not
-        probes["ps"] = functools.partial(ps_exchange, module, _fwd_bwd(module, x), transport)
-        probes["stage"] = functools.partial(stage_message, _fwd_bwd(module, x), transport,
-                                            bind=bind)
+        probes["ps"] = functools.partial(ps_probe.ps_exchange, module, _fwd_bwd(module, x),
+                                         transport)
+        probes["stage"] = functools.partial(stage_probe.stage_message, _fwd_bwd(module, x),
+                                            transport, bind=bind)
         # both schedules on 2 stages, and on as many as validated where the model has the
         # layers for them
         probes.update({f"stage_work:{ranks}": functools.partial(
-            stage_work, module, x, transport, ranks, bind=bind)
-            for ranks in sorted({2, *probed}) if ranks == 2 or ranks <= len(layers_of(module))})
+            stage_probe.stage_work, module, x, transport, ranks, bind=bind)
+            for ranks in sorted({2, *probed}) if ranks == 2 or ranks <= max_stages})
     return probes
 
 
 def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
-              sgd_step: float, repeats: int = 21, rounds: int = 3) -> float:
+              sgd_step: float, repeats: int = 21, rounds: int = 3,
+              layers: Sequence[nn.Module] | None = None) -> float:
     """``Overheads.step_s``: ``loop`` (one whole step of the training loop on a batch of
     ``x``'s size) less what the simulation charges for the model in it, the sum of the
     layers' times in one of the profile's passes over ``x``
-    (:func:`~disttrain.simulate.layer_timing.one_pass`), less ``sgd_step``, the optimizer step
+    (:func:`~disttrain.probe.layer_timing.one_pass`), less ``sgd_step``, the optimizer step
     it charges on its own. The two run alternately, so the machine's drift hits both; the
     median difference over ``repeats`` pairs, the least of ``rounds`` such medians
-    (:func:`~disttrain.simulate.overheads.paired_charge`). What is left is the loop's own
+    (:func:`~disttrain.probe.timing.paired_charge`). What is left is the loop's own
     work (the batch fetched, ``zero_grad``, the loss and the start of backward, which no
     layer's time holds, ``float(loss)``, the strategy's bookkeeping) and what the
     optimizer pays in a step beyond its time alone (its tensors cold after backward).
     The real loop, not a copy of its work: a copy (0.22-0.29 ms on LeNet) leaves out what
     the real step pays and predicts the single process at 0.80-0.97 of its runs. Against
     the layers' sum, not a plain forward+backward, which would miss the loss and the start
-    of backward (0.11-0.15 ms at batch 4 and 32)."""
-    layers, plain = layers_of(module), _fwd_bwd(module, x)
+    of backward (0.11-0.15 ms at batch 4 and 32). ``layers``: the model's split, when the
+    caller has it (:func:`measure_overheads`), else ``layers_of(module)``."""
+    split, plain = list(layers_of(module) if layers is None else layers), _fwd_bwd(module, x)
 
     def charged() -> float:
         """Seconds the simulation charges for the model's pass over ``x``."""
         start = time.perf_counter()
-        times = one_pass(layers, x)
+        times = one_pass(split, x)
         if times is None:  # the layers cannot be timed in a pass: the whole of it
             plain()
             return time.perf_counter() - start
@@ -309,28 +319,31 @@ def loop_cost(module: nn.Module, x: torch.Tensor, loop: Callable[[], object],
 
 def measure_overheads(module: nn.Module, x: torch.Tensor,
                       loop: Callable[[], object] | None = None, cores: int = 1,
-                      transport: str = "torch", bind_cores: bool = False) -> Overheads:
+                      transport: str = "torch", bind_cores: bool = False,
+                      layers: Sequence[nn.Module] | None = None) -> Overheads:
     """Every :class:`Overheads` quantity for ``module`` on input ``x`` (one thread is the
     caller's business). ``loop`` runs one whole step of the training loop on a batch of
     ``x``'s size (:func:`loop_cost` makes ``step_s`` of it); ``cores`` > 1
     measures ``concurrent_slowdown`` with that many processes, the wake-up of a
     collective, a parameter-server pull and push, a pipeline message and a stage's own
     work per message on ``transport``, for runs bound to cores or not (``bind_cores``, as
-    ``disttrain bench --bind-cores``; see :func:`_interference`)."""
-    from disttrain.simulate.contention import concurrent_slowdown
-
+    ``disttrain bench --bind-cores``; see :func:`_interference`). ``layers``: the model's
+    split, when the caller has it (the profile does), else ``layers_of(module)``; every
+    probe times that one split."""
+    split = list(layers_of(module) if layers is None else layers)
     sgd = optimizer_costs(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
     adam = optimizer_costs(lambda ps: torch.optim.Adam(ps, lr=1e-3))
     params = [p for p in module.parameters() if p.requires_grad]
     # before any thread starts (it forks). The least of three: other load on the machine
     # needs a free core to hurt one process, two to hurt the pair, and inflates the ratio
-    slowdown = min(concurrent_slowdown(_fwd_bwd(module, x), cores) for _ in range(3))
+    slowdown = min(contention.concurrent_slowdown(_fwd_bwd(module, x), cores)
+                   for _ in range(3))
     nbytes = sum(p.numel() * 4 for p in params)
-    shared = _interference(module, x, nbytes, cores, transport, bind_cores)
+    shared = _interference(module, split, x, nbytes, cores, transport, bind_cores)
     after = median_time(_fwd_bwd(module, x)) if cores > 1 else 0.0  # the probe's compute
     tensor = tensor_cost(params, sgd[0], sgd[1])
     step = loop_cost(module, x, loop, sgd[0] + nbytes * sgd[1] + max(0, len(params) - 1)
-                     * tensor) if loop is not None else 0.0
+                     * tensor, layers=split) if loop is not None else 0.0
     module.zero_grad(set_to_none=True)
     comm = solo_comm()
     try:
@@ -339,7 +352,7 @@ def measure_overheads(module: nn.Module, x: torch.Tensor,
                   for (op, ranks), took in shared.in_step.items() if op == "all_reduce"}
         scatter = {ranks: _wakeup(took, call, nbytes, ranks, transport, op)
                    for (op, ranks), took in shared.in_step.items() if op == "reduce_scatter"}
-        units = {ranks: unit_price(took, unit_bytes(module), ranks, transport,
+        units = {ranks: unit_price(took, unit_bytes(split), ranks, transport,
                                   shared.unit_work.get(ranks, 0.0))
                  for ranks, took in shared.unit_ops.items()}
         hook = ddp_hook(module, x, comm, call)
