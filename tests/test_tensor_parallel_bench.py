@@ -46,7 +46,7 @@ def test_3d_rows_run_on_the_configured_mesh():
 
 @pytest.mark.timeout(300)
 def test_tp_against_torch_tp_on_two_ranks():
-    config = BenchConfig(strategies=("tp", "torch-tp"), world_sizes=(2,), steps=3,
+    config = BenchConfig(strategies=("tp", "torch-tp", "tp-sp"), world_sizes=(2,), steps=3,
                          model="transformer", dataset="synthetic-lm", eval_every=0,
                          warmup_steps=1, timeout_s=30.0)
     rows = {r["strategy"]: r for r in run_table(config).rows}
@@ -54,6 +54,11 @@ def test_tp_against_torch_tp_on_two_ranks():
     assert tp["error"] is None and torch_tp["error"] is None
     assert tp["vs_torch"] == pytest.approx(tp["samples_per_s"] / torch_tp["samples_per_s"])
     assert tp["bytes_sent_per_rank_per_step"] == tp["theory_bytes_per_rank_per_step"] > 0
+    # on the default transport (shared memory) tp-sp's reduce-scatters are priced as shm
+    # writes them (every block once), not as a ring sends them
+    sp = rows["tp-sp"]
+    assert sp["error"] is None
+    assert sp["bytes_sent_per_rank_per_step"] == sp["theory_bytes_per_rank_per_step"] > 0
     assert tp["final_loss"] == pytest.approx(rows["single"]["final_loss"], rel=1e-5)
     assert torch_tp["final_loss"] == pytest.approx(rows["single"]["final_loss"], rel=1e-5)
     extras = tp["extras"]

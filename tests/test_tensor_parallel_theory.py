@@ -136,3 +136,12 @@ def test_collectives_per_block():
     assert [c.numel for c in plan].count(act) == 4 * LAYERS + 2
     assert sorted(c.numel for c in plan if c.numel != act) == [64, 128]
     assert tp_step_collectives(SHAPE, 4, 16, 1, True) == []
+
+
+def test_bytes_sent_takes_the_algorithms_price_where_it_differs_from_the_ring():
+    cs = [Collective("reduce_scatter", 400, 4, "rs"), Collective("all_gather", 400, 4, "ag")]
+    ring = bytes_sent(cs, 2, 0)
+    assert ring == 2 * 200 * 4
+    shm = {"reduce_scatter": lambda n: float(n), "all_gather": lambda n: n / 2}
+    assert bytes_sent(cs, 2, 0, lambda op, n: shm[op](n)) == 1600 + 800
+    assert bytes_sent(cs, 2, 0, lambda op, n: None) == ring  # native: the ring's figure

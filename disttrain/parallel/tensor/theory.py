@@ -42,9 +42,11 @@ brings the 2sbh down to 2sbh/t; disttrain keeps them, so that SP moves exactly T
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from disttrain.comm.algorithms.chunking import segment_bounds
+from disttrain.comm.theory import theory_bytes_sent
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -151,9 +153,21 @@ def ring_bytes_sent(op: str, p: int, numel: int, element_size: int, rank: int) -
     return (p - 1) * (numel // p) * element_size
 
 
-def bytes_sent(collectives: list[Collective], p: int, rank: int) -> int:
-    """What ``rank`` sends in ``collectives`` over a ring of ``p`` ranks."""
-    return sum(ring_bytes_sent(c.op, p, c.numel, c.element_size, rank) for c in collectives)
+def bytes_sent(collectives: list[Collective], p: int, rank: int,
+               price: Callable[[str, int], float | None] | None = None) -> float:
+    """What ``rank`` sends in ``collectives`` over ``p`` ranks: over a ring (exact), or, where
+    ``price(op, nbytes)`` gives a figure that differs from the ring's, that figure (the
+    communicator's own algorithm: ``shm`` writes a reduce-scatter's every block once, so it
+    counts ``nbytes`` where the ring sends (p − 1)/p of it). ``price`` returning None (the
+    native algorithm, whose bytes are invisible) keeps the ring's figure."""
+    total = 0.0
+    for c in collectives:
+        ring = ring_bytes_sent(c.op, p, c.numel, c.element_size, rank)
+        priced = None if price is None else price(c.op, c.numel * c.element_size)
+        even_ring = theory_bytes_sent(c.op, "ring", p, c.numel * c.element_size)
+        differs = priced is not None and even_ring is not None and abs(priced - even_ring) >= 1
+        total += priced if differs and priced is not None else ring
+    return total
 
 
 def block_activation_elements(seq: int, batch: int, d_model: int, n_heads: int, tp: int,

@@ -29,7 +29,7 @@ ZeRO's reduce-scatter + all-gather, plus, with pp > 1, the pipeline's messages.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -264,7 +264,7 @@ class TensorParallelStrategy(Strategy):
         sent = float(tp_theory.bytes_sent(
             tp_theory.tp_step_collectives(shape, micro, seq, self.mesh.tp_size,
                                           self.settings.sequence_parallel, config.accumulate),
-            self.mesh.tp_size, self.mesh.tp_rank))
+            self.mesh.tp_size, self.mesh.tp_rank, self._tp_price()))
         d = self.mesh.dp_size
         if self.zero is not None:
             padded = sum(g.layout.padded_total for g in self.zero.shard_groups())
@@ -273,6 +273,13 @@ class TensorParallelStrategy(Strategy):
         else:
             sent += ring_all_reduce_bytes(d, param_bytes(self.module))
         return sent
+
+    def _tp_price(self) -> Callable[[str, int], float | None] | None:
+        """The bytes of one tp collective with the algorithm the tp group runs it with."""
+        tp_comm, algorithm = self.mesh.tp, self.settings.algorithm
+        if tp_comm is None:
+            return None
+        return lambda op, nbytes: tp_comm.theory_bytes_sent(op, nbytes, algorithm)
 
     def communicators(self) -> list[Communicator]:
         return self.mesh.communicators()

@@ -127,7 +127,10 @@ class TensorPipelineStrategy(PipelineStrategy):
         if sp and t > 1:
             numel = sum(p.numel() for p in self._sp_params)
             plan.append(tp_theory.Collective("all_reduce", numel, 4, "sequence-parallel grads"))
-        return sent + tp_theory.bytes_sent(plan, t, m.tp_rank)
+        tp_comm, algorithm = m.tp, self.mesh_settings.algorithm
+        price = None if tp_comm is None else (
+            lambda op, nbytes: tp_comm.theory_bytes_sent(op, nbytes, algorithm))
+        return sent + tp_theory.bytes_sent(plan, t, m.tp_rank, price)
 
     def extras(self, warmup_steps: int) -> dict[str, Any]:
         out = super().extras(warmup_steps)
