@@ -112,6 +112,7 @@ ALIASES = [
     (["bench", "comm", "--timeout", "30"], "comm_timeout", 30.0, "--comm-timeout"),
     (["bench", "pipeline", "--timeout", "30"], "comm_timeout", 30.0, "--comm-timeout"),
     (["bench", "pipeline", "-m", "2,4"], "microbatches", (2, 4), "--microbatches"),
+    (["bench", "pipeline", "--rows", "16"], "microbatch_size", 16, "--microbatch-size"),
 ]
 
 

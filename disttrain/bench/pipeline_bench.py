@@ -287,7 +287,7 @@ _OPTIONS: tuple[tuple[tuple[str, ...], str, Callable[[str], Any], str], ...] = (
     (("--backward-ms",), "backward_ms", float, "sleep: one stage's backward of a micro-batch"),
     (("--layers",), "layers", int, "layers per stage"),
     (("--width",), "width", int, "features of every layer"),
-    (("--rows",), "rows", int, "samples per micro-batch"),
+    (("--microbatch-size",), "rows", int, "samples per micro-batch"),
     (("--steps",), "steps", int, "timed steps per row (medians reported)"),
     (("--warmup",), "warmup", int, "untimed steps first"),
     (("--transport",), "transport", str, "transport"),
@@ -300,8 +300,10 @@ def _dest(flags: tuple[str, ...]) -> str:
     return flags[-1].lstrip("-").replace("-", "_")
 
 
-# kept for one release: -m is a module everywhere else (torchrun's -m), --timeout a whole run
-_OLD_SPELLINGS = {"-m": "--microbatches", "--timeout": "--comm-timeout"}
+# kept for one release: -m is a module everywhere else (torchrun's -m), --timeout a whole
+# run, and a row is a line of the table and of --json
+_OLD_SPELLINGS = {"-m": "--microbatches", "--timeout": "--comm-timeout",
+                  "--rows": "--microbatch-size"}
 
 
 def add_parser(inner: Any) -> None:
