@@ -73,9 +73,9 @@ def test_the_synthetic_model_is_balanced(compute):
 
 def test_command_prints_and_writes_every_row(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
-    code = main(["bench", "pipeline", "-p", "2", "-m", "1,3", "--forward-ms", "1",
-                 "--backward-ms", "1", "--steps", "1", "--warmup", "0", "--rows", "2",
-                 "--width", "4", "--timeout", "30", "--json", str(out)])
+    code = main(["bench", "pipeline", "-p", "2", "--microbatches", "1,3", "--forward-ms", "1",
+                 "--backward-ms", "1", "--steps", "1", "--warmup", "0", "--microbatch-size", "2",
+                 "--width", "4", "--comm-timeout", "30", "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "over transport torch" in printed

@@ -46,9 +46,10 @@ def test_rows_carry_every_key_in_json(outcome, tmp_path):
     config, result = outcome
     assert [(r["strategy"], r["world_size"]) for r in result.rows] == [
         ("single", 1), ("ddp", 3), ("ddp", 2)]
-    path = tmp_path / "rows.json"
+    path = tmp_path / "rows.jsonl"
     write_json(path, result.rows, environment(config, "disttrain bench (test)"))
-    rows = json.loads(path.read_text())
+    rows = [json.loads(line) for line in path.read_text().splitlines()]  # JSON Lines
+    assert len(rows) == len(result.rows)
     for row in rows:
         assert ENV_KEYS <= set(row["env"]), row["env"]
         assert row["global_batch"] == 24

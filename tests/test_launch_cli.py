@@ -70,7 +70,9 @@ def test_info_reports_this_machine(tmp_path):
                                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"},
                    timeout=60)
     assert done.returncode == 0, done.stderr
-    facts = json.loads(done.stdout)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1  # --json: JSON Lines, its one row on stdout
+    facts = json.loads(lines[0])
     assert facts["torch"] == torch.__version__
     assert facts["backends"]["gloo"] is True
     assert facts["backends"]["nccl"] == torch.distributed.is_nccl_available()

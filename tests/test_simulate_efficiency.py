@@ -48,7 +48,7 @@ def _rows(optimizer_free: bool = False) -> list[tuple[str, StepResult]]:
 
 def test_the_reported_case_is_over_100_percent_by_zero3s_sharded_optimizer(
         capsys: pytest.CaptureFixture[str]) -> None:
-    """``disttrain simulate --model resnet101 --cluster cluster-400g --workers 8``: ZeRO-3
+    """``disttrain simulate --model resnet101 --cluster cluster-400g -n 8``: ZeRO-3
     hides its collectives under compute and each of the 8 ranks steps 1/8 of the optimizer
     that the one-device baseline steps whole, which is all it gains on that baseline."""
     cluster = get_cluster("cluster-400g")
@@ -64,7 +64,7 @@ def test_the_reported_case_is_over_100_percent_by_zero3s_sharded_optimizer(
     assert ddp.efficiency < 1 and not any("over 100%" in n for n in ddp.notes)
 
     assert main(["simulate", "--model", "resnet101", "--cluster", "cluster-400g",
-                 "--workers", "8", "--strategies", "zero3,ddp"]) == 0
+                 "-n", "8", "--strategies", "zero3,ddp"]) == 0
     zero3 = next(line for line in capsys.readouterr().out.splitlines()
                  if line.startswith("zero3 "))
     assert "110%" in zero3 and f"{SHARDED}, 0.159 ms vs the 1-worker baseline's 1.27 ms" \

@@ -137,15 +137,15 @@ def test_recommendation_marks_what_does_not_fit() -> None:
 def test_cli_table_json_plot_and_recommendation(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     out, plot = tmp_path / "rows.jsonl", tmp_path / "plot.svg"
-    code = main(["simulate", "--model", "resnet101", "--cluster", "roce-25g", "--batch",
-                 "64", "--workers", "8,512", "--strategies", "ddp,zero3,ps-sync,gpipe",
+    code = main(["simulate", "--model", "resnet101", "--cluster", "roce-25g", "--batch-per-worker",
+                 "64", "-n", "8,512", "--strategies", "ddp,zero3,ps-sync,gpipe",
                  "--json", str(out), "--plot", str(plot)])
     assert code == 0
     text = capsys.readouterr().out
     assert "# recommendation" in text and "512 workers:" in text
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert lines[0]["meta"]["model"] == "resnet101"
-    assert {(r["strategy"], r["workers"]) for r in lines[1:]} == {
+    rows = [json.loads(x) for x in out.read_text().splitlines()]  # JSON Lines of rows
+    assert all(r["env"]["model"] == "resnet101" for r in rows)
+    assert {(r["strategy"], r["workers"]) for r in rows} == {
         (s, w) for s in ("ddp", "zero3", "ps-sync", "gpipe") for w in (8, 512)}
     assert plot.read_text().startswith("<svg") and "efficiency" in plot.read_text()
 
@@ -157,11 +157,11 @@ def test_cli_runs_every_strategy_with_every_algorithm(tmp_path: Path, algorithm:
     # roce-25g has 4 devices per node: 3 workers on one node, 8 on two, 12 on three (p not
     # a power of two: halving/doubling folds). reduce_scatter and all_gather have no tree.
     out = tmp_path / "rows.jsonl"
-    code = main(["simulate", "--model", "resnet101", "--cluster", "roce-25g", "--workers",
+    code = main(["simulate", "--model", "resnet101", "--cluster", "roce-25g", "-n",
                  "3,8,12", "--algorithm", algorithm, "--json", str(out)])
     assert code == 0
     capsys.readouterr()
-    rows = [json.loads(x) for x in out.read_text().splitlines()[1:]]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert {r["strategy"] for r in rows} == set(STRATEGIES)
     for r in rows:
         if r["strategy"] in ("ddp", "zero1", "zero2", "zero3"):

@@ -111,8 +111,8 @@ def test_recommendation_puts_tp_inside_nodes_when_it_pays():
 
 
 def test_cli_simulates_the_tensor_parallel_strategies(capsys):
-    assert main(["simulate", "--model", "gpt-13b", "--cluster", "cluster-400g", "--batch",
-                 "1", "--precision", "bf16", "--optimizer", "adam", "--workers", "64",
-                 "--strategies", "zero2,tp,tp-sp,3d"]) == 0
+    assert main(["simulate", "--model", "gpt-13b", "--cluster", "cluster-400g",
+                 "--batch-per-worker", "1", "--precision", "bf16", "--optimizer", "adam",
+                 "-n", "64", "--strategies", "zero2,tp,tp-sp,3d"]) == 0
     out = capsys.readouterr().out
     assert "64 workers: 3d" in out and "cannot run: n_heads=40 does not divide by tp 64" in out

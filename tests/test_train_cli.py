@@ -43,7 +43,9 @@ def test_run_single_mlp_digits(tmp_path):
     assert "result strategy=single world_size=1 global_batch=32 steps=44" in proc.stdout
     assert re.search(r"step=\s+40 epoch=\s+0 loss=\s+[0-9.]+ samples/s=\s+[0-9.]+ "
                      r"comm_MB=\s+- peak_mem_MB=\s+[0-9.]+", proc.stderr), proc.stderr
-    summary = json.loads(out.read_text())
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1  # JSON Lines: one row, rank 0's summary
+    summary = json.loads(lines[0])
     assert summary["accuracy"] == pytest.approx(accuracy(proc.stdout), abs=1e-4)
     assert summary["steps"] == 44 and summary["peak_mem_bytes"] > 0
 

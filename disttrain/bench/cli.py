@@ -1,7 +1,7 @@
 """``disttrain bench``: benchmark subcommands (``comm`` for collectives).
 
 ``disttrain bench comm`` maps its flags onto :class:`~disttrain.bench.comm.CommBenchConfig`,
-prints a table as rows are measured, optionally writes one JSON object per row
+prints a table as rows are measured, optionally writes them as JSON Lines
 (``--json``), and ends with ``auto`` against the best algorithm at each size.
 ``--calibrate`` measures this machine's costs for the cost model instead.
 """
@@ -9,10 +9,8 @@ prints a table as rows are measured, optionally writes one JSON object per row
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TextIO
 
 from disttrain.bench import comm as comm_bench
@@ -22,6 +20,7 @@ from disttrain.bench.table import TableWriter, auto_versus_best, format_time
 from disttrain.bench.transports import TRANSPORTS
 from disttrain.bench.units import format_size, parse_sizes
 from disttrain.comm.transports import gloo_threads
+from disttrain.flags import RowWriter, add_alias, add_json_argument
 
 
 def _csv(parse: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -70,10 +69,11 @@ def _add_comm_parser(inner: argparse._SubParsersAction) -> None:  # type: ignore
     parser.add_argument("--budget", type=float, default=defaults.budget_s,
                         help="seconds per row: fewer iterations when --iters would take longer; "
                         f"0 always runs --iters (default {defaults.budget_s:g})")
-    parser.add_argument("--timeout", type=float, default=defaults.timeout_s,
-                        help=f"seconds any rank waits for a peer (default {defaults.timeout_s:g})")
-    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
-                        help="also write one JSON object per row to FILE")
+    timeout = parser.add_argument(
+        "--comm-timeout", type=float, default=defaults.timeout_s,
+        help=f"seconds any rank waits for a peer (default {defaults.timeout_s:g})")
+    add_alias(parser, "--timeout", new=timeout)
+    add_json_argument(parser, "measured row, as it is measured")
     parser.add_argument("--shared-buffers", action="store_true",
                         help="all_reduce, broadcast and reduce work on tensors from "
                         "Communicator.shared_zeros: on the shm transport a large all_reduce "
@@ -111,7 +111,7 @@ def _run_comm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config = comm_bench.CommBenchConfig(
             ops=args.ops, algorithms=args.algorithms, sizes=args.sizes,
             world_sizes=args.world_sizes, transport=args.transport, iters=args.iters,
-            warmup=args.warmup, budget_s=args.budget, timeout_s=args.timeout,
+            warmup=args.warmup, budget_s=args.budget, timeout_s=args.comm_timeout,
             shared_buffers=args.shared_buffers, interleave=args.interleave,
             bind_cores=args.bind_cores)
         gloo_io = gloo_threads.policy_from_env()  # a typo in the variable: said here, once
@@ -127,16 +127,13 @@ def _run_comm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           + ("; algorithms interleaved call by call" if config.interleave else "")
           + ("; ranks bound to cores" if config.bind_cores else "")
           + f"; Gloo I/O threads {gloo_io}", file=out)
-    json_file = args.json.open("w") if args.json else None
     skipped: list[str] = []
     try:
-        rows = comm_bench.run(config, _on_row(TableWriter(out), json_file), skipped.append)
+        with RowWriter(args.json) as json_rows:
+            rows = comm_bench.run(config, _on_row(TableWriter(out), json_rows), skipped.append)
     except BenchError as exc:
         print(f"disttrain bench comm: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if json_file is not None:
-            json_file.close()
     _summary(rows, skipped, out)
     if not rows:
         print("disttrain bench comm: nothing could run; see the skipped cases above",
@@ -145,12 +142,10 @@ def _run_comm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0 if all(r["correct"] for r in rows) else 1
 
 
-def _on_row(table: TableWriter, json_file: TextIO | None) -> Callable[[dict[str, Any]], None]:
+def _on_row(table: TableWriter, json_rows: RowWriter) -> Callable[[dict[str, Any]], None]:
     def on_row(row: dict[str, Any]) -> None:
         table.row(row)
-        if json_file is not None:
-            json_file.write(json.dumps(row) + "\n")
-            json_file.flush()
+        json_rows.write(row)
 
     return on_row
 

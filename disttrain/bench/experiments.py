@@ -162,7 +162,7 @@ class BenchConfig:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
         if not self.timeout_s > 0:
-            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+            raise ValueError(f"--comm-timeout must be > 0 seconds, got {self.timeout_s}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got "
                              f"{self.optimizer!r}")

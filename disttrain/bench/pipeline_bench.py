@@ -48,6 +48,7 @@ from torch import nn
 from disttrain.bench.ranks import RankGroup
 from disttrain.bench.transports import check_transport
 from disttrain.comm import Communicator
+from disttrain.flags import RowWriter, add_alias, add_json_argument
 
 Row = dict[str, Any]
 COMPUTES = ("sleep", "matmul")
@@ -278,7 +279,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 _OPTIONS: tuple[tuple[tuple[str, ...], str, Callable[[str], Any], str], ...] = (
     (("-p", "--stages"), "stages", _ints, "comma-separated stage counts"),
-    (("-m", "--microbatches"), "microbatches", _ints, "comma-separated micro-batch counts"),
+    (("--microbatches",), "microbatches", _ints, "comma-separated micro-batch counts"),
     (("--schedules",), "schedules", _names, "comma-separated schedules"),
     (("--compute",), "compute", str, "sleep: layers that sleep, using no CPU; matmul: real "
      "Linear layers (use p ≤ cores)"),
@@ -286,12 +287,23 @@ _OPTIONS: tuple[tuple[tuple[str, ...], str, Callable[[str], Any], str], ...] = (
     (("--backward-ms",), "backward_ms", float, "sleep: one stage's backward of a micro-batch"),
     (("--layers",), "layers", int, "layers per stage"),
     (("--width",), "width", int, "features of every layer"),
-    (("--rows",), "rows", int, "samples per micro-batch"),
+    (("--microbatch-size",), "rows", int, "samples per micro-batch"),
     (("--steps",), "steps", int, "timed steps per row (medians reported)"),
     (("--warmup",), "warmup", int, "untimed steps first"),
     (("--transport",), "transport", str, "transport"),
-    (("--timeout",), "timeout_s", float, "seconds any rank waits for a peer"),
+    (("--comm-timeout",), "timeout_s", float, "seconds any rank waits for a peer"),
 )
+
+
+def _dest(flags: tuple[str, ...]) -> str:
+    """argparse's destination of a flag: ``--comm-timeout`` → ``comm_timeout``."""
+    return flags[-1].lstrip("-").replace("-", "_")
+
+
+# kept for one release: -m is a module everywhere else (torchrun's -m), --timeout a whole
+# run, and a row is a line of the table and of --json
+_OLD_SPELLINGS = {"-m": "--microbatches", "--timeout": "--comm-timeout",
+                  "--rows": "--microbatch-size"}
 
 
 def add_parser(inner: Any) -> None:
@@ -301,40 +313,37 @@ def add_parser(inner: Any) -> None:
         "pipeline", help="measured pipeline bubble against (p−1)/(m+p−1)",
         description="Run GPipe and 1F1B on a balanced synthetic model for each number of "
         "stages and micro-batches; print each stage's measured idle fraction next to theory.")
+    added = {}
     for flags, field_, parse, help_ in _OPTIONS:
         default = getattr(d, field_)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        parser.add_argument(*flags, dest=field_, type=parse, default=default,
-                            help=f"{help_} (default {shown})")
-    parser.add_argument("--json", default=None, metavar="FILE",
-                        help="also write one JSON object per row to FILE")
+        added[flags[-1]] = parser.add_argument(*flags, type=parse, default=default,
+                                               help=f"{help_} (default {shown})")
+    for old, new in _OLD_SPELLINGS.items():
+        add_alias(parser, old, new=added[new])
+    add_json_argument(parser, "measured row")
     parser.set_defaults(func=lambda args: _main(args, parser))
 
 
 def _main(args: Any, parser: Any) -> int:
-    import json
     import sys
 
     from disttrain.bench.ranks import BenchError
 
     try:
-        config = PipelineBenchConfig(**{field_: getattr(args, field_) for _, field_, _, _ in
-                                        _OPTIONS})
+        config = PipelineBenchConfig(**{field_: getattr(args, _dest(flags))
+                                        for flags, field_, _, _ in _OPTIONS})
     except ValueError as exc:
         parser.error(str(exc))
     print(_title(config), flush=True)
     print(" p   m  sched.  theory  idle per stage (0, 1, …)  mean  vs theory  1−busy  "
           "overhead       step", flush=True)
-    out = open(args.json, "w") if args.json else None
     try:
-        for row in run(config):
-            print(format_row(row), flush=True)
-            if out is not None:
-                out.write(json.dumps(row) + "\n")
+        with RowWriter(args.json) as json_rows:
+            for row in run(config):
+                print(format_row(row), flush=True)
+                json_rows.write(row)
     except BenchError as exc:
         print(f"disttrain bench pipeline: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if out is not None:
-            out.close()
     return 0

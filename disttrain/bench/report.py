@@ -33,7 +33,6 @@ formula (:mod:`disttrain.parallel.tensor.theory`).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -43,6 +42,7 @@ from typing import Any, TextIO
 
 from disttrain.bench.units import format_size
 from disttrain.comm.transports import gloo_threads
+from disttrain.flags import write_rows
 
 Row = dict[str, Any]
 COLUMNS = ("strategy", "n", "batch", "samples/s", "speed-up", "eff", "vs torch", "vs DS", "state",
@@ -223,8 +223,8 @@ def _device(config: Any) -> str:
 
 
 def write_json(path: Path, rows: list[Row], env: dict[str, Any]) -> None:
-    """One object per row (a JSON list), each carrying the environment under ``env``."""
-    path.write_text(json.dumps([{**row, "env": env} for row in rows], indent=1) + "\n")
+    """JSON Lines: one object per row, each carrying the environment under ``env``."""
+    write_rows(path, ({**row, "env": env} for row in rows))
 
 
 def print_table(rows: list[Row], out: TextIO, interrupted: bool = False,

@@ -5,7 +5,7 @@
     disttrain bench --preset lenet-digits             # the small LeNet table (~2 min)
     disttrain bench --preset distributedtest          # the DistributedTest rows (~10 min)
     disttrain bench --strategies ddp,torch-ddp -n 1,2,4 --steps 50 --repeat 3
-    disttrain bench --json rows.json --markdown table.md --html report.html --trace traces/
+    disttrain bench --json rows.jsonl --markdown table.md --html report.html --trace traces/
     # tensor parallelism against torch's, on the transformer
     disttrain bench --strategies tp,torch-tp,tp-sp,torch-tp-sp -n 2 --model transformer \
         --dataset synthetic-lm --steps 60
@@ -30,6 +30,7 @@ from disttrain.bench.experiments import BenchConfig, Run, experiments, plan
 from disttrain.bench.presets import DEFAULT_PRESET, PRESETS
 from disttrain.bench.transports import TRANSPORTS
 from disttrain.comm.transports import gloo_threads
+from disttrain.flags import add_alias, add_json_argument
 from disttrain.train.config import OPTIMIZERS, STALENESS_LR
 
 Row = dict[str, Any]
@@ -119,10 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "and tp-sp use every rank)")
     mesh.add_argument("--pp", type=int, default=d.pp_size, dest="pp_size",
                       help="3d rows: pipeline stages (default %(default)s); dp takes the rest")
-    parser.add_argument("--timeout", type=float, default=d.timeout_s,
-                        help="seconds any collective may wait; a rank silent for 4× this "
-                        "is stopped (default %(default)s)")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the rows as JSON")
+    timeout = parser.add_argument(
+        "--comm-timeout", type=float, default=d.timeout_s,
+        help="seconds any collective may wait; a rank silent for 4× this is stopped "
+        "(default %(default)s)")
+    add_alias(parser, "--timeout", new=timeout)
+    add_json_argument(parser, "row, with the environment under 'env'")
     parser.add_argument("--markdown", type=Path, metavar="FILE", help="write a Markdown table")
     parser.add_argument("--html", type=Path, metavar="FILE",
                         help="write a self-contained HTML report with plots")
@@ -170,7 +173,7 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
         model=args.model, dataset=args.dataset, optimizer=args.optimizer, lr=args.lr,
         epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
         repeat=args.repeat, transport=args.transport, algorithm=args.algorithm,
-        reference_threads=args.reference_threads, timeout_s=args.timeout,
+        reference_threads=args.reference_threads, timeout_s=args.comm_timeout,
         eval_every=args.eval_every, servers=args.servers, staleness=args.staleness,
         staleness_lr=args.staleness_lr, bind_cores=args.bind_cores, tp_size=args.tp_size,
         pp_size=args.pp_size, device=args.device, backend=args.backend,

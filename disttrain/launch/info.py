@@ -4,7 +4,8 @@ Versions, which torch.distributed backends this build has (Gloo, NCCL, MPI) and 
 version, CPU cores and NUMA nodes, GPUs and how they are connected (peer access and
 ``nvidia-smi topo -m``, bounded by a timeout), the
 calibrated transport costs that ``algorithm="auto"`` uses, and where this process would
-stand in a job (the launch variables it sees). ``--json`` prints the same as one object.
+stand in a job (the launch variables it sees). ``--json [FILE]`` writes the same as one
+JSON Lines row (to stdout without FILE).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from disttrain.flags import add_json_argument, write_rows
+
 _NODE_DIR = Path("/sys/devices/system/node")
 _LAUNCH_VARS = re.compile(r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|"
                           r"MASTER_PORT|GROUP_RANK|DISTTRAIN_\w+|SLURM_(PROCID|LOCALID|NTASKS|"
@@ -34,13 +37,16 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     p = subparsers.add_parser("info", help="show versions, backends, CPUs/NUMA, GPUs and "
                               "calibrated transport costs",
                               description=__doc__.split("\n\n")[1] if __doc__ else None)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_argument(p, "report: all of the above", optional_file=True)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     facts = collect()
-    print(json.dumps(facts, indent=2) if args.json else render(facts))
+    if args.json is None:
+        print(render(facts))
+    else:  # one row: one line, to stdout unless a FILE is named
+        write_rows(args.json, [facts])
     return 0
 
 

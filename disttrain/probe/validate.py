@@ -43,7 +43,6 @@ the benchmark's runs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from typing import Any
@@ -51,6 +50,7 @@ from typing import Any
 from disttrain.bench.experiments import BenchConfig
 from disttrain.bench.strategy_bench import run_table
 from disttrain.comm.cost_model import LinkCosts, load_costs
+from disttrain.flags import write_rows
 from disttrain.probe.profiler import LayerRounds, registered_rounds
 from disttrain.probe.wrappers import GLOBAL_BATCH
 from disttrain.probe.wrappers import VALIDATE_PRESET as PRESET  # one thread, as profiled
@@ -216,8 +216,5 @@ def run_validation(args: argparse.Namespace) -> int:
         runs = runs_text(r.get("measured_step_s_runs"))
         print(f"{r['strategy']:15s} {r['world_size']:>3d} {r['predicted_step_s'] * 1e3:7.2f} ms "
               f"{measured:>10s} {ratio:>6s}{runs}")
-    if args.json:
-        with args.json.open("w") as out:
-            for r in rows:
-                out.write(json.dumps(r) + "\n")
+    write_rows(args.json, rows)
     return 1 if any(r["error"] for r in rows) else 0

@@ -1,9 +1,9 @@
 """``disttrain simulate``: predict every strategy's step time, memory and scaling at any
 number of workers, and recommend one.
 
-    disttrain simulate --model lenet --cluster cluster-400g --workers 8,64,512,4096
-    disttrain simulate --model resnet101 --cluster roce-25g --batch 64 --strategies ddp
-    disttrain simulate --model gpt-13b --cluster cluster-400g --batch 1 --workers 8,64
+    disttrain simulate --model lenet --cluster cluster-400g -n 8,64,512,4096
+    disttrain simulate --model resnet101 --cluster roce-25g --batch-per-worker 64 --strategies ddp
+    disttrain simulate --model gpt-13b --cluster cluster-400g --batch-per-worker 1 -n 8,64
     disttrain simulate --cluster my_cluster.toml --json rows.jsonl --plot scaling.svg
     disttrain simulate --validate -n 2,4 --json validate.jsonl   # predicted vs measured here
 
@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.bench.svg import H, line_plot
+from disttrain.flags import add_alias, add_json_argument, write_rows
 from disttrain.simulate.base import StepResult
 from disttrain.simulate.cluster import PRESETS, Cluster, get_cluster
 from disttrain.simulate.profile import ModelProfile
 from disttrain.simulate.workload import PARTITIONS, Speeds, Workload
-from disttrain.train.cli import DeprecatedAlias
 
 DEFAULT_WORKERS = (8, 64, 512, 4096)
+VALIDATE_WORLD_SIZES = (2, 4)  # what --validate measures here unless -n says otherwise
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -67,20 +68,20 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="this machine's transport (--cluster local and --validate): whose "
                         "calibration the model reads and, with --validate, what the measured "
                         "runs use (default torch: Gloo point-to-point; shm: shared memory)")
-    p.add_argument("--workers", type=_ints, default=DEFAULT_WORKERS,
-                   help="comma-separated worker counts (default 8,64,512,4096)")
+    sizes = p.add_argument("-n", "--world-sizes", type=_ints, default=None,
+                           help="comma-separated worker counts to simulate (default "
+                                "8,64,512,4096) or, with --validate, to run here and compare "
+                                "(default 2,4)")
+    add_alias(p, "--workers", new=sizes)
     p.add_argument("--strategies", type=_names, default=tuple(STRATEGIES),
                    help=f"comma-separated (default: all of {','.join(STRATEGIES)})")
     _workload_arguments(p)
-    p.add_argument("--json", type=Path, default=None, metavar="FILE",
-                   help="write one JSON object per row")
+    add_json_argument(p, "row (strategy × worker count), its settings under 'env'")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.svg",
                    help="write step time, memory and efficiency plots")
     p.add_argument("--validate", action="store_true",
                    help="run each strategy here at -n ranks and print predicted against "
                    "measured step time")
-    p.add_argument("-n", "--world-sizes", type=_ints, default=(2, 4),
-                   help="--validate: world sizes (default 2,4)")
     p.add_argument("--steps", type=int, default=30, help="--validate: steps per run")
     p.add_argument("--repeat", type=int, default=3,
                    help="--validate: fresh runs of each strategy and world size; the median "
@@ -97,19 +98,22 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 
 def _workload_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch", type=int, default=32, help="samples per worker (default 32)")
+    batch = p.add_argument("--batch-per-worker", type=int, default=32,
+                           help="samples per step on each worker (default 32)")
+    add_alias(p, "--batch", new=batch)
     p.add_argument("--global-batch", type=int, default=None,
                    help="fix the global batch instead (strong scaling)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
     p.add_argument("--algorithm", default="auto",
                    help="collective algorithm: auto, ring, tree, halving_doubling, hierarchical")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP/ZeRO-2 bucket size")
+    bucket = p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                            help="DDP/ZeRO-2 bucket size in MB (default 25)")
+    add_alias(p, "--bucket-mb", new=bucket)
     p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches")
-    p.add_argument("--pp", type=int, default=None, dest="pp_size",
-                   help="pipeline stages (default: min(workers, layers, 8))")
-    p.add_argument("--pp-size", type=int, default=None, dest="pp_size",
-                   action=DeprecatedAlias, help="deprecated spelling of --pp")
+    pp = p.add_argument("--pp", type=int, default=None, dest="pp_size",
+                        help="pipeline stages (default: min(workers, layers, 8))")
+    add_alias(p, "--pp-size", new=pp)
     p.add_argument("--partition", default="params", choices=PARTITIONS,
                    help="how pipeline stages are cut: params (disttrain's default) or time "
                         "(balance the profiled compute)")
@@ -151,9 +155,9 @@ def load_profile(model: str, dataset: str | None, cluster: Cluster,
 
 
 def workload(args: argparse.Namespace) -> Workload:
-    return Workload(batch_per_worker=args.batch, global_batch=args.global_batch,
+    return Workload(batch_per_worker=args.batch_per_worker, global_batch=args.global_batch,
                     precision=args.precision, optimizer=args.optimizer,
-                    algorithm=args.algorithm, bucket_mb=args.bucket_mb,
+                    algorithm=args.algorithm, bucket_mb=args.bucket_cap_mb,
                     microbatches=args.microbatches, pp_size=args.pp_size,
                     partition=args.partition,
                     servers=args.servers, staleness=args.staleness, speeds=args.worker_speeds)
@@ -163,6 +167,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from disttrain.simulate.collectives import ALGORITHMS
     from disttrain.simulate.strategies import check_names
 
+    if args.world_sizes is None:  # one flag for both: what is simulated, or measured
+        args.world_sizes = VALIDATE_WORLD_SIZES if args.validate else DEFAULT_WORKERS
     try:
         if args.algorithm not in ALGORITHMS:
             raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}")
@@ -185,7 +191,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _simulate(args: argparse.Namespace, cluster: Cluster, wl: Workload) -> int:
     from disttrain.simulate.recommend import recommend
-    from disttrain.simulate.report import text_table, write_json
+    from disttrain.simulate.report import text_table
     from disttrain.simulate.strategies import sweep
 
     try:
@@ -194,26 +200,27 @@ def _simulate(args: argparse.Namespace, cluster: Cluster, wl: Workload) -> int:
         print(f"disttrain simulate: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    rows = sweep(profile, cluster, wl, args.strategies, args.workers)
+    rows = sweep(profile, cluster, wl, args.strategies, args.world_sizes)
     took = time.perf_counter() - start
     print(f"disttrain simulate: model {profile.name} ({profile.params / 1e6:.3g}M parameters, "
           f"{len(profile.layers)} layers, profile {profile.source}); cluster {cluster.name}: "
           f"{cluster.nodes} × {cluster.devices_per_node} devices, {cluster.description}; "
-          f"{wl.precision}, {wl.optimizer}, {args.batch if wl.global_batch is None else ''}"
-          f"{' samples/worker' if wl.global_batch is None else f'global batch {wl.global_batch}'}")
+          f"{wl.precision}, {wl.optimizer}, " + (
+              f"{wl.batch_per_worker} samples/worker" if wl.global_batch is None
+              else f"global batch {wl.global_batch}"))
     if profile.overheads.measured:
         print(f"per-step costs besides the layers (measured here; host-side ones are carried "
               f"to other clusters unscaled):\n{profile.overheads.text()}")
     print(text_table(rows))
     print("\n# recommendation")
-    for workers in args.workers:
+    for workers in args.world_sizes:
         print(recommend(rows, workers).text())
     print(f"\n(simulated {len(rows)} cases in {took:.2f} s)")
-    meta: dict[str, Any] = {"model": profile.name, "params": profile.params,
-                            "cluster": cluster.name, "workload": repr(wl),
-                            "command": " ".join(sys.argv)}
-    if args.json:
-        write_json(args.json, rows, meta)
+    env: dict[str, Any] = {"model": profile.name, "params": profile.params,
+                           "cluster": cluster.name, "workload": repr(wl),
+                           "command": " ".join(sys.argv)}
+    if args.json:  # JSON Lines, each row with the run's settings, as bench --json writes
+        write_rows(args.json, ({**row.as_dict(), "env": env} for row in rows))
     if args.plot:
         args.plot.write_text(svg(rows, f"{profile.name} on {cluster.name}"))
     return 0

@@ -1,12 +1,8 @@
-"""The simulation's outputs: a text table and JSON rows, and the units they are written in.
-(``disttrain simulate --plot`` draws its SVG in :mod:`~disttrain.simulate.cli`, with the
-benchmark's plotting code.)"""
+"""The simulation's text table and the units it is written in. (``disttrain simulate``
+writes its JSON Lines rows and draws its SVG in :mod:`~disttrain.simulate.cli`, with the
+CLI's and the benchmark's code.)"""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Any
 
 from disttrain.simulate.base import StepResult
 
@@ -53,11 +49,3 @@ def text_table(rows: list[StepResult]) -> str:
                                for i, (c, w) in enumerate(zip(cells, widths)))
                      + "  " + cells[-1])
     return "\n".join(line.rstrip() for line in lines)
-
-
-def write_json(path: Path, rows: list[StepResult], meta: dict[str, Any]) -> None:
-    """One JSON object per line: a ``meta`` line, then one per row."""
-    with path.open("w") as out:
-        out.write(json.dumps({"meta": meta}) + "\n")
-        for row in rows:
-            out.write(json.dumps(row.as_dict()) + "\n")

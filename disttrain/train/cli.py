@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from disttrain.comm import CommConfig
+from disttrain.flags import add_alias, add_json_argument, write_rows
 from disttrain.train.config import (
     OPTIMIZERS,
     PRECISIONS,
@@ -51,9 +52,11 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="single",
                    help=f"one of: {', '.join(STRATEGIES)}; 'pipeline' means --schedule")
-    p.add_argument("-n", "--nproc", type=int, default=None,
-                   help="ranks to start on this machine (default 1; in a launched job: "
-                        "WORLD_SIZE)")
+    nproc = p.add_argument("-n", "--nproc-per-node", type=int, default=None,
+                           dest="nproc_per_node",
+                           help="worker ranks to start on this machine (default 1; in a "
+                                "launched job: WORLD_SIZE)")
+    add_alias(p, "--nproc", new=nproc)
     p.add_argument("--model", default="lenet",
                    help=f"one of: {', '.join(MODELS)}, or package.module:factory")
     p.add_argument("--dataset", default="digits",
@@ -62,8 +65,9 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     length.add_argument("--epochs", type=int, help="passes over the training split (default 1)")
     length.add_argument("--steps", type=int, help="optimizer steps in total")
     defaults = TrainConfig()
-    p.add_argument("--global-batch", "--batch", type=int, default=defaults.global_batch,
-                   help="samples per step over all ranks (default %(default)s)")
+    batch = p.add_argument("--global-batch", type=int, default=defaults.global_batch,
+                           help="samples per step over all ranks (default %(default)s)")
+    add_alias(p, "--batch", new=batch)
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step per rank")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
     p.add_argument("--lr", type=float, default=defaults.lr)
@@ -89,7 +93,7 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
                         "120)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds the whole run may take (default: no limit)")
-    p.add_argument("--json", metavar="FILE", help="write rank 0's result summary as JSON")
+    add_json_argument(p, "run (rank 0's result summary)")
     p.set_defaults(func=run)
 
 
@@ -135,11 +139,10 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
     pipe.add_argument("--partition", default=None,
                       help="layers per stage: params (balance parameter counts, default), "
                            "time (balance measured time) or counts like 3,2,2")
-    pipe.add_argument("--pp", type=int, default=None, dest="pp_size",
-                      help="stages per pipeline (gpipe, 1f1b, 3d): -n/pp data-parallel "
-                           "replicas (default: one pipeline over all ranks; 3d: 1)")
-    pipe.add_argument("--pp-size", type=int, default=None, dest="pp_size",
-                      action=DeprecatedAlias, help="deprecated spelling of --pp")
+    pp = pipe.add_argument("--pp", type=int, default=None, dest="pp_size",
+                           help="stages per pipeline (gpipe, 1f1b, 3d): -n/pp data-parallel "
+                                "replicas (default: one pipeline over all ranks; 3d: 1)")
+    add_alias(pipe, "--pp-size", new=pp)
     mesh = p.add_argument_group("tensor parallel and the dp × pp × tp mesh (tp, tp-sp, 3d, "
                                 "torch-tp)")
     mesh.add_argument("--tp", type=int, default=None, dest="tp_size",
@@ -167,24 +170,6 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
                          "1:2,3:1.5); workers are ranks 0..N-1. With :EVERY the slow-down is "
                          "transient: it starts on RANK and moves to the next worker every "
                          "EVERY steps (e.g. 1:2:5)")
-
-
-class DeprecatedAlias(argparse.Action):
-    """An old flag name that still works, with a one-time note naming the new one."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.warned = False
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        if not self.warned:
-            new = next(a.option_strings[0] for a in parser._actions
-                       if a.dest == self.dest and a is not self)
-            print(f"{parser.prog}: {option_string} is deprecated; use {new} (same meaning)",
-                  file=sys.stderr)
-            self.warned = True
-        setattr(namespace, self.dest, values)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -286,9 +271,9 @@ def run(args: argparse.Namespace) -> int:
         in_job = launcher is not None
         if launcher is not None:
             config = _resume_after_restart(_servers_from_job(config))
-            world_size = _job_world_size(args.nproc, launcher, config)
+            world_size = _job_world_size(args.nproc_per_node, launcher, config)
         else:  # -n counts workers; a parameter-server run adds its servers
-            world_size = ranks_needed(config, _local_workers(args.nproc))
+            world_size = ranks_needed(config, _local_workers(args.nproc_per_node))
         checked_setup(config, world_size)
         require_available(config.device)  # a one-line error, before any rank starts
         resolve(MODELS, config.model, "model")
@@ -355,7 +340,7 @@ def _local_workers(nproc: int | None) -> int:
     return nproc
 
 
-def _report(result: TrainResult, json_path: str | None) -> None:
+def _report(result: TrainResult, json_path: Path | None) -> None:
     accuracy = "-" if result.accuracy is None else f"{result.accuracy:.4f}"
     eval_loss = "-" if result.eval_loss is None else f"{result.eval_loss:.4f}"
     print(f"result strategy={result.strategy} world_size={result.world_size} "
@@ -392,8 +377,7 @@ def _report(result: TrainResult, json_path: str | None) -> None:
         if ps.get("lost_workers"):
             print(f"lost_workers={ps['lost_workers']} (the run went on without them)")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result.summary(), f, indent=2)
+        write_rows(json_path, [result.summary()])
 
 
 def reporting_rank(result: TrainResult) -> int:
