@@ -7,7 +7,7 @@ contributes a key, the keys are all-gathered, and ranks with equal keys form one
 1. an explicit ``node_id`` (``HierarchyConfig(node_id=...)``, per rank),
 2. the environment variable ``DISTTRAIN_NODE_ID`` (e.g. to simulate two machines on one),
 3. the shared-memory host key: host name, boot id, and the mount, pid and network
-   namespaces (``transports/shm_segment.host_key``).
+   namespaces (``transports/shm/segment.host_key``).
 
 The default answers the question the algorithm actually asks, "who can share memory with
 me?", rather than "which launcher started me?" (``GROUP_RANK``): two launchers on one host
@@ -44,7 +44,7 @@ from disttrain.comm.ops import ReduceOp
 from disttrain.comm.stats import TrafficStats
 from disttrain.comm.transport import Transport
 from disttrain.comm.transports import TRANSPORTS, SharedMemoryTransport, make_transport
-from disttrain.comm.transports.shm_segment import host_key
+from disttrain.comm.transports.shm.segment import host_key
 from disttrain.comm.transports.torch_p2p import TorchTransport, translate_error
 
 NODE_ID_ENV = "DISTTRAIN_NODE_ID"
