@@ -128,7 +128,7 @@ class SharedMemoryTransport(Transport):
                  order: Sequence[int] | None = None, timeout_s: float = 1800.0) -> None:
         """``order``: the group's global ranks in the order that defines this transport's
         ranks (default: the group's order). ``timeout_s`` bounds sub-group creation and each
-        set-up exchange (a rank missing there is named: ``shm_rendezvous.setup_failure``)."""
+        set-up exchange (a rank missing there is named: ``segment.setup_failure``)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialized: the shared-memory transport uses it "
@@ -280,10 +280,10 @@ class SharedMemoryTransport(Transport):
 
 
 # -------------------------------------------------------------- shared buffers
-MAGIC = int.from_bytes(b"distbuf1", "little")
+BUFFER_MAGIC = int.from_bytes(b"distbuf1", "little")
 
 # share(size, header) → (the attached segment, its former name); collective, see
-# shm_rendezvous.share_segment
+# segment.share_segment
 Share = Callable[[int, Sequence[int]], tuple[AttachedSegment, str]]
 
 
@@ -321,7 +321,7 @@ class SharedBuffers:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         region = max(PAGE, -(-nbytes // PAGE) * PAGE)
         index = len(self._buffers)
-        header = [MAGIC, self._world_size, region, index]
+        header = [BUFFER_MAGIC, self._world_size, region, index]
         segment, name = self._share(PAGE + region * self._world_size, header)
         self._segments.append(segment)
         self.names.append(name)
