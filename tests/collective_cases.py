@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm import ALGORITHMS, Communicator
-from disttrain.comm.algorithms import shm as shm_algorithms
+from disttrain.comm.transports.shm import collectives as shm_algorithms
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,

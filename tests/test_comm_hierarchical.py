@@ -23,11 +23,8 @@ from disttrain.comm.topology import (
     NODE_ID_ENV,
     HierarchyConfig,
     NodeLayout,
-    build_hierarchy,
-    close_hierarchy,
     gather_slots,
     group_by_key,
-    hierarchy_of,
     node_key,
 )
 from tests import collective_cases, test_launch_netns
@@ -94,15 +91,17 @@ def _fresh(nodes: Nodes | None, inter_algorithm: str = "auto",
     node_id = None
     if nodes is not None:
         node_id = next(f"sim{i}" for i, node in enumerate(nodes) if comm.rank in node)
-    built = build_hierarchy(comm, HierarchyConfig(node_id=node_id,
+    built = comm.build_hierarchy(HierarchyConfig(node_id=node_id,
                                                   inter_algorithm=inter_algorithm))
     assert nodes is None or built.layout.nodes == nodes
     return comm
 
 
 def _done(comm: Communicator) -> None:
-    close_hierarchy(comm)
-    comm.close()
+    built = comm.hierarchy
+    comm.close()  # closes the hierarchy it owns, sub-communicators first
+    assert comm.hierarchy is None and built is not None
+    assert all(leg is None or leg.closed for leg in (built.intra, built.inter))
 
 
 def check_layout(_pool: Communicator, nodes: Nodes, op: str, reduce_op: str,
@@ -146,13 +145,13 @@ def on_shm_parent(_pool: Communicator, nodes: Nodes) -> list[str]:
 
     comm = Communicator(SharedMemoryTransport(), CommConfig(timeout_s=COMM_TIMEOUT_S))
     rank = comm.rank
-    build_hierarchy(comm, HierarchyConfig(node_id=f"sim{rank in nodes[1]}"))
+    comm.build_hierarchy(HierarchyConfig(node_id=f"sim{rank in nodes[1]}"))
     errors: list[str] = []
     try:
         for op in ("all_reduce", "broadcast", "all_gather"):
             errors += collective_cases.check_collective(comm, op, ["float32", "int64"], "sum",
                                                         [0, 13, 70_001], ["hierarchical"])
-        built = hierarchy_of(comm)
+        built = comm.hierarchy
         assert built is not None and built.intra is not None
         assert built.intra.transport.name == "shm" and (built.inter is not None) == built.is_leader
         assert built.inter is None or built.inter.transport.name == "torch"
@@ -180,7 +179,7 @@ def same_everywhere(_pool: Communicator, nodes: Nodes) -> dict[str, Any]:
                        for r in range(comm.world_size))
         torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
         digest = hashlib.sha256(x.numpy().tobytes()).hexdigest()
-        built = hierarchy_of(comm)
+        built = comm.hierarchy
         assert built is not None
         return {"digest": digest, "nodes": built.layout.nodes}
     finally:
@@ -219,7 +218,7 @@ def test_ddp_on_hierarchical_matches_one_process(pools):
 def traffic(_pool: Communicator, nodes: Nodes, nbytes: int) -> dict[str, Any]:
     comm = _fresh(nodes, inter_algorithm="ring")
     try:
-        built = hierarchy_of(comm)
+        built = comm.hierarchy
         assert built is not None
         x = torch.full((nbytes // 4,), float(comm.rank + 1))
         comm.all_reduce(x, algorithm="hierarchical")
@@ -252,7 +251,7 @@ def _stays_out(rank: int, world_size: int, store: str) -> dict[str, Any]:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
     comm = Communicator.from_torch(config=CommConfig(timeout_s=5.0))
-    build_hierarchy(comm, HierarchyConfig(node_id=f"sim{rank // 2}", inter_algorithm="ring"))
+    comm.build_hierarchy(HierarchyConfig(node_id=f"sim{rank // 2}", inter_algorithm="ring"))
     if rank == 2:
         return {"skipped": True}
     try:
@@ -291,7 +290,7 @@ def _netns_worker() -> None:
     import disttrain
 
     comm = disttrain.init()
-    built = build_hierarchy(comm, HierarchyConfig(inter_algorithm="ring"))
+    built = comm.build_hierarchy(HierarchyConfig(inter_algorithm="ring"))
     p = comm.world_size
     report: dict[str, Any] = {"nodes": built.layout.nodes, "leader": built.is_leader,
                               "intra": None if built.intra is None else
@@ -307,7 +306,7 @@ def _netns_worker() -> None:
                              "link_tx": _link_tx_bytes() - before}
     report.update(built.traffic())
     print(json.dumps(report), flush=True)
-    close_hierarchy(comm)
+    comm.close_hierarchy()
     disttrain.shutdown(comm)
 
 
@@ -343,7 +342,7 @@ def _time_all_reduce(sizes: list[int], iters: int) -> None:
     import disttrain
 
     comm = disttrain.init()
-    build_hierarchy(comm, HierarchyConfig())
+    comm.build_hierarchy(HierarchyConfig())
     seconds: dict[str, float] = {}
     for nbytes in sizes:
         x = torch.zeros(nbytes // 4)
@@ -358,7 +357,7 @@ def _time_all_reduce(sizes: list[int], iters: int) -> None:
             seconds[f"{algorithm}@{nbytes}"] = (time.perf_counter() - start) / iters
     if comm.rank == 0:
         print(json.dumps({"seconds_per_all_reduce": seconds}), flush=True)
-    close_hierarchy(comm)
+    comm.close_hierarchy()
     disttrain.shutdown(comm)
 
 

@@ -149,5 +149,5 @@ def test_shared_zeros_allocates_leaves_no_name_and_checks_its_arguments(pools):
 
 def test_reduce_ops_all_have_kernels():
     """The in-place path needs a kernel for every op the communicator accepts."""
-    from disttrain.comm.algorithms.shm_base import KERNELS
+    from disttrain.comm.transports.shm.collectives import KERNELS
     assert set(KERNELS) == set(ReduceOp)

@@ -152,7 +152,7 @@ def setup_without_a_peer(rank: int, world_size: int, store: str, mode: str) -> A
     it never starts ("absent"), exchanges host keys and then stops ("after-host-keys", so
     rank 0 has created the segment when the name cannot be sent), or dies ("dead")."""
     from disttrain.comm.transports import SharedMemoryTransport
-    from disttrain.comm.transports.shm_rendezvous import check_same_host
+    from disttrain.comm.transports.shm.segment import check_same_host
 
     comm = init_gloo(rank, world_size, store, comm_timeout_s=30.0)
     comm.all_reduce(torch.ones(1))  # connected

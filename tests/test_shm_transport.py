@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from disttrain.comm import CommConfig, Communicator
-from disttrain.comm.algorithms import shm as shm_algorithms
-from disttrain.comm.transports import SharedMemoryTransport, ShmConfig, make_transport, shm_futex
-from disttrain.comm.transports.shm_segment import LINE, is_alive, process_start_time
+from disttrain.comm.transports import SharedMemoryTransport, ShmConfig, make_transport
+from disttrain.comm.transports.shm import collectives as shm_algorithms
+from disttrain.comm.transports.shm import sync as shm_sync
+from disttrain.comm.transports.shm.segment import LINE, is_alive, process_start_time
 
 # Small mailboxes: a 40 KiB message needs several pieces and fills the ring.
 TINY = ShmConfig(slot_bytes=8192, mailbox_slots=2, mailbox_slot_bytes=4096,
@@ -90,7 +91,7 @@ def test_liveness_sees_exit_and_zombies():
     assert not is_alive(child.pid, start)
 
 
-@pytest.mark.skipif(not shm_futex.AVAILABLE, reason="futexes are Linux-only")
+@pytest.mark.skipif(not shm_sync.FUTEX_AVAILABLE, reason="futexes are Linux-only")
 def test_futex_wakes_a_sleeper_and_never_sleeps_on_a_stale_value():
     word = np.zeros(8, dtype=np.int64)  # one cache line; the futex is its first 4 bytes
     address = word.ctypes.data
@@ -98,17 +99,17 @@ def test_futex_wakes_a_sleeper_and_never_sleeps_on_a_stale_value():
 
     def sleeper() -> None:
         while word[0] == 0:
-            shm_futex.wait(address, 0, 30.0)  # far longer than the join below
+            shm_sync.futex_wait(address, 0, 30.0)  # far longer than the join below
         woke.set()
 
     thread = threading.Thread(target=sleeper, daemon=True)
     thread.start()
     thread.join(0.2)  # let it fall asleep
     word[0] = 1
-    shm_futex.wake(address)
+    shm_sync.futex_wake(address)
     thread.join(10.0)
     assert woke.is_set(), "FUTEX_WAKE after the store did not wake the sleeper"
-    shm_futex.wait(address, 0, 30.0)  # the word holds 1, not 0: returns at once
+    shm_sync.futex_wait(address, 0, 30.0)  # the word holds 1, not 0: returns at once
 
 
 # ----------------------------------------------------------------------------- on ranks

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from disttrain.train import ParallelOptions, TrainConfig, train
+from disttrain.train.strategies import STRATEGIES, BuildContext
 from tests.dist import init_gloo, run_fresh
 from tests.test_train_strategies import assert_matches, params, rank_train
 
@@ -93,3 +94,37 @@ def test_deepspeed_rows_are_refused_with_the_install_command_when_missing(monkey
     monkeypatch.setattr(deepspeed_baseline, "available", lambda: False)
     with pytest.raises(ValueError, match=r"needs DeepSpeed.*pip install 'disttrain\[baselines\]'"):
         checked_setup(dataclasses.replace(CONFIG, strategy="deepspeed-zero2"), 2)
+
+
+# What each strategy's communicator is told before the strategy is built (the Gloo I/O-thread
+# policy): collectives for data parallelism, ZeRO and tensor parallelism, p2p for DeepSpeed's
+# pipeline engine, nothing (learned from the first isend) for pipelines and parameter servers.
+COLLECTIVES = ("ddp", "zero1", "zero2", "zero3", "torch-ddp", "torch-zero1", "torch-fsdp",
+               "deepspeed-ddp", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3",
+               "tp", "tp-sp", "torch-tp", "torch-tp-sp")
+WORKLOADS = {**dict.fromkeys(COLLECTIVES, "collectives"), "deepspeed-pipe": "p2p"}
+
+
+class _Told:
+    world_size = 4
+
+    def __init__(self) -> None:
+        self.told: list[str] = []
+
+    def expect_workload(self, workload: str) -> None:
+        self.told.append(workload)
+
+
+@pytest.mark.parametrize(("name", "parallel"), [
+    *[(name, ParallelOptions()) for name in STRATEGIES],
+    ("3d", ParallelOptions(dp_size=1, pp_size=1, tp_size=4)),  # tensor parallel only
+    ("3d", ParallelOptions(dp_size=1, pp_size=2, tp_size=2)),  # a pipeline: learned from use
+])
+def test_each_strategy_tells_its_communicator_its_workload_before_it_is_built(name, parallel):
+    comm, built = _Told(), []
+    spec = dataclasses.replace(STRATEGIES[name], build=lambda ctx: built.append(list(comm.told)))
+    config = dataclasses.replace(CONFIG, strategy=name, parallel=parallel)
+    spec.make(BuildContext(torch.nn.Linear(1, 1), comm, None, config, (None, None)))
+    expected = WORKLOADS.get(name) or ("collectives" if name == "3d" and parallel.pp_size in
+                                                         (None, 1) else None)
+    assert built == [[] if expected is None else [expected]], name

@@ -32,6 +32,7 @@ from disttrain.comm.context import (
 from disttrain.comm.cost_model import LinkCosts, load_costs
 from disttrain.comm.errors import CommError, PeerFailedError
 from disttrain.comm.flight_recorder import FlightRecorder
+from disttrain.comm.nccl_rules import NcclRulesTransport
 from disttrain.comm.ops import ReduceOp, check_dtype, finish_
 from disttrain.comm.p2p_work import P2PWork
 from disttrain.comm.selection import AlgorithmChooser
@@ -39,7 +40,9 @@ from disttrain.comm.signature import signature_of, verify_signature
 from disttrain.comm.staging import on_current_stream, staged
 from disttrain.comm.stats import TrafficStats
 from disttrain.comm.theory import theory_bytes_sent
+from disttrain.comm.topology import Hierarchy, HierarchyConfig, build
 from disttrain.comm.transport import Transport, check_workload
+from disttrain.comm.transports.torch_p2p import TorchTransport
 from disttrain.comm.work import ProgressThread, Work
 
 log = logging.getLogger(__name__)
@@ -71,13 +74,12 @@ class Communicator:
         self._progress = ProgressThread(f"disttrain-comm-r{transport.rank}")
         self._tag_base = instance_tag_base(transport)  # own tags: communicators may share a group
         self._scratch = ScratchArena()  # the algorithms' landing buffers, reused call to call
+        self._hierarchy: Hierarchy | None = None  # the ``hierarchical`` algorithm's groups
+        self._hierarchy_for = self._built_hierarchy  # (bound once: handed to every context)
 
     @classmethod
     def from_torch(cls, group: Any | None = None, config: CommConfig | None = None) -> Communicator:
         """A communicator over an initialized torch.distributed group (default: WORLD)."""
-        from disttrain.comm.nccl_rules import NcclRulesTransport
-        from disttrain.comm.transports.torch_p2p import TorchTransport
-
         config = config or CommConfig()
         kind = NcclRulesTransport if config.nccl_rules else TorchTransport
         return cls(kind(group, timeout_s=config.timeout_s), config)
@@ -113,6 +115,7 @@ class Communicator:
             self.transport, self.stats, op=op, seq=seq, algorithm=algorithm,
             timeout_s=self.config.timeout_s, chunk_bytes=self._chunk_bytes,
             tag_base=self._tag_base, on_progress=self._progress.beat, scratch=self._scratch,
+            hierarchy=self._hierarchy_for,
         )
 
     def _check_usable(self, peers: Sequence[int] | None = None) -> None:
@@ -401,6 +404,40 @@ class Communicator:
         (``isend``/``irecv`` say it); the transport schedules its I/O threads for it."""
         self.transport.tune_io(check_workload(workload))
 
+    # ----------------------------------------------------------------- hierarchy
+    @property
+    def hierarchy(self) -> Hierarchy | None:
+        """The sub-communicators the ``hierarchical`` algorithm runs on (None before its
+        first call or :meth:`build_hierarchy`); see :mod:`disttrain.comm.topology`."""
+        return self._hierarchy
+
+    def build_hierarchy(self, config: HierarchyConfig | None = None) -> Hierarchy:
+        """Find the nodes and build the hierarchy now, replacing (closing) any earlier one.
+        Collective; without it the first ``hierarchical`` call builds one with the default
+        :class:`~disttrain.comm.topology.HierarchyConfig`."""
+        self.close_hierarchy()
+        self._hierarchy = build(self.transport, self.config.timeout_s,
+                                config or HierarchyConfig(), self._sub_communicator)
+        return self._hierarchy
+
+    def close_hierarchy(self) -> None:
+        """Close the hierarchy's sub-communicators (not collective; :meth:`close` does it
+        too); the next ``hierarchical`` call builds a new one."""
+        built, self._hierarchy = self._hierarchy, None
+        if built is not None:
+            built.close()
+
+    def _built_hierarchy(self, ctx: CollectiveContext) -> Hierarchy:
+        if self._hierarchy is None:  # built on the first call, naming it in errors
+            self._hierarchy = build(self.transport, self.config.timeout_s, HierarchyConfig(),
+                                    self._sub_communicator, ctx)
+        return self._hierarchy
+
+    def _sub_communicator(self, transport: Transport, algorithm: str) -> Communicator:
+        """A hierarchy's leg: its own communicator, with this one's timeout."""
+        return Communicator(transport, CommConfig(timeout_s=self.config.timeout_s,
+                                                  algorithm=algorithm))
+
     # ----------------------------------------------------------------- groups, lifetime
     def new_group(self, ranks: Sequence[int]) -> Communicator | None:
         """A sub-communicator over ``ranks`` (ranks of this communicator). Members must call it
@@ -458,8 +495,6 @@ class Communicator:
         group, so ``torch.distributed.destroy_process_group()`` frees the group while the
         interpreter runs (freed at shutdown, it can abort the process: ``terminate called
         without an active exception``). Closing twice does nothing."""
-        from disttrain.comm.topology import close_hierarchy  # (import cycle)
-
         if self._closed:
             return
         self._progress.close(self.config.timeout_s)  # queued work may use the children
@@ -467,7 +502,7 @@ class Communicator:
             if child is not None:
                 child.close()
         self._children.clear()
-        close_hierarchy(self)
+        self.close_hierarchy()
         self._scratch.clear()
         self._closed = True
         if self._owns_transport:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from disttrain.comm.errors import CommTimeoutError, PeerFailedError
+from disttrain.comm.errors import CommError, CommTimeoutError, PeerFailedError
 from disttrain.comm.stats import TrafficStats
 from disttrain.comm.transport import DoneWork, RawWork, Transport
 
@@ -117,6 +117,7 @@ class CollectiveContext:
         scratch: ScratchArena | None = None,
         probe_posts: bool = True,
         probe_waits: bool = True,
+        hierarchy: Callable[[CollectiveContext], Any] | None = None,
     ) -> None:
         self.transport = transport
         self.stats = stats
@@ -136,6 +137,15 @@ class CollectiveContext:
         self._probe_posts = probe_posts
         self.notes: dict[int, str] = {}  # how each blamed rank is known (unresponsive())
         self._probe_waits = probe_waits  # False: a broken wait names its peer at once too
+        self._hierarchy = hierarchy  # the calling communicator's (hierarchical algorithm)
+
+    def hierarchy(self) -> Any:
+        """The calling communicator's :class:`~disttrain.comm.topology.Hierarchy`, built
+        (collectively) on its first use; the communicator owns and closes it."""
+        if self._hierarchy is None:
+            raise CommError(f"{self.op}: algorithm='hierarchical' runs only as a collective "
+                            f"of a Communicator (it owns the sub-communicators)")
+        return self._hierarchy(self)
 
     def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """``numel`` uninitialised elements of ``like``'s dtype and device, for this

@@ -15,10 +15,10 @@ remembered: choosing costs a dictionary lookup on every call after the first.
 from __future__ import annotations
 
 from disttrain.comm import algorithms
-from disttrain.comm.algorithms import shm as shm_algorithms
 from disttrain.comm.config import CommConfig
 from disttrain.comm.cost_model import LinkCosts, choose
 from disttrain.comm.transport import Transport
+from disttrain.comm.transports.shm import collectives as shm_algorithms
 
 _REMEMBERED = 512  # (op, algorithm, bytes) decisions kept
 

@@ -7,7 +7,7 @@ contributes a key, the keys are all-gathered, and ranks with equal keys form one
 1. an explicit ``node_id`` (``HierarchyConfig(node_id=...)``, per rank),
 2. the environment variable ``DISTTRAIN_NODE_ID`` (e.g. to simulate two machines on one),
 3. the shared-memory host key: host name, boot id, and the mount, pid and network
-   namespaces (``transports/shm_segment.host_key``).
+   namespaces (``transports/shm/segment.host_key``).
 
 The default answers the question the algorithm actually asks, "who can share memory with
 me?", rather than "which launcher started me?" (``GROUP_RANK``): two launchers on one host
@@ -16,9 +16,14 @@ still form one node, and two network namespaces on one kernel (the launcher test
 namespaces differ. Nodes are numbered by their lowest rank; that rank is the node's
 *leader*, the only one whose bytes cross the network.
 
-:func:`build_hierarchy` (or the first ``hierarchical`` collective) then makes, once per
-communicator, one intra-node communicator per node (``shm`` transport when it works) and
-one among the leaders (``torch`` transport): a :class:`Hierarchy`. See docs/hierarchical.md.
+:func:`build` then makes one intra-node communicator per node (``shm`` transport when it
+works) and one among the leaders (``torch`` transport): a :class:`Hierarchy`. The
+Communicator owns its hierarchy: it builds it (``Communicator.build_hierarchy``, or its
+first ``hierarchical`` collective), hands it to the algorithm through the collective's
+context, and closes it with itself. This module never imports the Communicator (which
+imports it): :func:`build` receives the factory that makes the sub-communicators, and a
+:class:`Hierarchy` holds them by what its legs call (:class:`LegCommunicator`). See
+docs/hierarchical.md.
 """
 
 from __future__ import annotations
@@ -26,25 +31,23 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from disttrain.comm.context import CollectiveContext
 from disttrain.comm.errors import CommTimeoutError
+from disttrain.comm.ops import ReduceOp
+from disttrain.comm.stats import TrafficStats
 from disttrain.comm.transport import Transport
 from disttrain.comm.transports import TRANSPORTS, SharedMemoryTransport, make_transport
-from disttrain.comm.transports.shm_segment import host_key
+from disttrain.comm.transports.shm.segment import host_key
 from disttrain.comm.transports.torch_p2p import TorchTransport, translate_error
 
-if TYPE_CHECKING:
-    from disttrain.comm.communicator import Communicator
-
 NODE_ID_ENV = "DISTTRAIN_NODE_ID"
-_CACHE_ATTR = "_disttrain_hierarchies"  # on the parent transport: {id(comm.stats): Hierarchy}
 KEY_BYTES = 32  # sha256 digests: every rank's key has the same size for the all-gather
 
 
@@ -185,14 +188,40 @@ class HierarchyConfig:
                              "algorithm such as 'ring' or 'auto'")
 
 
+class LegCommunicator(Protocol):
+    """What a hierarchy's legs run on: the collectives of a
+    :class:`~disttrain.comm.communicator.Communicator` that the legs call."""
+
+    transport: Transport
+    stats: TrafficStats
+
+    def reduce(self, tensor: torch.Tensor, root: int = ..., op: str | ReduceOp = ...
+               ) -> Any: ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: str | ReduceOp = ...) -> Any: ...
+
+    def broadcast(self, tensor: torch.Tensor, root: int = ...) -> Any: ...
+
+    def gather(self, output: torch.Tensor | None, tensor: torch.Tensor, root: int = ...
+               ) -> Any: ...
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+# Makes a sub-communicator over a transport, its default algorithm given (the Communicator)
+MakeCommunicator = Callable[[Transport, str], LegCommunicator]
+
+
 @dataclass
 class Hierarchy:
     """One rank's view: its node layout and the sub-communicators it belongs to."""
 
     layout: NodeLayout
     rank: int
-    intra: Communicator | None  # this node's ranks; None on a one-rank node
-    inter: Communicator | None  # the leaders; None on non-leaders and with one node
+    intra: LegCommunicator | None  # this node's ranks; None on a one-rank node
+    inter: LegCommunicator | None  # the leaders; None on non-leaders and with one node
     config: HierarchyConfig
 
     @property
@@ -221,45 +250,12 @@ class Hierarchy:
 
 
 # ---------------------------------------------------------------------------- building
-def build_hierarchy(comm: Communicator, config: HierarchyConfig | None = None) -> Hierarchy:
-    """Find the nodes and build the sub-communicators now, replacing any cached hierarchy.
-    Collective over ``comm``; without it the first ``hierarchical`` call builds one with
-    the default :class:`HierarchyConfig`."""
-    close_hierarchy(comm)
-    built = build(comm.transport, comm.config.timeout_s, config or HierarchyConfig())
-    cache_for(comm.transport)[id(comm.stats)] = built
-    return built
-
-
-def hierarchy_of(comm: Communicator) -> Hierarchy | None:
-    """The hierarchy cached for ``comm`` (None before its first hierarchical call)."""
-    return cache_for(comm.transport).get(id(comm.stats))
-
-
-def close_hierarchy(comm: Communicator) -> None:
-    """Close ``comm``'s sub-communicators (call before ``comm.close()``; not collective)."""
-    built = cache_for(comm.transport).pop(id(comm.stats), None)
-    if built is not None:
-        built.close()
-
-
-def cache_for(transport: Transport) -> dict[int, Hierarchy]:
-    # Keyed by the communicator's stats object, the one per-communicator thing an algorithm
-    # sees (ctx.stats), so two communicators sharing a transport keep separate hierarchies.
-    cache: dict[int, Hierarchy] | None = getattr(transport, _CACHE_ATTR, None)
-    if cache is None:
-        cache = {}
-        setattr(transport, _CACHE_ATTR, cache)
-    return cache
-
-
 def build(transport: Transport, timeout_s: float, config: HierarchyConfig,
-          ctx: CollectiveContext | None = None) -> Hierarchy:
+          make: MakeCommunicator, ctx: CollectiveContext | None = None) -> Hierarchy:
     """Collective over ``transport``'s ranks: find the nodes, then make this node's group
-    (all nodes at once: groups are created by their members only) and the leaders' group.
-    ``ctx``: the collective that triggered the build, to name it in errors."""
-    from disttrain.comm.communicator import CommConfig, Communicator  # (import cycle)
-
+    (all nodes at once: groups are created by their members only) and the leaders' group,
+    each a communicator made by ``make(transport, default_algorithm)``. ``ctx``: the
+    collective that triggered the build, to name it in errors."""
     base = _torch_base(transport, timeout_s)
     layout = _discover(base, config.node_id, timeout_s, ctx)
     rank = base.rank
@@ -269,15 +265,13 @@ def build(transport: Transport, timeout_s: float, config: HierarchyConfig,
         group = base.subgroup(list(node))
         assert group is not None  # this rank is a member
         shm_config = transport.config if isinstance(transport, SharedMemoryTransport) else None
-        intra = Communicator(make_transport(config.intra_transport, group.native_group,
-                                            timeout_s=timeout_s, shm_config=shm_config),
-                             CommConfig(timeout_s=timeout_s))
+        intra = make(make_transport(config.intra_transport, group.native_group,
+                                    timeout_s=timeout_s, shm_config=shm_config), "auto")
     try:
         if layout.num_nodes > 1 and layout.is_leader(rank):
             leaders = base.subgroup(list(layout.leaders))
             assert leaders is not None
-            inter = Communicator(leaders, CommConfig(timeout_s=timeout_s,
-                                                     algorithm=config.inter_algorithm))
+            inter = make(leaders, config.inter_algorithm)
         return Hierarchy(layout, rank, intra, inter, config)
     except BaseException:
         if intra is not None:  # do not leave the node's segment and thread behind

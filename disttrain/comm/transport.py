@@ -32,6 +32,22 @@ class RawWork(Protocol):
     def is_completed(self) -> bool: ...
 
 
+class PeerTimeoutError(TimeoutError):
+    """A transport's ``TimeoutError`` that names the group rank ``peer`` it waited for."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class PeerGoneError(ConnectionError):
+    """A transport's ``ConnectionError`` that names the group rank ``peer`` it lost."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
 class DoneWork:
     """A transfer with nothing to do (zero bytes, or a message to oneself)."""
 

@@ -41,7 +41,7 @@ from types import FrameType
 from typing import Any
 
 from disttrain.comm.liveness import STOPPED, process_state
-from disttrain.comm.transports.shm_segment import SHM_TAG_VAR, unlink_tagged
+from disttrain.comm.transports.shm.segment import SHM_TAG_VAR, unlink_tagged
 from disttrain.launch import records, store, summary
 from disttrain.launch.config import LaunchConfig
 from disttrain.launch.env import LOOPBACK, worker_env

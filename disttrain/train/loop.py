@@ -137,7 +137,7 @@ class _Run:
         sample = to_device(fetch(self.data.train,
                                  list(range(min(self.micro, size(self.data.train))))),
                            self.device)
-        self.strategy: Strategy = spec.build(
+        self.strategy: Strategy = spec.make(
             BuildContext(module, comm, optimizer_factory(config), config, sample))
         self.scaler = _loss_scaler(config, comm, self.strategy)
         if phases is not None:

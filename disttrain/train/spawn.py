@@ -32,7 +32,7 @@ import traceback
 from typing import Any
 
 from disttrain.comm import CommConfig, Communicator
-from disttrain.comm.transports.shm_segment import SHM_TAG_VAR, unlink_tagged
+from disttrain.comm.transports.shm.segment import SHM_TAG_VAR, unlink_tagged
 from disttrain.train import rank_failures
 from disttrain.train.config import TrainConfig
 from disttrain.train.device import select_local_gpu

@@ -16,13 +16,17 @@ barrier         ``fn(ctx)``
 =============== ===============================================================
 
 Adding an algorithm is one entry here; ``auto`` picks among the entries by the cost model.
+The ``shm`` entries live with the shared-memory transport they run on
+(``disttrain/comm/transports/shm/``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from disttrain.comm.algorithms import halving_doubling, hierarchical, naive, native, ring, shm, tree
+from disttrain.comm.algorithms import halving_doubling, hierarchical, naive, native, ring, tree
+from disttrain.comm.transports.shm import collectives as shm
+from disttrain.comm.transports.shm.all_reduce import all_reduce as shm_all_reduce
 
 Algorithm = Callable[..., None]
 
@@ -33,7 +37,7 @@ ALGORITHMS: dict[str, dict[str, Algorithm]] = {
         "tree": tree.all_reduce,
         "halving_doubling": halving_doubling.all_reduce,
         "native": native.all_reduce,
-        "shm": shm.all_reduce,
+        "shm": shm_all_reduce,
     },
     "broadcast": {"naive": naive.broadcast, "tree": tree.broadcast, "native": native.broadcast,
                   "shm": shm.broadcast},

@@ -13,8 +13,9 @@ broadcast runs the same legs from the root's node outwards; all_gather gathers e
 blocks onto its leader, all-gathers node blocks among leaders and broadcasts the result.
 Which ranks share a node is found once (``disttrain.comm.topology``); the intra-node
 communicators (``shm`` transport when it works, else ``torch``) and the leaders' communicator
-(``torch`` transport) are built on the first call, or by ``topology.build_hierarchy``, and
-cached per communicator. Cost model and when it wins: docs/hierarchical.md.
+(``torch`` transport) are built on the first call, or by ``Communicator.build_hierarchy``,
+and owned by the communicator (``ctx.hierarchy()``). Cost model and when it wins:
+docs/hierarchical.md.
 """
 
 from __future__ import annotations
@@ -28,17 +29,14 @@ import torch
 from disttrain.comm.context import CollectiveContext
 from disttrain.comm.errors import CommError, CommTimeoutError, PeerFailedError
 from disttrain.comm.ops import ReduceOp
-from disttrain.comm.topology import Hierarchy, HierarchyConfig, build, cache_for, gather_slots
+from disttrain.comm.topology import Hierarchy, gather_slots
 
 NAME = "hierarchical"
 
 
 def _for_context(ctx: CollectiveContext) -> Hierarchy:
     """The calling communicator's hierarchy, built (collectively) on its first use."""
-    cache = cache_for(ctx.transport)
-    built = cache.get(id(ctx.stats))
-    if built is None:
-        built = cache[id(ctx.stats)] = build(ctx.transport, ctx.timeout_s, HierarchyConfig(), ctx)
+    built: Hierarchy = ctx.hierarchy()
     return built
 
 

@@ -10,11 +10,7 @@ import logging
 from typing import Any
 
 from disttrain.comm.transport import Transport
-from disttrain.comm.transports.shm import (
-    SharedMemoryTransport,
-    ShmConfig,
-    ShmUnavailableError,
-)
+from disttrain.comm.transports.shm import SharedMemoryTransport, ShmConfig, ShmUnavailableError
 from disttrain.comm.transports.torch_p2p import TorchTransport
 
 log = logging.getLogger(__name__)

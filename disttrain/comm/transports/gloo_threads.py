@@ -31,18 +31,20 @@ preemption on wake-up, a fair share of a busy core) lands close to idle on both.
 So ``DISTTRAIN_GLOO_IO_THREADS`` chooses:
 
     auto     (default) by what the process does: SCHED_IDLE once a collective strategy
-             says it runs (``Communicator.expect_workload("collectives")``: DDP, ZeRO,
-             torch's DDP, the collectives benchmark), normal once anything sends
-             point-to-point (``Communicator.isend``/``irecv``: pipelines, parameter
+             says it runs (``Communicator.expect_workload("collectives")``: the strategy
+             registry's ``workload`` field, applied as the loop builds the strategy, and
+             the DDP and ZeRO engines, the collectives benchmark), normal once anything
+             sends point-to-point (``Communicator.isend``/``irecv``: pipelines, parameter
              servers), for good: a process that does both keeps normal
     idle     SCHED_IDLE for every process
     batch    SCHED_BATCH for every process
     normal   SCHED_OTHER, as Gloo starts them
 
-The setting is per process and covers every Gloo group of the process (torch's own too);
-it is applied again whenever a disttrain transport is made, so the threads of groups
-created since are covered. Linux only: elsewhere (or without the right to change a
-thread's policy, such as leaving SCHED_IDLE without root) nothing changes.
+The setting is per process and covers every Gloo group of the process (torch's own too),
+so this module, not a Communicator, owns what auto chose: the communicators of a process
+share its threads. It is applied again whenever a disttrain transport is made, so the
+threads of groups created since are covered. Linux only: elsewhere (or without the right
+to change a thread's policy, such as leaving SCHED_IDLE without root) nothing changes.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from disttrain.comm.checkin import Verdict, check_in
 from disttrain.comm.errors import CommError
 from disttrain.comm.liveness import ProcessInfo, read_table
-from disttrain.comm.transport import RawWork, Transport
+from disttrain.comm.transport import PeerGoneError, PeerTimeoutError, RawWork, Transport
 from disttrain.comm.transports import gloo_threads
 
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "closed by peer",
@@ -77,13 +77,14 @@ def _closed() -> CommError:
 
 
 def _naming(peer: int, call: Any, *args: Any) -> Any:
-    """``call(*args)``; a TimeoutError/ConnectionError leaves with ``peer`` attached (the
-    rank it concerns, read by ``Communicator.new_group`` to name it)."""
+    """``call(*args)``; a TimeoutError/ConnectionError leaves as one that names ``peer``
+    (the rank it concerns, read by ``Communicator.new_group`` to name it)."""
     try:
         return call(*args)
-    except (TimeoutError, ConnectionError) as exc:
-        setattr(exc, "peer", peer)  # noqa: B010
-        raise
+    except TimeoutError as exc:
+        raise PeerTimeoutError(str(exc), peer) from exc
+    except ConnectionError as exc:
+        raise PeerGoneError(str(exc), peer) from exc
 
 
 def job_store() -> Any:

@@ -39,6 +39,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from disttrain.comm.transport import check_workload
 from disttrain.train.config import ParallelOptions, TrainConfig
 from disttrain.train.strategies.base import (
     Batch,
@@ -71,7 +72,12 @@ from disttrain.train.strategies.pipeline import (
     build_model_parallel_strategy,
     build_pipeline_strategy,
 )
-from disttrain.train.strategies.tensor import build_mesh_strategy, check_mesh, mesh_settings
+from disttrain.train.strategies.tensor import (
+    build_mesh_strategy,
+    check_mesh,
+    mesh_settings,
+    mesh_workload,
+)
 from disttrain.train.strategies.torch_pipeline import build_torch_gpipe
 from disttrain.train.strategies.torch_tensor import build_torch_tp
 from disttrain.train.strategies.zero import build_zero1, build_zero2, build_zero3
@@ -111,6 +117,25 @@ class StrategySpec:
     loss_scaling: bool = True  # --precision fp16 (the loop's scaler reaches its updates)
     # the ranks whose death a run outlives (config, world size → ranks); None: no rank's
     losable: Callable[[TrainConfig, int], frozenset[int]] | None = None
+    # what its communication mostly is, "collectives" or "p2p" (or a function of config and
+    # world size giving one); None: learned from use (the first isend/irecv says "p2p")
+    workload: str | Callable[[TrainConfig, int], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workload, str):
+            check_workload(self.workload)
+
+    def make(self, ctx: BuildContext) -> Strategy:
+        """Build the strategy on ``ctx``'s communicator, telling it the strategy's workload
+        first, which schedules the process's Gloo I/O threads for it (idle under
+        collectives: comm/transports/gloo_threads.py). The one place a strategy's
+        communicator learns what it will carry."""
+        workload = self.workload
+        if callable(workload) and ctx.comm is not None:
+            workload = workload(ctx.config, ctx.comm.world_size)
+        if isinstance(workload, str) and ctx.comm is not None:
+            ctx.comm.expect_workload(workload)
+        return self.build(ctx)
 
     def losable_ranks(self, config: TrainConfig, world_size: int) -> frozenset[int]:
         """Ranks that may die without failing the run (a launcher must not stop the job for
@@ -243,31 +268,35 @@ STRATEGIES: dict[str, StrategySpec] = {
     "single": StrategySpec(build_single, "one process, the reference", max_world_size=1,
                            needs_comm=False),
     "ddp": StrategySpec(build_ddp, "disttrain DataParallel: bucketed all-reduce overlapping "
-                        "backward", TORCH_DP | {"compression", "algorithm"}),
+                        "backward", TORCH_DP | {"compression", "algorithm"},
+                        workload="collectives"),
     "torch-ddp": StrategySpec(build_torch_ddp, "torch.nn.parallel.DistributedDataParallel "
-                              "(baseline)", TORCH_DP),
+                              "(baseline)", TORCH_DP, workload="collectives"),
     "zero1": StrategySpec(build_zero1, "ZeRO stage 1: optimizer state sharded",
-                          frozenset({"algorithm"})),
+                          frozenset({"algorithm"}), workload="collectives"),
     "zero2": StrategySpec(build_zero2, "ZeRO stage 2: optimizer state and gradients sharded",
-                          frozenset({"algorithm"})),
+                          frozenset({"algorithm"}), workload="collectives"),
     "zero3": StrategySpec(build_zero3, "ZeRO stage 3: optimizer state, gradients and "
-                          "parameters sharded", frozenset({"algorithm"})),
+                          "parameters sharded", frozenset({"algorithm"}),
+                          workload="collectives"),
     "torch-zero1": StrategySpec(build_torch_zero1, "torch ZeroRedundancyOptimizer under torch "
-                                "DDP (baseline)", TORCH_DP, loss_scaling=False),
+                                "DDP (baseline)", TORCH_DP, loss_scaling=False,
+                                workload="collectives"),
     "torch-fsdp": StrategySpec(build_torch_fsdp, "torch FSDP2 fully_shard per layer: ZeRO "
-                               "stage 3 (baseline)", loss_scaling=False),
+                               "stage 3 (baseline)", loss_scaling=False,
+                               workload="collectives"),
     "deepspeed-ddp": StrategySpec(build_deepspeed(0), "DeepSpeed engine, ZeRO stage 0: data "
                                   "parallel (baseline, needs deepspeed)", check=check_installed,
-                                  loss_scaling=False),
+                                  loss_scaling=False, workload="collectives"),
     "deepspeed-zero1": StrategySpec(build_deepspeed(1), "DeepSpeed ZeRO stage 1 (baseline, "
                                     "needs deepspeed)", check=check_installed,
-                                    loss_scaling=False),
+                                    loss_scaling=False, workload="collectives"),
     "deepspeed-zero2": StrategySpec(build_deepspeed(2), "DeepSpeed ZeRO stage 2 (baseline, "
                                     "needs deepspeed)", check=check_installed,
-                                    loss_scaling=False),
+                                    loss_scaling=False, workload="collectives"),
     "deepspeed-zero3": StrategySpec(build_deepspeed(3), "DeepSpeed ZeRO stage 3 (baseline, "
                                     "needs deepspeed)", check=check_installed,
-                                    loss_scaling=False),
+                                    loss_scaling=False, workload="collectives"),
     "model-parallel": StrategySpec(build_model_parallel_strategy, "layers split over the "
                                    "ranks, one batch at a time", frozenset({"partition"}),
                                    layout="model"),
@@ -282,7 +311,7 @@ STRATEGIES: dict[str, StrategySpec] = {
     "deepspeed-pipe": StrategySpec(build_deepspeed_pipe, "DeepSpeed's pipeline engine, one "
                                    "stage per rank (baseline, needs deepspeed)",
                                    frozenset({"microbatches"}), "model", check=check_pipe,
-                                   loss_scaling=False),
+                                   loss_scaling=False, workload="p2p"),
     "ps-sync": StrategySpec(build_parameter_server_strategy, "parameter server, synchronous "
                             "SGD (workers + --servers ranks)", PS, "ps", check=_check_ps,
                             loss_scaling=False),
@@ -295,21 +324,23 @@ STRATEGIES: dict[str, StrategySpec] = {
                            loss_scaling=False, losable=losable_ranks),
     "tp": StrategySpec(build_mesh_strategy, "tensor parallel over every rank: attention by "
                        "heads, MLP column-then-row, vocabulary-parallel embedding and loss",
-                       frozenset({"algorithm", "sequence_parallel"}), "mesh", check=check_mesh),
+                       frozenset({"algorithm", "sequence_parallel"}), "mesh", check=check_mesh,
+                       workload=mesh_workload),
     "tp-sp": StrategySpec(build_mesh_strategy, "tensor parallel with sequence parallelism "
                           "(LayerNorm regions split along the sequence)",
                           frozenset({"algorithm", "sequence_parallel"}), "mesh",
-                          check=check_mesh),
+                          check=check_mesh, workload=mesh_workload),
     "3d": StrategySpec(build_mesh_strategy, "data × pipeline × tensor parallel on one mesh "
                        "(--dp, --pp, --tp; --zero 1/2 over dp)", MESH, "mesh",
-                       check=check_mesh),
+                       check=check_mesh, workload=mesh_workload),
     "torch-tp": StrategySpec(build_torch_tp, "torch.distributed.tensor.parallel (Colwise/"
                              "RowwiseParallel) on the same model (baseline)",
                              frozenset({"sequence_parallel"}), "mesh", check=check_mesh,
-                             loss_scaling=False),
+                             loss_scaling=False, workload="collectives"),
     "torch-tp-sp": StrategySpec(build_torch_tp, "torch.distributed.tensor.parallel with "
                                 "SequenceParallel (baseline)", frozenset({"sequence_parallel"}),
-                                "mesh", check=check_mesh, loss_scaling=False),
+                                "mesh", check=check_mesh, loss_scaling=False,
+                                workload="collectives"),
 }
 
 PLANNED: dict[str, str] = {}

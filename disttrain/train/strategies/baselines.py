@@ -57,7 +57,6 @@ def torch_ddp(ctx: BuildContext, name: str) -> nn.Module:
     """torch's DistributedDataParallel around the module, with the loop's bucket settings."""
     comm = ctx.require_comm(name)
     group = native_group(comm, name)
-    comm.expect_workload("collectives")  # as disttrain's DDP: the same I/O-thread policy
     opts = ctx.config.parallel
     # torch ≥ 2.13 warns that broadcast_buffers is deprecated; True is its default anyway
     extra: dict[str, Any] = {} if opts.broadcast_buffers else {"broadcast_buffers": False}
@@ -154,7 +153,6 @@ class TorchFSDPStrategy(Strategy):
 
         comm = ctx.require_comm("torch-fsdp")
         group = native_group(comm, "torch-fsdp")
-        comm.expect_workload("collectives")
         self._skeleton = empty_copy(ctx.module)  # the result's module, filled at the end
         mesh = DeviceMesh.from_group(group, "cpu")
         for child in ctx.module.children():

@@ -94,7 +94,6 @@ class DeepSpeedStrategy(Strategy):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         name = ctx.config.strategy
         comm = ctx.require_comm(name)
-        comm.expect_workload("collectives")
         config = ctx.config
         micro = config.global_batch // comm.world_size // config.accumulate
         cls, kwargs = optimizer_class(config)
@@ -223,7 +222,6 @@ class DeepSpeedPipeStrategy(Strategy):
             from deepspeed.pipe import PipelineModule
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         comm = ctx.require_comm("deepspeed-pipe")
-        comm.expect_workload("p2p")
         for var, value in (("LOCAL_RANK", comm.rank), ("RANK", comm.rank),
                            ("WORLD_SIZE", comm.world_size)):
             os.environ.setdefault(var, str(value))

@@ -316,13 +316,17 @@ def build_mesh_strategy(ctx: BuildContext) -> Strategy:
     comm = ctx.require_comm(config.strategy)
     settings = mesh_settings(config, comm.world_size)
     mesh = build_mesh(comm, settings.shape)
-    if mesh.pp_size == 1:  # collectives only (a pipeline's messages tune the I/O themselves)
-        comm.expect_workload("collectives")
+    if mesh.pp_size == 1:
         return TensorParallelStrategy(ctx, mesh, settings)
     from disttrain.train.strategies.tensor_pipeline import TensorPipelineStrategy
 
     m = config.parallel.microbatches or DEFAULT_MICROBATCHES
     return TensorPipelineStrategy(ctx, mesh, settings, m, config.parallel.schedule or "1f1b")
+
+
+def mesh_workload(config: TrainConfig, world_size: int) -> str | None:
+    """Collectives only without pipeline stages; with them, the stages' messages say p2p."""
+    return "collectives" if mesh_settings(config, world_size).shape.pp == 1 else None
 
 
 def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:

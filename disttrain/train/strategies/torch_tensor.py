@@ -124,7 +124,6 @@ class TorchTensorParallelStrategy(Strategy):
         if not isinstance(ctx.module, TransformerLM):
             raise ValueError(f"strategy {name!r} splits disttrain's TransformerLM; use --model "
                              f"transformer")
-        comm.expect_workload("collectives")
         self.device_mesh = DeviceMesh.from_group(native_group(comm, name), "cpu")
         self.shape = lm_shape(ctx.module)  # to rebuild the unsplit model at the end
         model = parallelize_module(split_qkv(ctx.module), self.device_mesh,

@@ -91,7 +91,7 @@ def _patch_shm(module):
 
 PATCHES = {}
 if SPEC:
-    PATCHES["disttrain.comm.transports.shm_rendezvous"] = _patch_shm
+    PATCHES["disttrain.comm.transports.shm.segment"] = _patch_shm
 if STARTUP:
     PATCHES["disttrain.launch.rendezvous"] = _patch_join
 

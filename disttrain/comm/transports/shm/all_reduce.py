@@ -31,7 +31,9 @@ from __future__ import annotations
 import torch
 
 from disttrain.comm.algorithms.chunking import segment_bounds, sub_chunks
-from disttrain.comm.algorithms.shm_base import (
+from disttrain.comm.context import CollectiveContext
+from disttrain.comm.ops import ReduceOp
+from disttrain.comm.transports.shm.collectives import (
     COMMUTATIVE,
     KERNELS,
     area_of,
@@ -40,9 +42,7 @@ from disttrain.comm.algorithms.shm_base import (
     reduce_into,
     step,
 )
-from disttrain.comm.context import CollectiveContext
-from disttrain.comm.ops import ReduceOp
-from disttrain.comm.transports.shm_collectives import CollectiveArea
+from disttrain.comm.transports.shm.sync import CollectiveArea
 
 
 def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, op: ReduceOp) -> None:

@@ -35,9 +35,8 @@ from collections import deque
 import numpy as np
 import torch
 
-from disttrain.comm.transports import shm_futex
-from disttrain.comm.transports.shm_segment import SLOT_HEADER, ShmLayout
-from disttrain.comm.transports.shm_sync import PeerTable, ShmPeerTimeout, Waiter
+from disttrain.comm.transports.shm.segment import SLOT_HEADER, ShmLayout
+from disttrain.comm.transports.shm.sync import PeerTable, ShmPeerTimeout, Waiter, futex_wake
 
 
 class _Op:
@@ -144,7 +143,7 @@ class Mailboxes:
         """Tell ``peer`` something changed for it: a value no other ring produced lately."""
         self._rings += 1
         self._i64[self._bell_at[peer]] = ((self._rings & 0xFFFFFF) << 8) | (self.rank & 0xFF)
-        shm_futex.wake(self._bell_addr[peer])
+        futex_wake(self._bell_addr[peer])
 
     def _cancel(self, op: _Op) -> None:
         """Forget an op that timed out before any byte moved, so a later message with the

@@ -1,10 +1,12 @@
 """``shm``: whole collectives in shared memory, for the ``shm`` transport only.
 
 Instead of messages, ranks copy into their slot of the segment's collective area, meet at a
-counter barrier, and read each other's slots directly (``transports/shm_collectives.py``).
-Large tensors stream through the fixed-size slots in rounds: per round, every rank writes
-its part, one barrier, every rank reads what it needs. all_reduce, the one that matters
-most, has its own module (``shm_all_reduce.py``); shared pieces are in ``shm_base.py``.
+counter barrier, and read each other's slots directly (the area: ``sync.py``). Large
+tensors stream through the fixed-size slots in rounds: per round, every rank writes its
+part, one barrier, every rank reads what it needs. all_reduce, the one that matters most,
+has its own module (``all_reduce.py``); what every ``shm`` algorithm shares comes first
+here: the collective area, the barrier step with named errors, rank-ordered reductions,
+traffic counting and round sizes. docs/shm_transport.md describes the protocols.
 
 Reductions always run in rank order, so every rank gets bit-identical results that equal
 the single-process reference ``((x0 ⊕ x1) ⊕ x2) …``. Bytes written into the segment count as
@@ -13,27 +15,81 @@ sent, bytes read from other ranks' slots as received.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from disttrain.comm.algorithms.chunking import sub_chunks
-from disttrain.comm.algorithms.shm_all_reduce import all_reduce
-from disttrain.comm.algorithms.shm_base import (
-    area_of,
-    count,
-    per_round,
-    reduce_into,
-    step,
-    supports,
-)
 from disttrain.comm.context import CollectiveContext
+from disttrain.comm.errors import CommTimeoutError, PeerFailedError
 from disttrain.comm.ops import ReduceOp
-from disttrain.comm.transports.shm_collectives import CollectiveArea
+from disttrain.comm.transport import Transport
+from disttrain.comm.transports.shm.sync import CollectiveArea, ShmPeerDead, ShmPeerTimeout
+from disttrain.comm.transports.shm.transport import SharedMemoryTransport
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "gather", "reduce",
-           "reduce_scatter", "scatter", "supports"]
+KERNELS: dict[ReduceOp, Callable[..., torch.Tensor]] = {
+    ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PROD: torch.mul,
+    ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
+}
+# Reductions whose kernel gives the same bits in either operand order (IEEE + and × are
+# commutative, signed zeros included; torch.minimum/maximum are not for −0.0 against 0.0).
+COMMUTATIVE = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD})
 
 
-# ---------------------------------------------------------------------------- the others
+def supports(transport: Transport) -> bool:
+    """Whether algorithm ``shm`` can run on ``transport`` (``auto`` should ask this)."""
+    return isinstance(transport, SharedMemoryTransport)
+
+
+def area_of(ctx: CollectiveContext) -> CollectiveArea:
+    if not isinstance(ctx.transport, SharedMemoryTransport):
+        raise ValueError(
+            f"algorithm='shm' needs the shared-memory transport, but this communicator's "
+            f"transport is {ctx.transport.name!r}; build the Communicator over "
+            f"make_transport('shm') (or 'auto'), or pick another algorithm")
+    return ctx.transport.collectives
+
+
+def step(ctx: CollectiveContext, area: CollectiveArea) -> None:
+    """One barrier; a late or dead peer becomes an error naming the op and the rank."""
+    try:
+        area.step(ctx.timeout_s)
+    except ShmPeerTimeout as exc:
+        raise CommTimeoutError(
+            f"{_where(ctx)}: timed out after {ctx.timeout_s:g}s waiting for rank(s) "
+            f"{list(exc.peers)} in shared memory; they are stuck, dead, or called a "
+            f"different collective", op=ctx.op, seq=ctx.seq, peer=exc.peer) from exc
+    except ShmPeerDead as exc:
+        raise PeerFailedError(f"{_where(ctx)}: rank {exc.peer} failed while this rank waited "
+                              f"for it ({exc})", op=ctx.op, seq=ctx.seq, peer=exc.peer) from exc
+    ctx.progressed()  # a barrier passed: the async backstop must not fire
+
+
+def _where(ctx: CollectiveContext) -> str:
+    return f"{ctx.op} #{ctx.seq} (shm) on rank {ctx.rank}"
+
+
+def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: ReduceOp) -> None:
+    """out = parts[0] ⊕ parts[1] ⊕ … in that order (``out`` may alias ``parts[0]`` only)."""
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return
+    kernel = KERNELS[op]
+    kernel(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        kernel(out, part, out=out)
+
+
+def count(ctx: CollectiveContext, sent: int, received: int) -> None:
+    ctx.stats.count(ctx.op, sent, received)
+
+
+def per_round(area: CollectiveArea, tensor: torch.Tensor, share: int = 1) -> int:
+    """Elements per round when a slot is shared by ``share`` blocks."""
+    return max(1, area.slot_bytes // (tensor.element_size() * share))
+
+
+# ------------------------------------------------------------- the collectives
 def reduce_scatter(ctx: CollectiveContext, output: torch.Tensor, tensor: torch.Tensor,
                    op: ReduceOp) -> None:
     area = area_of(ctx)
@@ -176,3 +232,7 @@ def _rounds_for_splits(area: CollectiveArea, buffer_set: int, p: int, per: int) 
                     f"expects {table[d][p + r]}; input_split_sizes on each rank must match "
                     "the output_split_sizes of its peers")
     return max(1, *(-(-table[r][d] // per) for r in range(p) for d in range(p)))
+
+
+__all__ = ["all_gather", "all_to_all", "barrier", "broadcast", "gather", "reduce",
+           "reduce_scatter", "scatter", "supports"]
