@@ -33,7 +33,7 @@ KNOWN_CIRCLES = {
 # or measures: no bench/, train/, launch/ or probe/, no other part of parallel/ or comm/.
 MODEL_MAY_IMPORT = {
     "disttrain.comm.cost_model",
-    "disttrain.parallel.buckets",
+    "disttrain.parallel.ddp.buckets",
     "disttrain.parallel.pipeline.partition",
     "disttrain.parallel.pipeline.schedules",
     "disttrain.parallel.tensor.theory",

@@ -2,8 +2,9 @@
 pipeline parallel, tensor and sequence parallel, ZeRO and the parameter server, and the
 dp × pp × tp device mesh they share (:mod:`.mesh`)."""
 
-from disttrain.parallel.buckets import Bucket, plan_buckets
-from disttrain.parallel.compression import (
+from disttrain.parallel.ddp import DataParallel, DataParallelConfig
+from disttrain.parallel.ddp.buckets import Bucket, plan_buckets
+from disttrain.parallel.ddp.compression import (
     COMPRESSORS,
     CastCompressor,
     Compressor,
@@ -12,7 +13,7 @@ from disttrain.parallel.compression import (
     TopKCompressor,
     make_compressor,
 )
-from disttrain.parallel.data_parallel import DataParallel, DataParallelConfig
+from disttrain.parallel.ddp.reducer import OverlapReport, SyncTiming, UnusedParametersError
 from disttrain.parallel.mesh import DeviceMesh, MeshCoords, MeshShape, build_mesh
 from disttrain.parallel.mixed_precision import LossScaler, LossScalerConfig, autocast
 from disttrain.parallel.model_parallel import ModelParallel, build_model_parallel
@@ -34,7 +35,6 @@ from disttrain.parallel.pipeline import (
     one_f_one_b,
     simulate,
 )
-from disttrain.parallel.reducer import OverlapReport, SyncTiming, UnusedParametersError
 from disttrain.parallel.zero import STAGES as ZERO_STAGES
 from disttrain.parallel.zero import ZeRO1, ZeRO2, ZeRO3, ZeroConfig
 
