@@ -68,9 +68,8 @@ from disttrain.parallel.parameter_server import (
     assign_roles,
     build_parameter_server,
 )
-from disttrain.parallel.parameter_server.final import Survivors, finish, survivors
 from disttrain.parallel.parameter_server.protocol import HEADER_FIELDS
-from disttrain.parallel.parameter_server.reports import gather_extras
+from disttrain.parallel.parameter_server.reports import Survivors, finish, gather_extras, survivors
 from disttrain.parallel.parameter_server.shard import checkpoint_path
 from disttrain.train import checkpoint
 from disttrain.train.config import TrainConfig
