@@ -3,9 +3,9 @@
 Servers hold contiguous key ranges of the flattened parameters and apply the optimizer;
 workers compute gradients. ``sync`` (BSP), ``async`` (ASGD) and ``ssp`` (bounded staleness)
 differ in when a push is applied and when a worker may read (:mod:`.config`); sparse
-embedding tables move by rows. Messages are a fixed validated header plus raw tensors over the Communicator's point-to-point calls (Li et
-al., "Scaling Distributed Machine Learning with the Parameter Server", OSDI 2014; Ho et al.,
-NIPS 2013). See docs/parameter_server.md.
+embedding tables move by rows. Messages are a fixed validated header plus raw tensors over
+the Communicator's point-to-point calls (Li et al., "Scaling Distributed Machine Learning
+with the Parameter Server", OSDI 2014; Ho et al., NIPS 2013). See docs/parameter_server.md.
 
     roles = assign_roles(comm.world_size, num_servers)   # workers ranks 0..W−1, servers last
     if roles.role(comm.rank).kind == "server":
