@@ -16,7 +16,6 @@ from disttrain.parallel.ddp.compression import (
 from disttrain.parallel.ddp.reducer import OverlapReport, SyncTiming, UnusedParametersError
 from disttrain.parallel.mesh import DeviceMesh, MeshCoords, MeshShape, build_mesh
 from disttrain.parallel.mixed_precision import LossScaler, LossScalerConfig, autocast
-from disttrain.parallel.model_parallel import ModelParallel, build_model_parallel
 from disttrain.parallel.parameter_server import (
     PSConfig,
     PSWorker,
@@ -35,6 +34,7 @@ from disttrain.parallel.pipeline import (
     one_f_one_b,
     simulate,
 )
+from disttrain.parallel.pipeline.model_parallel import ModelParallel, build_model_parallel
 from disttrain.parallel.zero import STAGES as ZERO_STAGES
 from disttrain.parallel.zero import ZeRO1, ZeRO2, ZeRO3, ZeroConfig
 
