@@ -1,6 +1,9 @@
-"""disttrain.parallel: training strategies built on the Communicator: data parallel, model and
-pipeline parallel, tensor and sequence parallel, ZeRO and the parameter server, and the
-dp × pp × tp device mesh they share (:mod:`.mesh`)."""
+"""disttrain.parallel: training strategies built on the Communicator, one folder each, whose
+entry file maps the rest: :mod:`.ddp` (data parallel, gradient compression),
+:mod:`.pipeline` (pipeline and plain model parallel), :mod:`.tensor` (tensor and sequence
+parallel), :mod:`.zero` and :mod:`.parameter_server`; and what several share: the
+dp × pp × tp device mesh (:mod:`.mesh`), loss scaling and autocast
+(:mod:`.mixed_precision`), sealed checkpoint files (:mod:`.checkpoint_files`)."""
 
 from disttrain.parallel.ddp import DataParallel, DataParallelConfig
 from disttrain.parallel.ddp.buckets import Bucket, plan_buckets
