@@ -92,6 +92,7 @@ def finish(team: Survivors, roles: PSRoles, part: Partition, module: nn.Module, 
 
 # ----------------------------------------------------------------------
 # What a parameter-server run reports: per server and per worker, returned at the end, and
+# the sums over every rank that the training loop's ``ps-*`` strategies put in their extras.
 
 @dataclass
 class ServerReport:

@@ -197,6 +197,7 @@ def _storages(module: nn.Module) -> set[int]:
 
 # ----------------------------------------------------------------------
 # One training step of one stage: the interpreter of its schedule's actions.
+#
 # Each action type has one small handler; the tensors between them wait in dictionaries
 # keyed by micro-batch (inputs received, outputs to send, gradients received, input
 # gradients to send), so the handlers need no knowledge of the schedule: any valid action

@@ -226,6 +226,7 @@ def consolidate(directory: str | Path) -> tuple[dict[str, torch.Tensor],
 
 # ----------------------------------------------------------------------
 # The on-disk form of a sharded ZeRO checkpoint: one tensor file per rank, one JSON layout.
+#
 # ::
 #
 #     checkpoint/

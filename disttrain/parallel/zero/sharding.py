@@ -354,6 +354,7 @@ def to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # ----------------------------------------------------------------------
 # What every ZeRO stage offers: the interface checkpoints, memory accounting and the
+# training loop rely on (each stage implements it in its own module).
 
 class ZeroWrapper(Protocol):
     stage: int

@@ -219,6 +219,7 @@ class ZeRO2:
 
 # ----------------------------------------------------------------------
 # Backward-pass plumbing shared by stages 2 and 3: rank-independent reduction order.
+#
 # The communicator pairs collectives across ranks by call order, so during backward every
 # rank must issue the same reductions in the same order, even when a parameter gets a
 # gradient on some ranks only (a branch or gate used by some ranks). Two rules give that:

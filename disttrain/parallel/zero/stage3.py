@@ -309,6 +309,7 @@ class ZeRO3(nn.Module):
 
 # ----------------------------------------------------------------------
 # Stage 3's units: the groups of parameters gathered together just before a module runs.
+#
 # A *unit* is a module whose parameters are all-gathered before its forward (and again
 # before its backward) and freed right after. By default every module that directly owns
 # trainable parameters is a unit (each ``Linear``, ``LayerNorm``, ``Embedding``); passing
