@@ -14,7 +14,7 @@ import torch
 
 from disttrain.comm import CommConfig, Communicator
 from disttrain.comm.transports import gloo_threads
-from disttrain.parallel.data_parallel import DataParallel
+from disttrain.parallel.ddp import DataParallel
 from tests.dist import init_gloo, run_fresh
 from tests.test_comm_units import _OneRank
 

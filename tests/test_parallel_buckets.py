@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disttrain.parallel.buckets import Bucket, build_buckets, plan_buckets
+from disttrain.parallel.ddp.buckets import Bucket, build_buckets, plan_buckets
 
 F32, F64 = "f32", "f64"
 

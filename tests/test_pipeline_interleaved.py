@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from disttrain.parallel.pipeline.interleaved import (
+from disttrain.parallel.pipeline.schedules import (
     ChunkAction,
     InterleavedScheduleError,
     interleaved_1f1b,

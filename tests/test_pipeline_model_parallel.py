@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disttrain.parallel.model_parallel import build_model_parallel
+from disttrain.parallel.pipeline.model_parallel import build_model_parallel
 from tests.test_pipeline_runtime import _capture, _fresh, batches, make_model, reference
 
 

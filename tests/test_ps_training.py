@@ -20,8 +20,7 @@ from disttrain.comm import Communicator
 from disttrain.parallel import DataParallel
 from disttrain.parallel.checkpoint_files import verify
 from disttrain.parallel.parameter_server import StalenessHistogram, load_checkpoint, partition
-from disttrain.parallel.parameter_server.flat import gather_flat
-from disttrain.parallel.parameter_server.partition import specs_of
+from disttrain.parallel.parameter_server.partition import gather_flat, specs_of
 from tests.ps_cases import (
     OPTIMIZERS,
     linreg_batch,

@@ -31,7 +31,7 @@ from disttrain.parallel.parameter_server import (
     specs_of,
 )
 from disttrain.parallel.parameter_server.config import staleness_lr_factor
-from disttrain.parallel.parameter_server.flat import gather_flat, scatter_flat
+from disttrain.parallel.parameter_server.partition import gather_flat, scatter_flat
 from disttrain.parallel.parameter_server.protocol import (
     MAGIC,
     Header,
@@ -373,8 +373,12 @@ def test_a_failed_message_names_its_peer_as_dead_or_silent() -> None:
     import threading
 
     from disttrain.comm import CommTimeoutError, PeerFailedError
-    from disttrain.parallel.parameter_server.errors import PSPeerFailedError, PSTimeoutError
-    from disttrain.parallel.parameter_server.poll import Watch, finish
+    from disttrain.parallel.parameter_server.protocol import (
+        PSPeerFailedError,
+        PSTimeoutError,
+        Watch,
+        finish,
+    )
 
     for error, expected in ((PeerFailedError("closed"), PSPeerFailedError),
                             (CommTimeoutError("timed out after 9s"), PSTimeoutError)):

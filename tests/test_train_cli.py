@@ -66,7 +66,7 @@ def test_run_two_ranks_matches_single():
 def _have_ddp() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("disttrain.parallel.data_parallel") is not None
+    return importlib.util.find_spec("disttrain.parallel.ddp") is not None
 
 
 @pytest.mark.parametrize("args,message", [

@@ -12,7 +12,7 @@ import torch
 from disttrain.train import DataOptions, TrainConfig, train
 from disttrain.train.strategies import STRATEGIES
 
-HAVE_DDP = importlib.util.find_spec("disttrain.parallel.data_parallel") is not None
+HAVE_DDP = importlib.util.find_spec("disttrain.parallel.ddp") is not None
 DP_STRATEGIES = ["torch-ddp", pytest.param("ddp", marks=pytest.mark.skipif(
     not HAVE_DDP, reason="disttrain.parallel.DataParallel not present"))]
 

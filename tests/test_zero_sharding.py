@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from disttrain.parallel.zero import formula, read_plan, shard_layout
-from disttrain.parallel.zero.config import ZeroConfig
-from disttrain.parallel.zero.sharding import partition
+from disttrain.parallel.zero.sharding import ZeroConfig, partition
 
 CASES = [(7,), (6, 2, 3), (1, 1, 1, 1, 1), (5, 0, 9, 0), (100, 3), (2,)]
 
@@ -144,8 +143,8 @@ def test_config_algorithm_per_collective():
 def test_stage3_units_default_custom_and_tied():
     from torch import nn
 
-    from disttrain.parallel.zero.flat import trainable
-    from disttrain.parallel.zero.units import assign_units
+    from disttrain.parallel.zero.sharding import trainable
+    from disttrain.parallel.zero.stage3 import assign_units
     from tests.zero_cases import Net
 
     net = Net()
@@ -169,7 +168,7 @@ def test_stage3_units_default_custom_and_tied():
 
 
 def test_buckets_launch_in_bucket_order_whatever_order_they_become_ready():
-    from disttrain.parallel.zero.backward import InOrderLauncher
+    from disttrain.parallel.zero.stage2 import InOrderLauncher
 
     launched: list[int] = []
     launcher = InOrderLauncher(4, launched.append)
@@ -186,7 +185,7 @@ def test_end_of_backward_launches_the_rest_in_order_once():
     """A bucket that never completes (a parameter without gradient on this rank) holds
     back its successors; the end of backward launches them all, in order, exactly once,
     and the next backward starts over (gradient accumulation)."""
-    from disttrain.parallel.zero.backward import InOrderLauncher
+    from disttrain.parallel.zero.stage2 import InOrderLauncher
 
     launched: list[int] = []
     launcher = InOrderLauncher(4, launched.append)

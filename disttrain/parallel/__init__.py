@@ -1,9 +1,13 @@
-"""disttrain.parallel: training strategies built on the Communicator: data parallel, model and
-pipeline parallel, tensor and sequence parallel, ZeRO and the parameter server, and the
-dp × pp × tp device mesh they share (:mod:`.mesh`)."""
+"""disttrain.parallel: training strategies built on the Communicator, one folder each, whose
+entry file maps the rest: :mod:`.ddp` (data parallel, gradient compression),
+:mod:`.pipeline` (pipeline and plain model parallel), :mod:`.tensor` (tensor and sequence
+parallel), :mod:`.zero` and :mod:`.parameter_server`; and what several share: the
+dp × pp × tp device mesh (:mod:`.mesh`), loss scaling and autocast
+(:mod:`.mixed_precision`), sealed checkpoint files (:mod:`.checkpoint_files`)."""
 
-from disttrain.parallel.buckets import Bucket, plan_buckets
-from disttrain.parallel.compression import (
+from disttrain.parallel.ddp import DataParallel, DataParallelConfig
+from disttrain.parallel.ddp.buckets import Bucket, plan_buckets
+from disttrain.parallel.ddp.compression import (
     COMPRESSORS,
     CastCompressor,
     Compressor,
@@ -12,10 +16,9 @@ from disttrain.parallel.compression import (
     TopKCompressor,
     make_compressor,
 )
-from disttrain.parallel.data_parallel import DataParallel, DataParallelConfig
+from disttrain.parallel.ddp.reducer import OverlapReport, SyncTiming, UnusedParametersError
 from disttrain.parallel.mesh import DeviceMesh, MeshCoords, MeshShape, build_mesh
 from disttrain.parallel.mixed_precision import LossScaler, LossScalerConfig, autocast
-from disttrain.parallel.model_parallel import ModelParallel, build_model_parallel
 from disttrain.parallel.parameter_server import (
     PSConfig,
     PSWorker,
@@ -34,7 +37,7 @@ from disttrain.parallel.pipeline import (
     one_f_one_b,
     simulate,
 )
-from disttrain.parallel.reducer import OverlapReport, SyncTiming, UnusedParametersError
+from disttrain.parallel.pipeline.model_parallel import ModelParallel, build_model_parallel
 from disttrain.parallel.zero import STAGES as ZERO_STAGES
 from disttrain.parallel.zero import ZeRO1, ZeRO2, ZeRO3, ZeroConfig
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from disttrain.bench.presets import get_preset
 from disttrain.comm import CommConfig, Communicator, LinkCosts, Transport
-from disttrain.parallel.data_parallel import DataParallel
+from disttrain.parallel.ddp import DataParallel
 from disttrain.parallel.pipeline.partition import layers_of
 from disttrain.parallel.zero import STAGES, ZeroConfig
 from disttrain.probe import contention, ps_probe, stage_probe

@@ -10,7 +10,7 @@ slowest rank has produced its part. Per rank::
     link                    ar(bucket 0) ar(bucket 1) …        (DDP: fifo, like the
                                                                 progress thread)
 
-* **DDP**: buckets planned by :func:`disttrain.parallel.buckets.plan_buckets` (reverse layer
+* **DDP**: buckets planned by :func:`disttrain.parallel.ddp.buckets.plan_buckets` (reverse layer
   order, 1 MiB first bucket, 25 MiB after), each all-reduced as soon as its last layer's
   backward ends, overlapping the rest of backward.
 * **ZeRO-1**: backward, then reduce-scatter of all gradients, the optimizer on 1/N, and an
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from disttrain.parallel.buckets import MIB, plan_buckets
+from disttrain.parallel.ddp.buckets import MIB, plan_buckets
 from disttrain.simulate import memory
 from disttrain.simulate.base import Case, StepResult
 from disttrain.simulate.events import Simulation

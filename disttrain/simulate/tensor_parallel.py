@@ -17,7 +17,7 @@ hides none of them either without extra machinery), so every one is on the criti
 * ``tp`` puts every worker in one tp group; ``3d`` takes the largest t that fits in a node
   and divides the heads, the vocabulary and the workers (:func:`tp_size_for`) and adds
   data parallelism over the other workers, as disttrain's ``3d`` runs it: DataParallel's
-  buckets of the shard's gradients (:func:`~disttrain.parallel.buckets.plan_buckets`),
+  buckets of the shard's gradients (:func:`~disttrain.parallel.ddp.buckets.plan_buckets`),
   each all-reduced over the dp group (ranks t apart, across nodes) as soon as backward has
   produced it, on a link of their own (the NIC, while TP uses the node's fabric);
 * memory: model states of Ψ/t parameters, and the blocks' activations scaled by the
@@ -29,7 +29,7 @@ registered ``transformer`` (measured here) or the analytic ``gpt-1.3b``/``gpt-13
 
 from __future__ import annotations
 
-from disttrain.parallel.buckets import MIB, plan_buckets
+from disttrain.parallel.ddp.buckets import MIB, plan_buckets
 from disttrain.parallel.tensor.theory import (
     Collective,
     LMShape,

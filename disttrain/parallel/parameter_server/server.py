@@ -4,9 +4,9 @@
                                   ├─ ServerShard: values + optimizer state + pending grads
                                   └─ ClockTable: worker clocks; may this PULL proceed yet?
 
-One conversation per worker runs on :func:`~.poll.drive`: wait for the next request header,
+One conversation per worker runs on :func:`~.protocol.drive`: wait for the next request header,
 validate it (:func:`~.protocol.decode_request`, then the key against the shard), GRANT and
-receive the payload if it has one, act, REPLY (messaging: :mod:`.server_io`). A PULL whose
+receive the payload if it has one, act, REPLY (messaging: :class:`~.channel.ServerIO`). A PULL whose
 clock is too far ahead for the consistency model waits inside its conversation (the others
 go on) until the slowest worker's CLOCK lets it through. A bad request is logged and
 answered with an error status; the conversation goes on. A worker that stays silent for
@@ -33,29 +33,26 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
-from disttrain.parallel.parameter_server.config import PSConfig
-from disttrain.parallel.parameter_server.consistency import ClockTable, StalenessHistogram
-from disttrain.parallel.parameter_server.errors import (
-    ProtocolError,
-    PSError,
-    PSPeerError,
-    PSPeerFailedError,
-)
-from disttrain.parallel.parameter_server.flat import gather_flat
-from disttrain.parallel.parameter_server.partition import partition, specs_of
-from disttrain.parallel.parameter_server.poll import Task, Wait, drive
+from disttrain.parallel.parameter_server.channel import ServerIO
+from disttrain.parallel.parameter_server.config import ClockTable, PSConfig, StalenessHistogram
+from disttrain.parallel.parameter_server.partition import PSRoles, gather_flat, partition, specs_of
 from disttrain.parallel.parameter_server.protocol import (
     END_CLOCK,
     Header,
     Msg,
+    ProtocolError,
+    PSError,
+    PSPeerError,
+    PSPeerFailedError,
     Status,
+    Task,
+    Wait,
     decode_request,
+    drive,
     dtype_code,
     status_name,
 )
 from disttrain.parallel.parameter_server.reports import ServerReport
-from disttrain.parallel.parameter_server.roles import PSRoles
-from disttrain.parallel.parameter_server.server_io import ServerIO
 from disttrain.parallel.parameter_server.shard import (
     OptimizerFactory,
     ServerShard,

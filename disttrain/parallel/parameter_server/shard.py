@@ -34,9 +34,8 @@ from disttrain.parallel.checkpoint_files import (
     verify,
 )
 from disttrain.parallel.parameter_server.config import staleness_lr_factor
-from disttrain.parallel.parameter_server.errors import ProtocolError
 from disttrain.parallel.parameter_server.partition import Partition, Segment
-from disttrain.parallel.parameter_server.protocol import Status
+from disttrain.parallel.parameter_server.protocol import ProtocolError, Status
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 UpdateKey = tuple[int, int]  # (clock, worker) applied on arrival; (clock, -1) clock-ordered

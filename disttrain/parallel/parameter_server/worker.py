@@ -10,7 +10,7 @@
 
 ``pull`` writes into the model's parameters in place; ``push`` reads their ``.grad``. The
 worker runs no optimizer: the servers do. Each call talks to all servers at once (one
-conversation per server on :func:`~.poll.drive`). Tables named in ``config.sparse_params``
+conversation per server on :func:`~.protocol.drive`). Tables named in ``config.sparse_params``
 move by rows: ``pull`` fetches the rows of ``sparse_ids`` (unique ids of the next batch;
 a table not given there is pulled whole) and ``push`` sends the rows whose gradient is not
 zero, as ``(ids, rows)``. Everything else moves as dense key ranges.
@@ -28,13 +28,23 @@ from torch import nn
 from disttrain.comm import Communicator
 from disttrain.parallel.parameter_server.channel import Channel, Request
 from disttrain.parallel.parameter_server.config import PSConfig
-from disttrain.parallel.parameter_server.errors import PSError
-from disttrain.parallel.parameter_server.flat import gather_flat, scatter_flat
-from disttrain.parallel.parameter_server.partition import partition, specs_of
-from disttrain.parallel.parameter_server.poll import Watcher, drive
-from disttrain.parallel.parameter_server.protocol import END_CLOCK, Header, Msg, dtype_code
+from disttrain.parallel.parameter_server.partition import (
+    PSRoles,
+    gather_flat,
+    partition,
+    scatter_flat,
+    specs_of,
+)
+from disttrain.parallel.parameter_server.protocol import (
+    END_CLOCK,
+    Header,
+    Msg,
+    PSError,
+    Watcher,
+    drive,
+    dtype_code,
+)
 from disttrain.parallel.parameter_server.reports import WorkerReport
-from disttrain.parallel.parameter_server.roles import PSRoles
 
 log = logging.getLogger(__name__)
 

@@ -2,24 +2,22 @@
 micro-batches that flow through the stages under a schedule (GPipe or 1F1B).
 
 * :mod:`.partition`: which layers go to which stage (explicit, by parameters, by time);
-* :mod:`.schedules`: each stage's ordered actions, pure data; :mod:`.schedule_check` checks them
-  and prints them as a grid; :mod:`.interleaved`: interleaved 1F1B (v chunks per rank),
-  data and paper simulation only;
-* :mod:`.link`, :mod:`.stage`, :mod:`.step`, :mod:`.runtime`: the engine that executes a
-  schedule over :mod:`disttrain.comm`; :mod:`.collectives`: what the stages agree on and
-  average over the mesh (pipelines × data-parallel replicas: :mod:`disttrain.parallel.mesh`).
+* :mod:`.schedules`: each stage's ordered actions as pure data (GPipe, 1F1B, and interleaved
+  1F1B with v chunks per rank, data and paper simulation only); :mod:`.schedule_check`
+  checks a schedule on paper and prints it as a grid;
+* :mod:`.runtime`: :class:`PipelineParallel`, this rank's stage executing its schedule, with
+  its config and step statistics; :mod:`.stage`: a stage's compute, its stash of
+  micro-batches and the interpreter of one step's actions; :mod:`.link` and :mod:`.wire`:
+  the messages between neighbouring stages and their header; :mod:`.collectives`: what the
+  stages agree on and average over the mesh (pipelines × data-parallel replicas:
+  :mod:`disttrain.parallel.mesh`);
+* :mod:`.model_parallel`: the plain split (no micro-batches) built from the same pieces.
 
 See docs/pipeline.md.
 """
 
-from disttrain.parallel.pipeline.config import PipelineConfig, PipelineTotals, StepStats
-from disttrain.parallel.pipeline.interleaved import (
-    InterleavedSchedule,
-    InterleavedScheduleError,
-    interleaved_1f1b,
-    simulate_interleaved,
-)
 from disttrain.parallel.pipeline.link import PipelineError, StageFailedError
+from disttrain.parallel.pipeline.model_parallel import ModelParallel, build_model_parallel
 from disttrain.parallel.pipeline.partition import (
     PartitionError,
     balance_by_cost,
@@ -27,7 +25,13 @@ from disttrain.parallel.pipeline.partition import (
     param_costs,
     time_costs,
 )
-from disttrain.parallel.pipeline.runtime import PipelineParallel, build_pipeline
+from disttrain.parallel.pipeline.runtime import (
+    PipelineConfig,
+    PipelineParallel,
+    PipelineTotals,
+    StepStats,
+    build_pipeline,
+)
 from disttrain.parallel.pipeline.schedule_check import (
     ScheduleError,
     SimResult,
@@ -39,6 +43,8 @@ from disttrain.parallel.pipeline.schedules import (
     Action,
     Backward,
     Forward,
+    InterleavedSchedule,
+    InterleavedScheduleError,
     RecvAct,
     RecvGrad,
     Schedule,
@@ -46,7 +52,9 @@ from disttrain.parallel.pipeline.schedules import (
     SendGrad,
     get_schedule,
     gpipe,
+    interleaved_1f1b,
     one_f_one_b,
+    simulate_interleaved,
 )
 
 __all__ = [
@@ -56,6 +64,7 @@ __all__ = [
     "Forward",
     "InterleavedSchedule",
     "InterleavedScheduleError",
+    "ModelParallel",
     "PartitionError",
     "PipelineConfig",
     "PipelineError",
@@ -71,6 +80,7 @@ __all__ = [
     "StageFailedError",
     "StepStats",
     "balance_by_cost",
+    "build_model_parallel",
     "build_pipeline",
     "format_schedule",
     "get_schedule",

@@ -1,10 +1,29 @@
 """ZeRO (Rajbhandari et al. 2020): shard optimizer state (stage 1), gradients (stage 2) and
-parameters (stage 3) over the ranks of a Communicator. See docs/zero.md."""
+parameters (stage 3) over the ranks of a Communicator. See docs/zero.md.
+
+    zero = ZeRO2(model, comm, lambda params: torch.optim.Adam(params), ZeroConfig())
+    loss_fn(model(x), y).backward()    # gradients reduce-scattered bucket by bucket
+    zero.step()                        # each rank updates its shard, then all-gathers
+    zero.zero_grad()
+
+The package, in reading order (one stage needs this file, :mod:`.sharding` and its own
+module):
+
+* :mod:`.sharding`: what every stage shares: :class:`ZeroConfig`, the :class:`ZeroWrapper`
+  interface, the pure shard map of the flattened parameters (and how N shards map onto M),
+  and the flat buffers whose views are the parameters;
+* :mod:`.stage1`: optimizer state sharded; gradients all-reduced by reduce-scatter at step;
+* :mod:`.stage2`: gradients sharded too, reduce-scattered bucket by bucket during backward,
+  with the rank-independent reduction order stage 3 reuses;
+* :mod:`.stage3`: parameters sharded too, each unit gathered just before it runs;
+* :mod:`.checkpoint`: sharded checkpoints that resume on any world size and any stage;
+* :mod:`.memory`: model-state bytes per rank, measured and by the paper's formula (pure
+  enough for the simulator to import).
+"""
 
 from collections.abc import Callable
 
 from disttrain.parallel.zero.checkpoint import consolidate, load, save
-from disttrain.parallel.zero.config import OptimizerFactory, ZeroConfig
 from disttrain.parallel.zero.memory import (
     ModelStateBytes,
     formula,
@@ -13,8 +32,15 @@ from disttrain.parallel.zero.memory import (
     zero_formula,
     zero_measured,
 )
-from disttrain.parallel.zero.protocol import ZeroWrapper
-from disttrain.parallel.zero.sharding import Piece, ShardLayout, read_plan, shard_layout
+from disttrain.parallel.zero.sharding import (
+    OptimizerFactory,
+    Piece,
+    ShardLayout,
+    ZeroConfig,
+    ZeroWrapper,
+    read_plan,
+    shard_layout,
+)
 from disttrain.parallel.zero.stage1 import ZeRO1
 from disttrain.parallel.zero.stage2 import ZeRO2
 from disttrain.parallel.zero.stage3 import ZeRO3

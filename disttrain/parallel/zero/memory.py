@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from disttrain.parallel.zero.protocol import ZeroWrapper
+    from disttrain.parallel.zero.sharding import ZeroWrapper
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 

@@ -1,4 +1,6 @@
-"""Which rank owns which slice of the flattened parameters: pure shard maps, no tensors.
+"""What every ZeRO stage shares: its config (:class:`ZeroConfig`), its interface
+(:class:`ZeroWrapper`), the shard map of the flattened parameters and the flat buffers
+whose views are the parameters.
 
 ZeRO (Rajbhandari et al. 2020) concatenates parameters into one flat vector of Ψ elements
 and cuts it into ``world_size`` contiguous shards of equal length S = ⌈Ψ / N⌉. The last
@@ -15,13 +17,105 @@ Each rank's shard is described by *pieces* (param index, offset in the param, of
 shard, length), which engines turn into tensor views. :func:`read_plan` maps the shards of
 one layout onto those of another (a checkpoint saved on N ranks, loaded on M), and
 :func:`partition` groups parameters into buckets: all pure data, tested without processes.
+
+Each stage keeps parameters as *views* into one padded flat buffer per group (that layout),
+so a collective moves a whole group in one call and a rank's shard is a plain slice. A
+:class:`ShardGroup` is what checkpoints and memory accounting see of a group: parameter
+names and shapes, the layout, and this rank's flat "master" shard (the tensor the torch
+optimizer updates). :class:`ZeroWrapper` is what every stage offers to checkpoints, memory
+accounting and the training loop; each stage implements it in its own module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
+import torch
+from torch import nn
+
+from disttrain.comm import Communicator
+from disttrain.comm.algorithms import ALGORITHMS
+
+OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+"""Builds the optimizer from the flat shard tensors, e.g. ``lambda p: torch.optim.Adam(p, lr=1e-3)``
+or ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``."""
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# every step moves data with these two; a name must exist for both
+_STEP_OPS = ("all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """How a ZeRO wrapper keeps and moves its shards.
+
+    * ``master_dtype``: dtype of the optimizer's flat shard ("master weights"). When it
+      equals the model's parameter dtype the shard *is* the parameters' memory (no copy);
+      when the model trains in bf16/fp16 and this is float32, each rank keeps an fp32 copy
+      of its shard only, and casts after each step.
+    * ``reduce_dtype``: dtype in which gradients are reduced (and the gradient shard kept,
+      stages 2 and 3). ``None``: the parameters' dtype (2 bytes/param in bf16, the paper's
+      accounting); ``torch.float32`` reduces bf16 gradients in fp32 (more exact, 2× bytes).
+    * ``bucket_bytes``: stage 2 reduces gradients in buckets of about this size during
+      backward (a bucket is launched when all its gradients are ready).
+    * ``inflight_buckets``: stages 2 and 3 wait for the oldest gradient reduction once this
+      many are in flight, so staging buffers never add up to a full gradient (the peak of
+      DeepSpeed#1302, where stage 2 used more memory than stage 1).
+    * ``prefetch``: stage 3 starts gathering the next layer's parameters while the current
+      layer computes.
+    * ``broadcast_from_rank0``: copy rank 0's initial parameters to every rank on wrap, so
+      replicas start equal even if each rank seeded differently.
+    * ``algorithm``: collective algorithm of every all-gather and reduce-scatter (``None``:
+      the communicator's default; ``"auto"``: chosen by the cost model). The one broadcast
+      on wrap uses it too when broadcast has an algorithm of that name (``"ring"`` has
+      none: the communicator's default broadcasts then).
+    """
+
+    master_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+    bucket_bytes: int = 4 << 20
+    inflight_buckets: int = 2
+    prefetch: bool = True
+    broadcast_from_rank0: bool = True
+    algorithm: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.master_dtype not in _FLOATS:
+            raise ValueError(f"master_dtype must be a floating dtype (usually torch.float32), "
+                             f"got {self.master_dtype!r}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in _FLOATS:
+            raise ValueError(f"reduce_dtype must be None or a floating dtype, got "
+                             f"{self.reduce_dtype!r}")
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or (
+                self.bucket_bytes < 1):
+            raise ValueError(f"bucket_bytes must be a positive int (bytes per gradient bucket), "
+                             f"got {self.bucket_bytes!r}")
+        if isinstance(self.inflight_buckets, bool) or not isinstance(self.inflight_buckets, int) \
+                or self.inflight_buckets < 1:
+            raise ValueError(f"inflight_buckets must be an int ≥ 1, got {self.inflight_buckets!r}")
+        for name in ("prefetch", "broadcast_from_rank0"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        choices = [a for a in ALGORITHMS[_STEP_OPS[0]] if all(a in ALGORITHMS[op]
+                                                              for op in _STEP_OPS)]
+        if self.algorithm is not None and self.algorithm not in ("auto", *choices):
+            raise ValueError(f"algorithm={self.algorithm!r} is not an all-gather and "
+                             f"reduce-scatter algorithm; choose None (the communicator's "
+                             f"default), 'auto' or one of: {', '.join(choices)}")
+
+    def algorithm_for(self, op: str) -> str | None:
+        """``algorithm`` if collective ``op`` has an algorithm of that name, else ``None``
+        (the communicator's default)."""
+        if self.algorithm is None or self.algorithm == "auto":
+            return self.algorithm
+        return self.algorithm if self.algorithm in ALGORITHMS[op] else None
+
+
+# ----------------------------------------------------------------------
+# Which rank owns which slice of the flattened parameters: pure shard maps, no tensors.
 
 @dataclass(frozen=True)
 class Piece:
@@ -177,3 +271,119 @@ def partition(nbytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+# ----------------------------------------------------------------------
+# Tensor plumbing shared by the stages: flat buffers whose views are the parameters.
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """One flat group: ``names[i]`` has ``shapes[i]``; ``master`` is this rank's shard (the
+    optimizer's parameter, ``layout.shard_size`` elements, padding included)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    layout: ShardLayout
+    master: torch.Tensor
+
+
+def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's parameters that require grad, each once (tied weights: first name)."""
+    seen: set[int] = set()
+    named = []
+    for name, param in module.named_parameters():
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            named.append((name, param))
+    if not named:
+        raise ValueError("the model has no parameter with requires_grad=True: there is "
+                         "nothing for ZeRO to shard or train")
+    return named
+
+
+def common_dtype(named: Sequence[tuple[str, torch.Tensor]]) -> torch.dtype:
+    """The single dtype of all parameters (a flat buffer has one dtype)."""
+    dtypes = {p.dtype for _, p in named}
+    if len(dtypes) != 1:
+        listing = ", ".join(sorted({f"{n}: {p.dtype}" for n, p in named})[:6])
+        raise ValueError(f"ZeRO flattens parameters into one buffer, so they need one dtype; "
+                         f"found {sorted(map(str, dtypes))} ({listing}); cast the model with "
+                         f".to(dtype) first")
+    return dtypes.pop()
+
+
+def param_views(flat: torch.Tensor, params: Sequence[torch.Tensor],
+                layout: ShardLayout) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``params`` (in layout order)."""
+    return [flat[start:start + n].view(p.shape)
+            for p, start, n in zip(params, layout.offsets(), layout.numels)]
+
+
+def flatten_into_views(params: Sequence[torch.Tensor], layout: ShardLayout,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A zero-padded flat buffer holding the parameters' values, and its views; each
+    parameter's ``.data`` becomes its view, so the module now reads the flat buffer."""
+    device = params[0].device
+    flat = torch.zeros(layout.padded_total, dtype=dtype, device=device)
+    views = param_views(flat, params, layout)
+    with torch.no_grad():
+        for p, view in zip(params, views):
+            view.copy_(p.detach())
+            p.data = view
+    return flat, views
+
+
+def shard_of(flat: torch.Tensor, layout: ShardLayout, rank: int) -> torch.Tensor:
+    """This rank's slice of a padded flat buffer (a view)."""
+    start, end = layout.shard_range(rank)
+    return flat[start:end]
+
+
+def master_copy(shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The optimizer's parameter: the shard itself when dtypes match (no extra memory),
+    else a copy in ``dtype`` (fp32 master weights for a bf16 model)."""
+    if shard.dtype == dtype:
+        return shard
+    return shard.detach().to(dtype=dtype, copy=True)
+
+
+def to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` itself when it already has ``dtype``, else a cast copy."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+# ----------------------------------------------------------------------
+# What every ZeRO stage offers: the interface checkpoints, memory accounting and the
+# training loop rely on (each stage implements it in its own module).
+
+class ZeroWrapper(Protocol):
+    stage: int
+    module: nn.Module  # the user's model (its parameters are views or placeholders)
+    comm: Communicator
+    config: ZeroConfig
+    optimizer: torch.optim.Optimizer  # over this rank's flat master shards
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        """Ψ: trainable parameters in the model."""
+        ...
+
+    def step(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def no_sync(self) -> AbstractContextManager[None]: ...
+
+    def shard_groups(self) -> list[ShardGroup]:
+        """Each flat group's parameter names, shapes, layout and this rank's master shard."""
+        ...
+
+    def reload_from_masters(self) -> None:
+        """Propagate overwritten master shards (a checkpoint load) into the parameters."""
+        ...
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor the rank holds for the model's state: params, grads, optimizer."""
+        ...

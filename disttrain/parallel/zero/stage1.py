@@ -24,19 +24,20 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
-from disttrain.parallel.zero.config import OptimizerFactory, ZeroConfig
-from disttrain.parallel.zero.flat import (
+from disttrain.parallel.zero.memory import optimizer_tensors
+from disttrain.parallel.zero.sharding import (
+    OptimizerFactory,
     ShardGroup,
+    ZeroConfig,
     common_dtype,
     flatten_into_views,
     master_copy,
     param_views,
+    shard_layout,
     shard_of,
     to_dtype,
     trainable,
 )
-from disttrain.parallel.zero.memory import optimizer_tensors
-from disttrain.parallel.zero.sharding import shard_layout
 
 log = logging.getLogger(__name__)
 

@@ -62,6 +62,7 @@ from disttrain.train.strategies.deepspeed_baseline import (
     check_installed,
     check_pipe,
 )
+from disttrain.train.strategies.mesh import check_mesh, mesh_settings, mesh_workload
 from disttrain.train.strategies.parameter_server import (
     build_parameter_server_strategy,
     losable_ranks,
@@ -72,12 +73,7 @@ from disttrain.train.strategies.pipeline import (
     build_model_parallel_strategy,
     build_pipeline_strategy,
 )
-from disttrain.train.strategies.tensor import (
-    build_mesh_strategy,
-    check_mesh,
-    mesh_settings,
-    mesh_workload,
-)
+from disttrain.train.strategies.tensor import build_mesh_strategy
 from disttrain.train.strategies.torch_pipeline import build_torch_gpipe
 from disttrain.train.strategies.torch_tensor import build_torch_tp
 from disttrain.train.strategies.zero import build_zero1, build_zero2, build_zero3

@@ -22,7 +22,7 @@ there depends on its role::
 **A lost worker.** ``ps-async`` and ``ps-ssp`` (with staleness > 0) outlive a worker that
 dies: the servers drop it and answer every DONE with the workers they lost, and the
 survivors end the run on a group of their own (:func:`~disttrain.parallel.parameter_server.
-final.survivors`): the final evaluation, the result and the end checkpoint are theirs, the
+reports.survivors`): the final evaluation, the result and the end checkpoint are theirs, the
 first survivor (the lowest surviving worker) reports, and ``extras["lost_workers"]`` lists
 the lost ranks. Its shard of each global batch is not trained on any more. That is why their
 evaluations during training are each worker's own (no collective among workers that may be
@@ -68,9 +68,8 @@ from disttrain.parallel.parameter_server import (
     assign_roles,
     build_parameter_server,
 )
-from disttrain.parallel.parameter_server.final import Survivors, finish, survivors
 from disttrain.parallel.parameter_server.protocol import HEADER_FIELDS
-from disttrain.parallel.parameter_server.reports import gather_extras
+from disttrain.parallel.parameter_server.reports import Survivors, finish, gather_extras, survivors
 from disttrain.parallel.parameter_server.shard import checkpoint_path
 from disttrain.train import checkpoint
 from disttrain.train.config import TrainConfig

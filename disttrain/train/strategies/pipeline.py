@@ -241,7 +241,7 @@ def build_pipeline_strategy(ctx: BuildContext) -> Strategy:
 
 
 def build_model_parallel_strategy(ctx: BuildContext) -> Strategy:
-    from disttrain.parallel.model_parallel import build_model_parallel
+    from disttrain.parallel.pipeline.model_parallel import build_model_parallel
 
     comm = ctx.require_comm("model-parallel")
     pipe = build_model_parallel(ctx.module, comm, partition=_partition(ctx),

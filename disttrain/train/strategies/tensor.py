@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.comm import Communicator
-from disttrain.parallel.mesh import DeviceMesh, MeshShape, build_mesh
+from disttrain.parallel import DataParallel, ZeRO1, ZeRO2, ZeroConfig
+from disttrain.parallel.mesh import DeviceMesh, build_mesh
 from disttrain.parallel.tensor import apply_tensor_parallel, full_state_dict
 from disttrain.parallel.tensor import theory as tp_theory
 from disttrain.parallel.tensor.transformer import (
@@ -48,7 +48,6 @@ from disttrain.parallel.tensor.transformer import (
     reduce_sequence_parallel_grads,
     sequence_parallel_parameters,
 )
-from disttrain.train.config import TrainConfig
 from disttrain.train.strategies.base import (
     Autocast,
     Batch,
@@ -62,30 +61,10 @@ from disttrain.train.strategies.base import (
     ring_all_reduce_bytes,
     safe_load,
 )
+from disttrain.train.strategies.mesh import MeshSettings, mesh_settings
 from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
+from disttrain.train.strategies.tensor_pipeline import TensorPipelineStrategy
 from disttrain.train.transformer import TransformerLM
-
-TP_ONLY = ("tp", "tp-sp")
-
-
-@dataclass(frozen=True)
-class MeshSettings:
-    """How a mesh strategy runs, read from the config and the world size."""
-
-    shape: MeshShape
-    sequence_parallel: bool
-    zero: int | None
-    algorithm: str | None
-
-
-def mesh_settings(config: TrainConfig, world_size: int) -> MeshSettings:
-    opts = config.parallel
-    if config.strategy in TP_ONLY or config.strategy.startswith("torch-tp"):
-        shape = MeshShape(tp=world_size)
-    else:
-        shape = MeshShape.infer(world_size, opts.dp_size, opts.pp_size, opts.tp_size)
-    sp = opts.sequence_parallel or config.strategy.endswith("-sp")
-    return MeshSettings(shape, sp, opts.zero, opts.algorithm)
 
 
 class ActivationProbe:
@@ -159,8 +138,6 @@ class TensorParallelStrategy(Strategy):
     collective_eval = True  # forward runs TP collectives: every rank scores alike
 
     def __init__(self, ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings) -> None:
-        from disttrain.parallel import DataParallel, ZeRO1, ZeRO2, ZeroConfig
-
         self.mesh, self.settings = mesh, settings
         shard = None if mesh.tp is None else apply_tensor_parallel(
             ctx.module, mesh.tp, settings.sequence_parallel, settings.algorithm)
@@ -318,62 +295,5 @@ def build_mesh_strategy(ctx: BuildContext) -> Strategy:
     mesh = build_mesh(comm, settings.shape)
     if mesh.pp_size == 1:
         return TensorParallelStrategy(ctx, mesh, settings)
-    from disttrain.train.strategies.tensor_pipeline import TensorPipelineStrategy
-
     m = config.parallel.microbatches or DEFAULT_MICROBATCHES
     return TensorPipelineStrategy(ctx, mesh, settings, m, config.parallel.schedule or "1f1b")
-
-
-def mesh_workload(config: TrainConfig, world_size: int) -> str | None:
-    """Collectives only without pipeline stages; with them, the stages' messages say p2p."""
-    return "collectives" if mesh_settings(config, world_size).shape.pp == 1 else None
-
-
-def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
-    """What can be checked before any rank starts: the model, its sizes, the mesh's."""
-    from disttrain.parallel.tensor.transformer import check_divisible, check_sequence
-    from disttrain.train.data import build_dataset
-    from disttrain.train.models import MODELS, TRANSFORMER_MODELS, build_model
-
-    name, opts = config.strategy, config.parallel
-    settings = mesh_settings(config, world_size)
-    shape, tp = settings.shape, settings.shape.tp
-    if config.model in MODELS and config.model not in TRANSFORMER_MODELS:
-        raise ValueError(f"strategy {name!r} splits a transformer's attention heads, MLP and "
-                         f"vocabulary; model {config.model!r} is not a TransformerLM: use "
-                         f"--model transformer --dataset synthetic-lm")
-    if config.model in TRANSFORMER_MODELS and tp > 1:
-        model = build_model(config.model, build_dataset(config.dataset, config.data).info)
-        check_divisible(model, tp)
-        if settings.sequence_parallel:
-            check_sequence(lm_shape(model)["max_len"], tp)
-    if settings.zero is not None:
-        if shape.dp == 1 or shape.pp > 1:
-            raise ValueError(f"--zero {settings.zero} shards over the dp groups of a mesh with "
-                             f"pp = 1; this mesh has dp {shape.dp}, pp {shape.pp}: use --dp ≥ 2 "
-                             f"and --pp 1, or drop --zero")
-        if settings.zero == 2 and settings.sequence_parallel:
-            raise ValueError("--zero 2 drops each gradient once it is reduce-scattered over "
-                             "dp, before sequence parallelism sums its LayerNorm gradients "
-                             "over tp: use --zero 1 with --sequence-parallel")
-        if config.checkpoint_dir is not None:
-            raise ValueError("checkpoints of ZeRO inside a mesh are not written yet; drop "
-                             "--checkpoint-dir or --zero")
-    if shape.pp > 1:
-        if config.accumulate != 1:
-            raise ValueError(f"strategy {name!r} with --pp {shape.pp} runs each step as one "
-                             f"batch through its stages; --accumulate must be 1 (pipelines "
-                             f"split batches with --microbatches)")
-        if opts.partition == "time":
-            raise ValueError("--partition time times layers alone, but a TP shard's layers "
-                             "communicate: use params or layer counts per stage")
-        m = opts.microbatches or DEFAULT_MICROBATCHES
-        if config.global_batch // dp < m:
-            raise ValueError(f"global batch {config.global_batch} gives each of the {dp} "
-                             f"replica(s) {config.global_batch // dp} samples, fewer than {m} "
-                             f"micro-batches; use --microbatches {config.global_batch // dp} "
-                             f"or less, or a larger --global-batch")
-    elif opts.microbatches is not None or opts.schedule is not None or (
-            opts.partition is not None):
-        raise ValueError("--microbatches, --schedule and --partition apply to the pipeline "
-                         "dimension: give --pp ≥ 2 with them")

@@ -44,6 +44,7 @@ from disttrain.train.strategies.base import (
     LossFn,
     ring_all_reduce_bytes,
 )
+from disttrain.train.strategies.mesh import MeshSettings
 from disttrain.train.strategies.pipeline import (
     PipelineSettings,
     PipelineStrategy,
@@ -51,7 +52,6 @@ from disttrain.train.strategies.pipeline import (
     pipeline_theory,
     stage_layers,
 )
-from disttrain.train.strategies.tensor import MeshSettings
 from disttrain.train.transformer import TransformerLM
 
 

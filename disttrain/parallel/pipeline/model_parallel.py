@@ -24,8 +24,8 @@ from torch import nn
 from disttrain.comm import Communicator
 from disttrain.parallel.pipeline import partition as part
 from disttrain.parallel.pipeline.collectives import agreed_balance
-from disttrain.parallel.pipeline.config import StepStats
 from disttrain.parallel.pipeline.link import EVAL, TRAIN, Direction, PipelineError, StageLink
+from disttrain.parallel.pipeline.runtime import StepStats
 from disttrain.parallel.pipeline.stage import Stage, device_of
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

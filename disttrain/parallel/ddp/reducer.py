@@ -33,8 +33,8 @@ import torch
 from disttrain.comm import Communicator
 from disttrain.comm.transports import ShmUnavailableError
 from disttrain.comm.work import CompletedWork
-from disttrain.parallel.buckets import Bucket, Zeros, build_buckets, plain_zeros
-from disttrain.parallel.compression import Compressor, NoCompression, PendingReduction
+from disttrain.parallel.ddp.buckets import Bucket, Zeros, build_buckets, plain_zeros
+from disttrain.parallel.ddp.compression import Compressor, NoCompression, PendingReduction
 
 log = logging.getLogger(__name__)
 
