@@ -45,7 +45,7 @@ from disttrain.comm.transports.shm_segment import SHM_TAG_VAR, unlink_tagged
 from disttrain.launch import records, store, summary
 from disttrain.launch.config import LaunchConfig
 from disttrain.launch.env import LOOPBACK, worker_env
-from disttrain.launch.process import Worker
+from disttrain.launch.ranks import Worker
 
 log = logging.getLogger(__name__)
 SERVERS_VAR = "DISTTRAIN_PS_SERVERS"  # read by parallel.parameter_server.servers_from_env
