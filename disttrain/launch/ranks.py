@@ -4,10 +4,10 @@ Two kinds of rank, started and stopped the same way (nothing outlives the parent
 
 * a **command** (``disttrain launch``): :class:`Worker`, a subprocess in a session of its
   own, so one ``killpg`` reaches it and everything it started, and a Ctrl-C in the
-  terminal reaches only the launcher, which decides what the workers get. Its stdout and
-  stderr are copied line by line (prefixed ``[rank R] `` if asked), the last stderr lines
-  kept for the failure summary. On Linux it is started through the exec wrapper
-  :mod:`disttrain.launch.deathsig`, so it gets SIGTERM if the launcher dies.
+  terminal reaches only the launcher, which forwards what it catches
+  (:func:`catching_signals`) and stops them all (:func:`stop_workers`). On Linux it is
+  started through the exec wrapper :mod:`disttrain.launch.deathsig`, so it gets SIGTERM
+  if the launcher dies. Its stdout and stderr are pipes, for the launcher to copy.
 * a **Python function** (``disttrain run -n``, ``disttrain bench``, the simulator's
   probes): :class:`LocalRanks` runs ``target(rank, world_size, store, channel,
   *args[rank])`` in one new process per rank. The ranks meet through a ``file://`` store
@@ -44,8 +44,10 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from types import FrameType
+from typing import Any
 
+from disttrain.comm.liveness import STOPPED, process_state
 from disttrain.launch.deathsig import set_parent_death_signal
 
 PRELOAD = ("torch", "torch.distributed", "disttrain.comm")
@@ -53,6 +55,9 @@ START_VAR = "DISTTRAIN_RANK_START"  # "forkserver" (the default) or "spawn"
 _TAIL_LINES = 40
 _DEATHSIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deathsig.py")
 _KILL_AFTER_S = 5.0  # after SIGTERM, how long a rank may take before SIGKILL
+_POLL_S = 0.05
+_STOPPED_WAKE_S = 2.0  # how long a stopped worker, woken by SIGCONT, may take to report
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 # ------------------------------------------------------------------- where ranks come from
@@ -297,6 +302,7 @@ class Worker:
         self.rank = rank
         self.local_rank = local_rank
         self.error_file = env.get("DISTTRAIN_ERROR_FILE", "")
+        # its last stderr lines, for the failure summary (kept by whoever reads its output)
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self.returncode: int | None = None
         self.exited_at: float | None = None
@@ -305,22 +311,10 @@ class Worker:
         self.popen = subprocess.Popen(
             with_parent_death_signal(argv), env=dict(env), stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        self._readers: list[threading.Thread] = []
 
     @property
     def pid(self) -> int:
         return self.popen.pid
-
-    def start_output(self, lock: threading.Lock, prefix: bool) -> None:
-        """Start copying the worker's output to ours (call after every worker is spawned)."""
-        tag = f"[rank {self.rank}] ".encode() if prefix else b""
-        assert self.popen.stdout is not None and self.popen.stderr is not None
-        for stream, sink, tail in ((self.popen.stdout, sys.stdout, None),
-                                   (self.popen.stderr, sys.stderr, self.stderr_tail)):
-            thread = threading.Thread(target=_pump, args=(stream, sink, tag, tail, lock),
-                                      name=f"disttrain-out-r{self.rank}", daemon=True)
-            thread.start()
-            self._readers.append(thread)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -344,28 +338,65 @@ class Worker:
         self.poll()
         return code
 
-    def join_output(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for thread in self._readers:
-            thread.join(max(0.0, deadline - time.monotonic()))
+
+class Signals:
+    """SIGINT/SIGTERM/SIGHUP received by the launcher while it watches its workers (to be
+    forwarded to them: a worker is in a session of its own and gets none from the terminal)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.event = threading.Event()
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+        self.event.set()
+
+    def wait(self, timeout_s: float) -> None:
+        self.event.wait(timeout_s)
 
 
-def _pump(stream: IO[bytes], sink: IO[str], tag: bytes,
-          tail: collections.deque[str] | None, lock: threading.Lock) -> None:
-    out = getattr(sink, "buffer", None)
-    for raw in iter(stream.readline, b""):
-        line = raw if raw.endswith(b"\n") else raw + b"\n"
-        if tail is not None:
-            tail.append(line.decode(errors="replace"))
-        with lock:
-            try:
-                if out is not None:
-                    sink.flush()
-                    out.write(tag + line)
-                    out.flush()
-                else:
-                    sink.write((tag + line).decode(errors="replace"))
-                    sink.flush()
-            except (OSError, ValueError):
-                pass  # our own output is closed (e.g. a broken pipe): keep draining
-    stream.close()
+@contextlib.contextmanager
+def catching_signals() -> Iterator[Signals]:
+    caught = Signals()
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in _FORWARDED:
+            previous[signum] = signal.signal(signum, caught.handler)
+    try:
+        yield caught
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)
+
+
+def stop_workers(workers: list[Worker], signum: int, grace_s: float, caught: Signals) -> None:
+    """``signum`` to every live worker's group, SIGKILL after ``grace_s`` (or at a second
+    signal to the launcher), then SIGKILL every group so no descendant survives.
+
+    SIGCONT follows the first signal (as systemd does): a stopped worker (SIGSTOP, a
+    debugger) could not act on it and would cost the whole grace period. Once awake it
+    writes its record (where it was stopped) and gets SIGKILL then, without the grace
+    period: it is the culprit, and its shutdown would only delay the report."""
+    alive = [w for w in workers if w.alive()]
+    stopped = {w.rank for w in alive if process_state(w.pid) == STOPPED}
+    for worker in alive:
+        worker.signal_group(signum)
+        if signum != signal.SIGCONT:
+            worker.signal_group(signal.SIGCONT)
+    already = len(caught.received)
+    start = time.monotonic()
+    deadline = start + grace_s
+    while any(w.alive() for w in alive) and time.monotonic() < deadline:
+        if len(caught.received) > already:
+            break  # asked (again) to stop: do not wait any longer
+        for worker in alive:
+            if worker.rank in stopped and (os.path.exists(worker.error_file)
+                                           or time.monotonic() > start + _STOPPED_WAKE_S):
+                stopped.discard(worker.rank)
+                worker.signal_group(signal.SIGKILL)
+        caught.event.clear()
+        caught.wait(_POLL_S)
+    for worker in workers:
+        worker.signal_group(signal.SIGKILL)
+    for worker in workers:
+        worker.wait()
