@@ -16,6 +16,7 @@ dir.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from disttrain.bench.transports import make_communicator
+from disttrain.comm import Communicator
 from disttrain.launch.ranks import LocalRanks, RankChannel
 
 Job = Callable[..., None]
@@ -66,6 +68,36 @@ def thread_cores(world_size: int, threads: int) -> list[tuple[int, ...]] | None:
     return [tuple(cores[r * threads:(r + 1) * threads]) for r in range(world_size)]
 
 
+@contextlib.contextmanager
+def rank_comm(rank: int, world_size: int, store: str, transport: str, timeout_s: float, *,
+              threads: int = 1, backend: str = "gloo", device: str = "cpu"
+              ) -> Iterator[Communicator]:
+    """A benchmark or probe rank's communicator on ``transport`` over a process group met
+    through the ``file://`` ``store``, every wait bounded by ``timeout_s``; closed with its
+    process group on the way out. ``threads``: intra-op threads (1: ranks share the
+    machine's cores); ``device`` other than CPU: rank r on ``cuda:r``, before NCCL starts."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    if device != "cpu":  # every rank here is local
+        from disttrain.train.device import select_local_gpu
+
+        select_local_gpu(device, rank)
+    comm = None
+    try:
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        comm = make_communicator(transport, timeout_s)
+        yield comm
+    finally:
+        if comm is not None:
+            comm.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _bench_rank(rank: int, world_size: int, store: str, emit: RankChannel,
                 cores: tuple[int, ...] | None, transport: str, timeout_s: float, job: Job,
                 args: tuple[Any, ...], threads: int, backend: str, device: str) -> None:
@@ -76,29 +108,13 @@ def _bench_rank(rank: int, world_size: int, store: str, emit: RankChannel,
     # someone reading a benchmark table, so keep it out of the ranks' output
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r".*torch\.distributed\.\w+` is deprecated")
-    import torch
-    import torch.distributed as dist
-
-    comm = None
-    try:
-        torch.set_num_threads(threads)  # 1 unless told: ranks share the machine's cores
-        if device != "cpu":  # cuda:rank (every rank here is local), before NCCL starts
-            from disttrain.train.device import select_local_gpu
-
-            select_local_gpu(device, rank)
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        comm = make_communicator(transport, timeout_s)
-        job(comm, emit, *args)
-    except BaseException:
-        emit.fail()  # before the clean-up, which may wait on a peer that is gone
-        raise
-    finally:
-        if comm is not None:
-            comm.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with rank_comm(rank, world_size, store, transport, timeout_s, threads=threads,
+                   backend=backend, device=device) as comm:
+        try:
+            job(comm, emit, *args)
+        except BaseException:
+            emit.fail()  # before the clean-up, which may wait on a peer that is gone
+            raise
 
 
 class RankGroup:

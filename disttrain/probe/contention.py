@@ -32,21 +32,18 @@ calls and the one-rank call overhead together (docs/simulate.md, "Why the model 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from disttrain.bench import ranks as bench_ranks
-from disttrain.bench.transports import make_communicator
-from disttrain.comm import Communicator
+from disttrain.bench.ranks import rank_comm
 from disttrain.launch.ranks import LocalRanks
 from disttrain.probe.timing import median_time
 
@@ -140,26 +137,11 @@ def _pinned(rank: int, ranks: int, store: str, report: Callable[[Any], None],
     child(rank, ranks, store, report, *args)
 
 
-@contextlib.contextmanager
-def probe_comm(rank: int, ranks: int, store: str, transport: str) -> Iterator[Communicator]:
-    """A forked probe rank's communicator on ``transport`` (one thread, as ``disttrain
-    bench`` ranks run), closed with its process group on the way out."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, ranks), rank=rank,
-                            world_size=ranks)
-    comm = make_communicator(transport, TIMEOUT_S)
-    try:
-        yield comm
-    finally:
-        comm.close()
-        dist.destroy_process_group()
-
-
 def _collective_child(rank: int, ranks: int, store: str, report: Callable[[Any], None],
                       work: Callable[[], object], nbytes: int, repeats: int,
                       transport: str, op: str) -> None:
     try:
-        with probe_comm(rank, ranks, store, transport) as comm:
+        with rank_comm(rank, ranks, store, transport, TIMEOUT_S) as comm:
             comm.expect_workload("collectives")  # as the DDP and ZeRO runs it stands for
             numel = max(1, nbytes // 4)
             if op == "reduce_scatter":  # equal shards
@@ -220,7 +202,7 @@ def _units_child(rank: int, ranks: int, store: str, report: Callable[[Any], None
                  work: Callable[[], object], sizes: list[int], repeats: int,
                  transport: str) -> None:
     try:
-        with probe_comm(rank, ranks, store, transport) as comm:
+        with rank_comm(rank, ranks, store, transport, TIMEOUT_S) as comm:
             comm.expect_workload("collectives")  # as the ZeRO-3 runs it stands for
             full = [torch.zeros(max(ranks, n // 4 // ranks * ranks)) for n in sizes]
             shards = [torch.zeros(f.numel() // ranks) for f in full]

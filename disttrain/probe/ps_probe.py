@@ -28,13 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from disttrain.bench.ranks import rank_comm
 from disttrain.parallel.parameter_server import (
     PSConfig,
     PSWorker,
     assign_roles,
     run_parameter_server,
 )
-from disttrain.probe.contention import TIMEOUT_S, forked_ranks, probe_comm
+from disttrain.probe.contention import TIMEOUT_S, forked_ranks
 
 log = logging.getLogger(__name__)
 ROUNDS = 30
@@ -46,7 +47,7 @@ def _child(rank: int, ranks: int, store: str, report: Callable[[Any], None],
     # the server's INFO lines (its key range, its staleness) are about a real job
     logging.getLogger("disttrain.parallel.parameter_server").setLevel(logging.WARNING)
     try:
-        with probe_comm(rank, ranks, store, transport) as comm:
+        with rank_comm(rank, ranks, store, transport, TIMEOUT_S) as comm:
             # below the communicator's timeout, as PSConfig requires: the server names a
             # silent worker before Gloo's own timeout breaks the connections
             roles = assign_roles(ranks, 1)

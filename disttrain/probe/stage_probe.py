@@ -46,9 +46,10 @@ from typing import Any
 
 import torch
 
+from disttrain.bench.ranks import rank_comm
 from disttrain.parallel.pipeline import build_pipeline
 from disttrain.parallel.pipeline.link import TRAIN, Direction, StageLink
-from disttrain.probe.contention import forked_ranks, probe_comm
+from disttrain.probe.contention import TIMEOUT_S, forked_ranks
 
 log = logging.getLogger(__name__)
 ROUNDS = 30
@@ -61,7 +62,7 @@ def _child(rank: int, ranks: int, store: str, report: Callable[[Any], None],
     act, grad = Direction.ACTIVATION, Direction.GRADIENT
     first, last = rank == 0, rank == ranks - 1
     try:
-        with probe_comm(rank, ranks, store, transport) as comm:
+        with rank_comm(rank, ranks, store, transport, TIMEOUT_S) as comm:
             link = StageLink(comm, rank)
             payload = torch.zeros(max(1, nbytes // 4))
             rounds: dict[bool, list[float]] = {True: [], False: []}
@@ -128,7 +129,7 @@ def _work_child(rank: int, ranks: int, store: str, report: Callable[[Any], None]
 
     logging.getLogger("disttrain.parallel.pipeline").setLevel(logging.WARNING)  # its plan
     try:
-        with probe_comm(rank, ranks, store, transport) as comm:
+        with rank_comm(rank, ranks, store, transport, TIMEOUT_S) as comm:
             pipes = {name: build_pipeline(module, comm, schedule=name,
                                           microbatches=MICROBATCHES) for name in SCHEDULES}
             batch = torch.cat([x] * MICROBATCHES)
