@@ -179,6 +179,8 @@ class LocalRanks:
                  prefix: str = "disttrain-") -> None:
         if start not in ("forkserver", "spawn", "fork"):
             raise ValueError(f"start must be 'forkserver', 'spawn' or 'fork', got {start!r}")
+        ctx = rank_context() if start == "forkserver" else mp.get_context(start)
+        server = ctx.get_start_method() == "forkserver"
         self.world_size = len(args)
         self.processes: list[Any] = []
         self._outs: list[Any] = []
@@ -186,8 +188,6 @@ class LocalRanks:
         self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
         self.store = os.path.join(self._tmp.name, "store")
         self.pending: set[int] = set()  # ranks whose stream has not ended
-        ctx = rank_context() if start == "forkserver" else mp.get_context(start)
-        server = ctx.get_start_method() == "forkserver"
         try:
             for rank, rank_args in enumerate(args):
                 self._start(ctx, target, rank, rank_args, name,
