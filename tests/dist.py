@@ -31,8 +31,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from disttrain.bench import forkserver
-from disttrain.bench.forkserver import environment
+from disttrain.launch import ranks as launch_ranks
+from disttrain.launch.ranks import environment
 
 DEFAULT_TIMEOUT_S = 120.0  # a whole call on every rank
 COMM_TIMEOUT_S = 20.0  # each blocking wait inside a collective
@@ -40,14 +40,14 @@ COMM_TIMEOUT_S = 20.0  # each blocking wait inside a collective
 
 def rank_context() -> Any:
     """The context test ranks start from: forked from a server that preloaded torch
-    (:mod:`disttrain.bench.forkserver`); hand each rank :func:`environment`."""
-    return forkserver.rank_context()
+    (:func:`disttrain.launch.ranks.rank_context`); hand each rank :func:`environment`."""
+    return launch_ranks.rank_context()
 
 
 def adopt_environment(env: dict[str, str]) -> None:
     """In a rank: the parent's environment of the moment, and one intra-op thread (torch was
     imported by the server, before any variable here could set it)."""
-    forkserver.adopt_environment(env)
+    launch_ranks.adopt_environment(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 

@@ -219,7 +219,7 @@ def _fail_on_rank_one(comm, emit, how):
 def test_a_failing_rank_is_named_and_every_rank_stopped(how, message):
     group = RankGroup(2, _fail_on_rank_one, (how,), transport="torch", timeout_s=20,
                       describe=lambda i: f"report #{i}")
-    procs = list(group._procs)
+    procs = list(group.ranks.processes)
     reports = group.reports()
     assert next(reports) == ["first", "first"]
     with pytest.raises(BenchError, match=f"(?s)rank 1 of 2 {message}.*report #1"):
@@ -231,7 +231,7 @@ def test_a_failing_rank_is_named_and_every_rank_stopped(how, message):
 def test_a_rank_that_cannot_start_raises_its_own_error(monkeypatch):
     """Starting rank 1 fails: rank 0 is stopped and the caller sees the start's error, not
     the AssertionError of joining a process that never started."""
-    from disttrain.bench.forkserver import rank_context
+    from disttrain.launch.ranks import rank_context
 
     process = rank_context().Process  # the class RankGroup starts its ranks with
     started = []
@@ -337,7 +337,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
 def test_ctrl_c_while_a_rank_starts_waits_until_it_is_recorded():
     """Ctrl-C inside Process.start could lose a rank's pid, and the rank then outlived the
     command (the test above, 2 runs in 8): RankGroup starts ranks with SIGINT held back."""
-    from disttrain.bench.ranks import _ctrl_c_deferred
+    from disttrain.launch.ranks import ctrl_c_deferred
 
     reached = []
     # A shell's background job starts with SIGINT ignored, and the deferral rightly keeps
@@ -345,7 +345,7 @@ def test_ctrl_c_while_a_rank_starts_waits_until_it_is_recorded():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            with _ctrl_c_deferred():
+            with ctrl_c_deferred():
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(0.05)  # a SIGINT let through would raise here
                 reached.append("the block ran to its end")
@@ -357,11 +357,11 @@ def test_ctrl_c_while_a_rank_starts_waits_until_it_is_recorded():
 def test_ctrl_c_ignored_by_the_parent_stays_ignored():
     """A job started with SIGINT ignored (nohup, a shell's background job) is not
     interrupted by the deferral either: the held-back signal goes to the ignoring handler."""
-    from disttrain.bench.ranks import _ctrl_c_deferred
+    from disttrain.launch.ranks import ctrl_c_deferred
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        with _ctrl_c_deferred():
+        with ctrl_c_deferred():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from disttrain.bench import forkserver
 from disttrain.bench.ranks import RankGroup
+from disttrain.launch import ranks as launch_ranks
 
 
 def _report_environment(comm, emit):
@@ -35,7 +35,7 @@ def test_a_preload_list_set_before_is_kept(monkeypatch):
     monkeypatch.setattr(mp_forkserver, "_forkserver", server)
     monkeypatch.setattr(mp_forkserver, "set_forkserver_preload",
                         server.set_forkserver_preload)
-    forkserver.rank_context(("torch",))
+    launch_ranks.rank_context(("torch",))
     assert server._preload_modules == ["json", "torch"]
 
 
@@ -45,7 +45,7 @@ def test_adopt_environment_replaces_the_whole_environment(monkeypatch):
     wanted["DISTTRAIN_FORKSERVER_NEW"] = "2"
     before = dict(os.environ)
     try:
-        forkserver.adopt_environment(wanted)
+        launch_ranks.adopt_environment(wanted)
         assert dict(os.environ) == wanted
     finally:
         os.environ.clear()
@@ -53,8 +53,8 @@ def test_adopt_environment_replaces_the_whole_environment(monkeypatch):
 
 
 def test_the_start_method_can_be_spawn_and_a_typo_is_named(monkeypatch):
-    monkeypatch.setenv(forkserver.START_VAR, "spawn")
-    assert forkserver.rank_context().get_start_method() == "spawn"
-    monkeypatch.setenv(forkserver.START_VAR, "fork-server")
+    monkeypatch.setenv(launch_ranks.START_VAR, "spawn")
+    assert launch_ranks.rank_context().get_start_method() == "spawn"
+    monkeypatch.setenv(launch_ranks.START_VAR, "fork-server")
     with pytest.raises(ValueError, match="DISTTRAIN_RANK_START must be 'forkserver' or 'spawn'"):
-        forkserver.rank_context()
+        launch_ranks.rank_context()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from disttrain.launch import process, store
+from disttrain.launch import ranks, store
 from disttrain.launch.cli import build_config, configure
 from disttrain.launch.config import LaunchConfig, LaunchError
 
@@ -81,13 +81,13 @@ def test_workers_are_spawned_without_preexec_fn(monkeypatch):
         def __init__(self, argv, **kwargs):
             seen.update(argv=argv, **kwargs)
 
-    monkeypatch.setattr(process.subprocess, "Popen", Recorder)
-    process.Worker(0, 0, [sys.executable, "train.py", "--lr", "1"], {})
+    monkeypatch.setattr(ranks.subprocess, "Popen", Recorder)
+    ranks.Worker(0, 0, [sys.executable, "train.py", "--lr", "1"], {})
     assert seen.get("preexec_fn") is None and seen["start_new_session"]
     if sys.platform.startswith("linux"):
         assert seen["argv"][-3:] == ["train.py", "--lr", "1"]
-        assert seen["argv"][seen["argv"].index(process._DEATHSIG) + 1] == str(
-            process.os.getpid())
+        assert seen["argv"][seen["argv"].index(ranks._DEATHSIG) + 1] == str(
+            ranks.os.getpid())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -96,7 +96,7 @@ def test_deathsig_wrapper_sets_the_signal_and_keeps_the_pid():
     SIGTERM (15)."""
     probe = ("import ctypes, os; v = ctypes.c_int(); "
              "ctypes.CDLL(None).prctl(2, ctypes.byref(v)); print(os.getpid(), v.value)")
-    child = subprocess.Popen(process.with_parent_death_signal([sys.executable, "-c", probe]),
+    child = subprocess.Popen(ranks.with_parent_death_signal([sys.executable, "-c", probe]),
                              stdout=subprocess.PIPE, text=True)
     out, _ = child.communicate(timeout=60)
     assert child.returncode == 0

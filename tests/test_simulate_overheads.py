@@ -592,8 +592,8 @@ def test_a_probe_rank_that_cannot_be_bound_says_so(monkeypatch: pytest.MonkeyPat
         forked_ranks(_report_cores, 2, bind=True)
 
 
-def _report_cores(rank: int, ranks: int, store: str, results: Any) -> None:
-    results.put((rank, sorted(os.sched_getaffinity(0))))
+def _report_cores(rank: int, ranks: int, store: str, report: Callable[[Any], None]) -> None:
+    report((rank, sorted(os.sched_getaffinity(0))))
 
 
 def test_probes_are_read_round_robin_so_a_slow_spell_hits_one_reading_of_each() -> None:

@@ -7,41 +7,29 @@ import time
 
 import pytest
 
+from disttrain.launch.ranks import LocalRanks
 from disttrain.train.spawn import RankFailedError, _collect, root_cause
-from tests.dist import rank_context
 
 SURVIVOR = ("Traceback (most recent call last):\n  ...\nRuntimeError: [../third_party/gloo/"
             "gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234\n")
 CULPRIT = "Traceback (most recent call last):\n  ...\nRuntimeError: rank 1 refuses\n"
 
 
-def _report(conn, delay_s, message):
+def _report(rank, world_size, store, channel, delays_messages):
+    delay_s, message = delays_messages[rank]
     time.sleep(delay_s)
-    conn.send(("error", message))
-
-
-def _ranks(plan):
-    ctx = rank_context()  # not a bare fork of this multi-threaded test process
-    procs, conns = [], []
-    for delay_s, message in plan:
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_report, args=(child, delay_s, message), daemon=True)
-        proc.start()
-        child.close()
-        procs.append(proc)
-        conns.append(parent)
-    return procs, conns
+    channel(("error", message))
 
 
 @pytest.mark.parametrize("survivor_delay, culprit_delay", [(0.0, 0.4), (0.4, 0.0)])
 def test_the_root_cause_is_named_whichever_rank_reports_first(survivor_delay, culprit_delay):
-    procs, conns = _ranks([(survivor_delay, SURVIVOR), (culprit_delay, CULPRIT)])
+    plan = [(survivor_delay, SURVIVOR), (culprit_delay, CULPRIT)]
+    ranks = LocalRanks(_report, [(plan,)] * 2)
     try:
         with pytest.raises(RankFailedError, match="rank 1 failed: RuntimeError: rank 1 refuses"):
-            _collect(procs, conns, timeout_s=30)
+            _collect(ranks, timeout_s=30)
     finally:
-        for proc in procs:
-            proc.join(5)
+        ranks.close(grace_s=5)
 
 
 def test_when_every_failure_is_a_consequence_the_first_seen_is_named():

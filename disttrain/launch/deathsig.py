@@ -11,8 +11,8 @@ process: the pid the launcher watches and signals does not change, and the setti
 the exec (Linux clears it only for set-user-ID and set-group-ID programs).
 
 Run as a script with ``-I -S`` it imports nothing but the standard library (it starts in a
-few milliseconds); it must not import disttrain. ``disttrain run``'s own ranks, which are
-Python from the start, call :func:`set_parent_death_signal` directly.
+few milliseconds); it must not import disttrain. Ranks that run a Python function
+(:class:`disttrain.launch.ranks.LocalRanks`) call :func:`set_parent_death_signal` directly.
 
 The signal goes to a worker that may be blocked inside a C call (a store or network wait),
 where Python runs no handler until the call returns: a worker whose launcher is gone

@@ -23,6 +23,7 @@ removed if a rank died before it could.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -34,18 +35,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any
+from typing import IO, Any
 
-from disttrain.comm.liveness import STOPPED, process_state
 from disttrain.comm.transports.shm.segment import SHM_TAG_VAR, unlink_tagged
 from disttrain.launch import records, store, summary
 from disttrain.launch.config import LaunchConfig
 from disttrain.launch.env import LOOPBACK, worker_env
-from disttrain.launch.process import Worker
+from disttrain.launch.ranks import Signals, Worker, catching_signals, stop_workers
 
 log = logging.getLogger(__name__)
 SERVERS_VAR = "DISTTRAIN_PS_SERVERS"  # read by parallel.parameter_server.servers_from_env
@@ -54,8 +52,6 @@ MAX_RESTARTS_VAR = "TORCHELASTIC_MAX_RESTARTS"  # when the count is > 0
 
 _POLL_S = 0.05
 _SETTLE_S = 0.5  # after a failure, how long the others may take to exit by themselves
-_STOPPED_WAKE_S = 2.0  # how long a stopped worker, woken by SIGCONT, may take to report
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -63,35 +59,6 @@ class _Outcome:
     kind: str  # "success", "failure" or "signal"
     root: summary.Blame | None = None
     signum: int | None = None
-
-
-class _Signals:
-    """Catches SIGINT/SIGTERM/SIGHUP for the launcher's main loop."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.event = threading.Event()
-
-    def handler(self, signum: int, frame: FrameType | None) -> None:
-        self.received.append(signum)
-        self.event.set()
-
-    def wait(self, timeout_s: float) -> None:
-        self.event.wait(timeout_s)
-
-
-@contextmanager
-def _catching_signals() -> Iterator[_Signals]:
-    caught = _Signals()
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in _FORWARDED:
-            previous[signum] = signal.signal(signum, caught.handler)
-    try:
-        yield caught
-    finally:
-        for number, old in previous.items():
-            signal.signal(number, old)
 
 
 def _host_store(config: LaunchConfig, timeout_s: float) -> tuple[Any | None, int]:
@@ -139,7 +106,7 @@ def _role_env(config: LaunchConfig, rank: int) -> dict[str, str]:
             "ROLE_WORLD_SIZE": str(size)}
 
 
-def _watch(workers: list[Worker], caught: _Signals, run_dir: str, host: str,
+def _watch(workers: list[Worker], caught: Signals, run_dir: str, host: str,
            losable: frozenset[int] = frozenset()) -> _Outcome:
     """Until every worker exited, one failed, or a signal came. The failure of a rank in
     ``losable`` (``--tolerate-worker-loss``) is announced and the others go on; it is still
@@ -180,7 +147,7 @@ def _say(line: str) -> None:
     print(f"disttrain launch: {line}", file=sys.stderr, flush=True)
 
 
-def _settle(workers: list[Worker], caught: _Signals) -> None:
+def _settle(workers: list[Worker], caught: Signals) -> None:
     """After a first failure, give the other workers up to ``_SETTLE_S`` to exit by
     themselves before they are stopped. Ranks that fail at the same moment (every rank
     raising the same collective mismatch) then end with their own error records instead
@@ -195,39 +162,6 @@ def _settle(workers: list[Worker], caught: _Signals) -> None:
         caught.wait(_POLL_S)
 
 
-def _stop(workers: list[Worker], signum: int, grace_s: float, caught: _Signals) -> None:
-    """``signum`` to every live worker's group, SIGKILL after ``grace_s`` (or at a second
-    signal to the launcher), then SIGKILL every group so no descendant survives.
-
-    SIGCONT follows the first signal (as systemd does): a stopped worker (SIGSTOP, a
-    debugger) could not act on it and would cost the whole grace period. Once awake it
-    writes its record (where it was stopped) and gets SIGKILL then, without the grace
-    period: it is the culprit, and its shutdown would only delay the report."""
-    alive = [w for w in workers if w.alive()]
-    stopped = {w.rank for w in alive if process_state(w.pid) == STOPPED}
-    for worker in alive:
-        worker.signal_group(signum)
-        if signum != signal.SIGCONT:
-            worker.signal_group(signal.SIGCONT)
-    already = len(caught.received)
-    start = time.monotonic()
-    deadline = start + grace_s
-    while any(w.alive() for w in alive) and time.monotonic() < deadline:
-        if len(caught.received) > already:
-            break  # asked (again) to stop: do not wait any longer
-        for worker in alive:
-            if worker.rank in stopped and (os.path.exists(worker.error_file)
-                                           or time.monotonic() > start + _STOPPED_WAKE_S):
-                stopped.discard(worker.rank)
-                worker.signal_group(signal.SIGKILL)
-        caught.event.clear()
-        caught.wait(_POLL_S)
-    for worker in workers:
-        worker.signal_group(signal.SIGKILL)
-    for worker in workers:
-        worker.wait()
-
-
 def launch(config: LaunchConfig, restart_count: int = 0,
            on_failure: Callable[[summary.Blame], None] | None = None) -> int:
     """Run the job's workers on this node once; return the launcher's exit code.
@@ -240,20 +174,21 @@ def launch(config: LaunchConfig, restart_count: int = 0,
     os.makedirs(run_dir, exist_ok=True)
     lock = threading.Lock()
     workers: list[Worker] = []
+    readers: list[tuple[threading.Thread, ...]] = []
     shm_tag = f"l{os.getpid():x}{secrets.token_hex(3)}"  # names its ranks' segments
-    with _catching_signals() as caught:
+    with catching_signals() as caught:
         try:
             _spawn(config, port, run_dir, shm_tag, workers, restart_count)
-            for worker in workers:
-                worker.start_output(lock, config.prefix_output)
+            readers += [_copy_output(worker, lock, config.prefix_output) for worker in workers]
             outcome = _watch(workers, caught, run_dir, host, config.losable_ranks)
         finally:  # also when spawning or watching raised: nothing may outlive the launcher
-            _stop(workers, (caught.received or [signal.SIGTERM])[0], config.grace_s, caught)
+            stop_workers(workers, (caught.received or [signal.SIGTERM])[0], config.grace_s, caught)
             left = unlink_tagged(shm_tag)  # a rank killed during shared-memory set-up
             if left:
                 log.warning("removed shared-memory segment(s) a dead rank left: %s", left)
-    for worker in workers:
-        worker.join_output(2.0)
+    deadline = time.monotonic() + 2.0
+    for thread in (t for pair in readers for t in pair):
+        thread.join(max(0.0, deadline - time.monotonic()))
     code, report = _conclude(outcome, workers, host, run_dir)
     if on_failure is not None and outcome.root is not None:
         on_failure(outcome.root)
@@ -264,6 +199,44 @@ def launch(config: LaunchConfig, restart_count: int = 0,
         shutil.rmtree(run_dir, ignore_errors=True)
     del rendezvous  # the store outlived every worker
     return code
+
+
+def _copy_output(worker: Worker, lock: threading.Lock,
+                 prefix: bool) -> tuple[threading.Thread, ...]:
+    """Threads copying the worker's output to ours line by line, each line prefixed
+    ``[rank R] `` if asked, its last stderr lines kept for the failure summary (start them
+    after every worker is spawned)."""
+    tag = f"[rank {worker.rank}] ".encode() if prefix else b""
+    assert worker.popen.stdout is not None and worker.popen.stderr is not None
+    threads = tuple(threading.Thread(target=_pump, args=(stream, sink, tag, tail, lock),
+                                     name=f"disttrain-out-r{worker.rank}", daemon=True)
+                    for stream, sink, tail in (
+                        (worker.popen.stdout, sys.stdout, None),
+                        (worker.popen.stderr, sys.stderr, worker.stderr_tail)))
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _pump(stream: IO[bytes], sink: IO[str], tag: bytes,
+          tail: collections.deque[str] | None, lock: threading.Lock) -> None:
+    out = getattr(sink, "buffer", None)
+    for raw in iter(stream.readline, b""):
+        line = raw if raw.endswith(b"\n") else raw + b"\n"
+        if tail is not None:
+            tail.append(line.decode(errors="replace"))
+        with lock:
+            try:
+                if out is not None:
+                    sink.flush()
+                    out.write(tag + line)
+                    out.flush()
+                else:
+                    sink.write((tag + line).decode(errors="replace"))
+                    sink.flush()
+            except (OSError, ValueError):
+                pass  # our own output is closed (e.g. a broken pipe): keep draining
+    stream.close()
 
 
 def _conclude(outcome: _Outcome, workers: list[Worker], host: str,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from disttrain.comm.liveness import DEAD, RUNNING, STOPPED, process_state
 from disttrain.launch import records
-from disttrain.launch.process import Worker
+from disttrain.launch.ranks import Worker
 
 _TAIL = 15
 _CONSEQUENCES = ("PeerFailedError", "WorkerTerminated", "CommTimeoutError",

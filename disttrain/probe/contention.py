@@ -32,35 +32,33 @@ calls and the one-rank call overhead together (docs/simulate.md, "Why the model 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from disttrain.bench import ranks as bench_ranks
-from disttrain.bench.transports import make_communicator
-from disttrain.comm import Communicator
+from disttrain.bench.ranks import rank_comm
+from disttrain.launch.ranks import LocalRanks
 from disttrain.probe.timing import median_time
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 60.0
 
 
-def _child(work: Callable[[], object], barrier: Any, results: Any, repeats: int) -> None:
+def _slowdown_child(rank: int, ranks: int, store: str, report: Callable[[Any], None],
+                    work: Callable[[], object], barrier: Any, repeats: int) -> None:
     torch.set_num_threads(1)
     try:
         barrier.wait(TIMEOUT_S)
-        results.put(median_time(work, repeats))
+        report(median_time(work, repeats))
     except Exception as exc:  # reported to the parent, which falls back to 1
-        results.put(f"{type(exc).__name__}: {exc}")
+        report(f"{type(exc).__name__}: {exc}")
 
 
 def concurrent_slowdown(work: Callable[[], object], processes: int,
@@ -70,89 +68,80 @@ def concurrent_slowdown(work: Callable[[], object], processes: int,
     if processes < 2 or "fork" not in multiprocessing.get_all_start_methods():
         return 1.0
     alone = median_time(work, repeats)
-    ctx = multiprocessing.get_context("fork")  # the work is a closure: not picklable
-    barrier, results = ctx.Barrier(processes), ctx.Queue()
-    children = [ctx.Process(target=_child, args=(work, barrier, results, repeats),
-                            daemon=True) for _ in range(processes)]
+    barrier = multiprocessing.get_context("fork").Barrier(processes)  # inherited by fork
     try:
-        times = _gather(children, results)
+        times = forked_ranks(_slowdown_child, processes, work, barrier, repeats)
     except Exception as exc:
         log.warning("could not measure the concurrent slowdown (%s); assuming none", exc)
         return 1.0
     return max(1.0, statistics.mean(times) / alone) if alone > 0 else 1.0
 
 
-def _gather(children: list[Any], results: Any) -> list[Any]:
-    """Start ``children``, take one result from each (a str is a child's error: raised),
-    each within TIMEOUT_S, and always reap them (killing any still running)."""
-    for child in children:
-        child.start()
-    try:
-        values = [results.get(timeout=TIMEOUT_S) for _ in children]
-        errors = [v for v in values if isinstance(v, str)]
-        if errors:
-            raise RuntimeError(errors[0])
-        return values
-    finally:
-        for child in children:
-            child.join(timeout=10)
-            if child.is_alive():
-                child.kill()
-
-
 def forked_ranks(child: Callable[..., None], ranks: int, *args: Any,
                  bind: bool = False) -> list[Any]:
-    """Run ``child(rank, ranks, store_path, results, *args)`` in ``ranks`` forked
-    processes (the probes' work and modules are closures: not picklable) and return the
-    one value each put on ``results``, in arrival order. ``bind``: each rank pinned to the
-    core ``disttrain bench --bind-cores`` pins a rank of ``ranks`` to
-    (:func:`~disttrain.bench.ranks.bind_plan`; unbound where it has no plan). Raises if
-    fork is unavailable or a rank reports an error (a str) or is silent for TIMEOUT_S;
-    always reaps the ranks."""
+    """Run ``child(rank, ranks, store_path, report, *args)`` in ``ranks`` forked
+    processes (:class:`~disttrain.launch.ranks.LocalRanks`; the probes' work and modules
+    are closures: not picklable) and return the one value each ``report``-ed, in arrival
+    order. ``bind``: each rank pinned to the core ``disttrain bench --bind-cores`` pins a
+    rank of ``ranks`` to (:func:`~disttrain.bench.ranks.bind_plan`; unbound where it has
+    no plan). Raises if fork is unavailable or a rank reports an error (a str), raises,
+    dies or is silent for TIMEOUT_S; always reaps the ranks."""
     if "fork" not in multiprocessing.get_all_start_methods():
         raise RuntimeError("this platform cannot fork processes")
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
     plan = bench_ranks.bind_plan(ranks) if bind else None
     cores: list[int | None] = list(plan) if plan else [None] * ranks
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        return _gather([ctx.Process(target=_pinned, daemon=True,
-                                    args=(cores[r], child, r, ranks, store, results, *args))
-                        for r in range(ranks)], results)
+    group = LocalRanks(_pinned, [(cores[r], child, *args) for r in range(ranks)],
+                       start="fork", name="disttrain-probe-r", prefix="disttrain-probe-")
+    try:
+        return _gather(group)
+    finally:
+        group.close(grace_s=10.0)  # a rank that reported closes its communicator first
 
 
-def _pinned(core: int | None, child: Callable[..., None], rank: int, ranks: int, store: str,
-            results: Any, *args: Any) -> None:
+def _gather(group: LocalRanks) -> list[Any]:
+    """One value from each rank of ``group``, in arrival order, each within TIMEOUT_S of
+    the one before; a str is a rank's error, raised."""
+    values: list[Any] = []
+    heard: set[int] = set()
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(heard) < group.world_size:
+        if time.monotonic() > deadline:
+            silent = sorted(set(range(group.world_size)) - heard)
+            raise RuntimeError(f"probe ranks {silent} sent nothing for {TIMEOUT_S:g}s")
+        for event in group.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if event.rank in heard:
+                continue
+            if event.kind == "report" and isinstance(event.value, str):
+                raise RuntimeError(event.value)
+            if event.kind == "report":
+                heard.add(event.rank)
+                values.append(event.value)
+                deadline = time.monotonic() + TIMEOUT_S
+            elif event.kind == "error":
+                raise RuntimeError(f"probe rank {event.rank} raised: "
+                                   f"{event.value.strip().splitlines()[-1]}")
+            else:
+                raise RuntimeError(f"probe rank {event.rank} ended without a value (exit "
+                                   f"code {group.exit_code(event.rank, 1.0)})")
+    return values
+
+
+def _pinned(rank: int, ranks: int, store: str, report: Callable[[Any], None],
+            core: int | None, child: Callable[..., None], *args: Any) -> None:
     if core is not None:  # first, so every thread the rank starts (Gloo's too) inherits it
         try:
             os.sched_setaffinity(0, {core})
         except OSError as exc:  # reported at once, not after the parent's TIMEOUT_S
-            results.put(f"rank {rank} could not be bound to core {core}: {exc}")
+            report(f"rank {rank} could not be bound to core {core}: {exc}")
             return
-    child(rank, ranks, store, results, *args)
+    child(rank, ranks, store, report, *args)
 
 
-@contextlib.contextmanager
-def probe_comm(rank: int, ranks: int, store: str, transport: str) -> Iterator[Communicator]:
-    """A forked probe rank's communicator on ``transport`` (one thread, as ``disttrain
-    bench`` ranks run), closed with its process group on the way out."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, ranks), rank=rank,
-                            world_size=ranks)
-    comm = make_communicator(transport, TIMEOUT_S)
-    try:
-        yield comm
-    finally:
-        comm.close()
-        dist.destroy_process_group()
-
-
-def _collective_child(rank: int, ranks: int, store: str, results: Any,
+def _collective_child(rank: int, ranks: int, store: str, report: Callable[[Any], None],
                       work: Callable[[], object], nbytes: int, repeats: int,
                       transport: str, op: str) -> None:
     try:
-        with probe_comm(rank, ranks, store, transport) as comm:
+        with rank_comm(rank, ranks, store, transport, TIMEOUT_S) as comm:
             comm.expect_workload("collectives")  # as the DDP and ZeRO runs it stands for
             numel = max(1, nbytes // 4)
             if op == "reduce_scatter":  # equal shards
@@ -170,9 +159,9 @@ def _collective_child(rank: int, ranks: int, store: str, results: Any,
                     assert pending is not None
                     pending.wait()
                 times.append(time.perf_counter() - start)
-        results.put(statistics.median(times[2:]))
+        report(statistics.median(times[2:]))
     except Exception as exc:  # reported to the parent, which falls back to 0
-        results.put(f"{type(exc).__name__}: {exc}")
+        report(f"{type(exc).__name__}: {exc}")
 
 
 def collective_in_step(work: Callable[[], object], nbytes: int, repeats: int = 15,
@@ -209,10 +198,11 @@ def compute_slice(seconds: float) -> Callable[[], None]:
     return work
 
 
-def _units_child(rank: int, ranks: int, store: str, results: Any, work: Callable[[], object],
-                 sizes: list[int], repeats: int, transport: str) -> None:
+def _units_child(rank: int, ranks: int, store: str, report: Callable[[Any], None],
+                 work: Callable[[], object], sizes: list[int], repeats: int,
+                 transport: str) -> None:
     try:
-        with probe_comm(rank, ranks, store, transport) as comm:
+        with rank_comm(rank, ranks, store, transport, TIMEOUT_S) as comm:
             comm.expect_workload("collectives")  # as the ZeRO-3 runs it stands for
             full = [torch.zeros(max(ranks, n // 4 // ranks * ranks)) for n in sizes]
             shards = [torch.zeros(f.numel() // ranks) for f in full]
@@ -236,9 +226,9 @@ def _units_child(rank: int, ranks: int, store: str, results: Any, work: Callable
                     for w in scatters:
                         w.wait()
                 (with_ops if ops else without).append(time.perf_counter() - start)
-        results.put(statistics.median(with_ops[2:]) - statistics.median(without[2:]))
+        report(statistics.median(with_ops[2:]) - statistics.median(without[2:]))
     except Exception as exc:  # reported to the parent, which falls back to 0
-        results.put(f"{type(exc).__name__}: {exc}")
+        report(f"{type(exc).__name__}: {exc}")
 
 
 def unit_ops_in_step(work: Callable[[], object], sizes: list[int], repeats: int = 9,

@@ -28,25 +28,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from disttrain.bench.ranks import rank_comm
 from disttrain.parallel.parameter_server import (
     PSConfig,
     PSWorker,
     assign_roles,
     run_parameter_server,
 )
-from disttrain.probe.contention import TIMEOUT_S, forked_ranks, probe_comm
+from disttrain.probe.contention import TIMEOUT_S, forked_ranks
 
 log = logging.getLogger(__name__)
 ROUNDS = 30
 WARM_UP = 5
 
 
-def _child(rank: int, ranks: int, store: str, results: Any, module: nn.Module,
-           work: Callable[[], object], transport: str) -> None:
+def _child(rank: int, ranks: int, store: str, report: Callable[[Any], None],
+           module: nn.Module, work: Callable[[], object], transport: str) -> None:
     # the server's INFO lines (its key range, its staleness) are about a real job
     logging.getLogger("disttrain.parallel.parameter_server").setLevel(logging.WARNING)
     try:
-        with probe_comm(rank, ranks, store, transport) as comm:
+        with rank_comm(rank, ranks, store, transport, TIMEOUT_S) as comm:
             # below the communicator's timeout, as PSConfig requires: the server names a
             # silent worker before Gloo's own timeout breaks the connections
             roles = assign_roles(ranks, 1)
@@ -54,7 +55,7 @@ def _child(rank: int, ranks: int, store: str, results: Any, module: nn.Module,
             if roles.role(rank).kind == "server":
                 run_parameter_server(comm, roles, module,
                                      lambda p: torch.optim.SGD(p, lr=0.0), config)
-                results.put(None)
+                report(None)
                 return
             ps = PSWorker(comm, module, roles, config)
             pulls, pushes, clocks = [], [], []
@@ -70,9 +71,9 @@ def _child(rank: int, ranks: int, store: str, results: Any, module: nn.Module,
                 pulls.append(pulled - start)
                 clocks.append(end - start)
             ps.close()
-        results.put(tuple(statistics.median(t[WARM_UP:]) for t in (pulls, pushes, clocks)))
+        report(tuple(statistics.median(t[WARM_UP:]) for t in (pulls, pushes, clocks)))
     except Exception as exc:  # reported to the parent, which falls back to 0
-        results.put(f"{type(exc).__name__}: {exc}")
+        report(f"{type(exc).__name__}: {exc}")
 
 
 def _run(workers: int, module: nn.Module, work: Callable[[], object], transport: str

@@ -46,9 +46,10 @@ from typing import Any
 
 import torch
 
+from disttrain.bench.ranks import rank_comm
 from disttrain.parallel.pipeline import build_pipeline
 from disttrain.parallel.pipeline.link import TRAIN, Direction, StageLink
-from disttrain.probe.contention import forked_ranks, probe_comm
+from disttrain.probe.contention import TIMEOUT_S, forked_ranks
 
 log = logging.getLogger(__name__)
 ROUNDS = 30
@@ -56,12 +57,12 @@ WARM_UP = 5
 PAYLOAD_BYTES = 4096  # small enough that β · bytes is noise on any transport here
 
 
-def _child(rank: int, ranks: int, store: str, results: Any, work: Callable[[], object],
-           nbytes: int, transport: str) -> None:
+def _child(rank: int, ranks: int, store: str, report: Callable[[Any], None],
+           work: Callable[[], object], nbytes: int, transport: str) -> None:
     act, grad = Direction.ACTIVATION, Direction.GRADIENT
     first, last = rank == 0, rank == ranks - 1
     try:
-        with probe_comm(rank, ranks, store, transport) as comm:
+        with rank_comm(rank, ranks, store, transport, TIMEOUT_S) as comm:
             link = StageLink(comm, rank)
             payload = torch.zeros(max(1, nbytes // 4))
             rounds: dict[bool, list[float]] = {True: [], False: []}
@@ -90,9 +91,9 @@ def _child(rank: int, ranks: int, store: str, results: Any, work: Callable[[], o
                     work()
                     solo.append(time.perf_counter() - start)
         # stage 0 starts first and finishes last: its rounds are the critical path
-        results.put((rank, rounds[True][WARM_UP:], rounds[False][WARM_UP:], solo[WARM_UP:]))
+        report((rank, rounds[True][WARM_UP:], rounds[False][WARM_UP:], solo[WARM_UP:]))
     except Exception as exc:  # reported to the parent, which falls back to 0
-        results.put(f"{type(exc).__name__}: {exc}")
+        report(f"{type(exc).__name__}: {exc}")
 
 
 def stage_message(work: Callable[[], object], transport: str = "torch",
@@ -121,14 +122,14 @@ STEPS = 20
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def _work_child(rank: int, ranks: int, store: str, results: Any, module: torch.nn.Module,
-                x: torch.Tensor, transport: str) -> None:
+def _work_child(rank: int, ranks: int, store: str, report: Callable[[Any], None],
+                module: torch.nn.Module, x: torch.Tensor, transport: str) -> None:
     def loss(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
         return out.float().pow(2).mean()
 
     logging.getLogger("disttrain.parallel.pipeline").setLevel(logging.WARNING)  # its plan
     try:
-        with probe_comm(rank, ranks, store, transport) as comm:
+        with rank_comm(rank, ranks, store, transport, TIMEOUT_S) as comm:
             pipes = {name: build_pipeline(module, comm, schedule=name,
                                           microbatches=MICROBATCHES) for name in SCHEDULES}
             batch = torch.cat([x] * MICROBATCHES)
@@ -143,9 +144,9 @@ def _work_child(rank: int, ranks: int, store: str, results: Any, module: torch.n
                     step = pipe.last_step
                     assert step is not None
                     own[name].append(step.wall_s - step.busy_s - step.wait_s)
-        results.put((rank, {name: steps[WARM_UP:] for name, steps in own.items()}))
+        report((rank, {name: steps[WARM_UP:] for name, steps in own.items()}))
     except Exception as exc:  # reported to the parent, which falls back to 0
-        results.put(f"{type(exc).__name__}: {exc}")
+        report(f"{type(exc).__name__}: {exc}")
 
 
 def _message_ends(rank: int, ranks: int) -> int:

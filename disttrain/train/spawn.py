@@ -1,7 +1,8 @@
 """Run the training loop on ranks: local processes started here, or the ranks of a launched job.
 
-``run_local`` spawns ``world_size`` processes on this machine. They meet through a file store
-in a fresh temporary directory (no port to clash with other jobs) with the same rendezvous
+``run_local`` spawns ``world_size`` processes on this machine
+(:class:`~disttrain.launch.ranks.LocalRanks`). They meet through a file store in a fresh
+temporary directory (no port to clash with other jobs) with the same rendezvous
 as ``disttrain.init()`` (a rank that never comes is named), use the given backend (Gloo, or
 NCCL with a GPU per rank: rank r trains on ``cuda:r``), and send their
 :class:`TrainResult` back through a pipe to this process (their parent). A rank that raises,
@@ -18,21 +19,16 @@ results are returned. Every rank gets SIGKILL from the kernel if this process di
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing as mp
-import multiprocessing.connection as mpc
 import os
 import secrets
-import signal
 import sys
-import tempfile
 import time
 import traceback
-from typing import Any
 
 from disttrain.comm import CommConfig, Communicator
 from disttrain.comm.transports.shm.segment import SHM_TAG_VAR, unlink_tagged
+from disttrain.launch.ranks import LocalRanks, RankChannel, RankEvent
 from disttrain.train import rank_failures
 from disttrain.train.config import TrainConfig
 from disttrain.train.device import select_local_gpu
@@ -64,16 +60,17 @@ def make_comm(transport: str, comm_config: CommConfig) -> Communicator:
     return Communicator(make_transport(transport, timeout_s=comm_config.timeout_s), comm_config)
 
 
-def _worker(rank: int, world_size: int, store_path: str, config: TrainConfig,
-            comm_config: CommConfig, transport: str, log_level: int, conn: Any,
-            parent: int, shm_tag: str, backend: str = "gloo") -> None:
+def _worker(rank: int, world_size: int, store_path: str, channel: RankChannel,
+            config: TrainConfig, comm_config: CommConfig, transport: str, log_level: int,
+            shm_tag: str, backend: str = "gloo") -> None:
+    """One rank of ``run_local``: its verdict is one report, ``("ok", result)``,
+    ``("invalid", message)`` or ``("error", traceback, facts)``, sent before the clean-up."""
     import torch
     import torch.distributed as dist
 
-    from disttrain.launch import deathsig, rendezvous
+    from disttrain.launch import rendezvous
     from disttrain.launch.env import resolve_init_timeout
 
-    deathsig.set_parent_death_signal(signal.SIGKILL, parent)  # no rank outlives disttrain run
     os.environ[SHM_TAG_VAR] = shm_tag  # the parent removes what a killed rank leaves
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
@@ -90,11 +87,11 @@ def _worker(rank: int, world_size: int, store_path: str, config: TrainConfig,
             result = train(config, comm)
         finally:
             comm.close()
-        conn.send(("ok", result.without_model()))
+        channel(("ok", result.without_model()))
     except (ValueError, ImportError) as exc:  # bad input or a missing package (exit 2 in the CLI)
-        conn.send(("invalid", str(exc)))
+        channel(("invalid", str(exc)))
     except BaseException as exc:
-        conn.send(("error", traceback.format_exc(), rank_failures.facts_of(exc, comm)))
+        channel(("error", traceback.format_exc(), rank_failures.facts_of(exc, comm)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -110,41 +107,32 @@ def run_local(config: TrainConfig, world_size: int, comm_config: CommConfig | No
     ``comm_config.timeout_s``); ``transport`` is how disttrain.comm moves bytes, over the
     torch.distributed ``backend`` (:func:`~disttrain.train.device.local_backend`)."""
     comm_config = comm_config or CommConfig()
-    ctx = mp.get_context("spawn")
+    losable = get_strategy(config.strategy).losable_ranks(config, world_size)
     shm_tag = f"r{os.getpid():x}{secrets.token_hex(3)}"
-    with tempfile.TemporaryDirectory(prefix="disttrain-run-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs, conns = [], []
-        for rank in range(world_size):
-            parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker, name=f"disttrain-rank{rank}", daemon=True,
-                               args=(rank, world_size, store, config, comm_config, transport,
-                                     logging.getLogger().getEffectiveLevel(), child,
-                                     os.getpid(), shm_tag, backend))
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns.append(parent)
-        finished = False
-        losable = get_strategy(config.strategy).losable_ranks(config, world_size)
-        try:
-            results = _collect(procs, conns, timeout_s, losable)
-            finished = True
-            log.debug("results from all %d ranks received", world_size)
-            return results
-        finally:
-            _stop(procs, grace_s=30.0 if finished else 0.0)
-            left = unlink_tagged(shm_tag)  # a rank killed during shared-memory set-up
-            if left:
-                log.warning("removed shared-memory segment(s) a dead rank left: %s", left)
-            log.debug("all %d ranks stopped (exit codes %s)", world_size,
-                      [proc.exitcode for proc in procs])
+    level = logging.getLogger().getEffectiveLevel()
+    ranks = LocalRanks(_worker, [(config, comm_config, transport, level, shm_tag, backend)]
+                       * world_size, start="spawn", prefix="disttrain-run-")
+    finished = False
+    try:
+        results = _collect(ranks, timeout_s, losable)
+        finished = True
+        log.debug("results from all %d ranks received", world_size)
+        return results
+    finally:
+        # finished ranks destroy their process group; after a failure the survivors are
+        # usually blocked on the failed rank, so they go at once
+        ranks.close(grace_s=30.0 if finished else 0.0)
+        left = unlink_tagged(shm_tag)  # a rank killed during shared-memory set-up
+        if left:
+            log.warning("removed shared-memory segment(s) a dead rank left: %s", left)
+        log.debug("all %d ranks stopped (exit codes %s)", world_size,
+                  [ranks.exit_code(rank) for rank in range(world_size)])
 
 
 _GRACE_S = 1.0  # after a first failure, how long the others may take to report theirs
 
 
-def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None,
+def _collect(ranks: LocalRanks, timeout_s: float | None,
              losable: frozenset[int] = frozenset()) -> list[TrainResult]:
     """Every rank's result, or the root cause of a failure: after the first error or death,
     the other ranks get ``_GRACE_S`` to report theirs, and the first failure that is not a
@@ -155,35 +143,27 @@ def _collect(procs: list[Any], conns: list[Any], timeout_s: float | None,
     lost: list[RankFailedError] = []  # losable ranks' failures, before any other
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     grace_end: float | None = None  # set by the first failure
-    waiting = {conn: rank for rank, conn in enumerate(conns)}
-    sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+    waiting = set(range(ranks.world_size))  # the ranks without a verdict
     while waiting:
         now = time.monotonic()
         if grace_end is not None and now >= grace_end:
             break
         if grace_end is None and deadline is not None and now > deadline:
-            raise RankFailedError(min(waiting.values()), "timed out",
+            raise RankFailedError(min(waiting), "timed out",
                                   f"no result within {timeout_s:g}s (ranks still running: "
-                                  f"{sorted(waiting.values())})")
+                                  f"{sorted(waiting)})")
         wait_s = 1.0 if grace_end is None else min(1.0, grace_end - now)
-        for item in mpc.wait([*waiting, *sentinels], timeout=max(0.0, wait_s)):
-            if item in waiting:
-                rank = waiting.pop(item)
+        for event in ranks.wait(wait_s):
+            if event.rank in waiting:
+                waiting.discard(event.rank)
                 try:
-                    _receive(item, rank, results, procs[rank])
+                    _receive(event, results)
                 except RankFailedError as exc:
-                    (lost if rank in losable and not failed else failed).append(exc)
-            elif item in sentinels:
-                rank = sentinels.pop(item)
-                conn = conns[rank]
-                if conn in waiting and not conn.poll(0.5):
-                    waiting.pop(conn)
-                    death = rank_failures.died(rank, procs[rank].exitcode)
-                    (lost if rank in losable and not failed else failed).append(death)
+                    (lost if event.rank in losable and not failed else failed).append(exc)
         if failed and grace_end is None:
             grace_end = time.monotonic() + _GRACE_S
     if failed:
-        raise root_cause(lost + failed, {rank: proc.pid for rank, proc in enumerate(procs)})
+        raise root_cause(lost + failed, ranks.pids)
     return _survivors(results, lost)
 
 
@@ -199,39 +179,24 @@ def _survivors(results: dict[int, TrainResult], lost: list[RankFailedError]
     return [results[rank] for rank in sorted(results)]
 
 
-def _receive(conn: Any, rank: int, results: dict[int, TrainResult], proc: Any) -> None:
-    try:
-        message = conn.recv()
-    except EOFError:
-        proc.join(0.5)  # its exit status says how it ended
-        raise rank_failures.died(rank, proc.exitcode) from None
-    status, value = message[0], message[1]
+def _receive(event: RankEvent, results: dict[int, TrainResult]) -> None:
+    """A rank's verdict: its result kept, or its failure raised."""
+    rank = event.rank
+    if event.kind == "died":
+        raise rank_failures.died(rank, event.value)
+    if event.kind == "done":  # ended without a verdict
+        raise rank_failures.died(rank, 0)
+    if event.kind == "error":  # raised outside _worker's own handling
+        log.error("rank %d failed:\n%s", rank, event.value)
+        raise rank_failures.from_report(rank, event.value, None)
+    status, value = event.value[0], event.value[1]
     if status == "invalid":
         raise ValueError(f"{value} (reported by rank {rank})")
     if status == "error":
         log.error("rank %d failed:\n%s", rank, value)
-        raise rank_failures.from_report(rank, value, message[2] if len(message) > 2 else None)
+        raise rank_failures.from_report(rank, value,
+                                        event.value[2] if len(event.value) > 2 else None)
     results[rank] = value
-
-
-def _stop(procs: list[Any], grace_s: float) -> None:
-    """Let finished ranks exit (they destroy their process group); stop the rest. After a
-    failure the survivors are usually blocked on the failed rank, so they go at once. A
-    stopped rank (SIGSTOP) gets SIGCONT after SIGTERM, or SIGTERM could not act on it."""
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 5.0
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
 
 
 def in_launched_job() -> str | None:
