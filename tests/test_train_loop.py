@@ -208,6 +208,21 @@ def test_ddp_bytes_per_step_match_ring_all_reduce(pools):
         assert result.bytes_unobserved == 0
 
 
+@pytest.mark.skipif(not HAVE_DDP, reason="disttrain.parallel.DataParallel not present")
+def test_ddp_theory_counts_the_buffer_broadcast(pools):
+    """A model with BatchNorm: DDP re-broadcasts its running statistics from rank 0 before
+    each synced forward (one broadcast per dtype), and the formula counts them."""
+    config = quiet(model="resnet", steps=2, global_batch=16, strategy="ddp", eval_every=0,
+                   parallel=dataclasses.replace(TrainConfig().parallel, algorithm="ring"))
+    per_rank = pools(2).run(rank_train, config)
+    result = per_rank[0][1]  # rank 0, the root of the broadcasts, sends the most
+    grads = sum(t.numel() * 4 for t in per_rank[0][0].values() if t.is_floating_point())
+    assert result.theory_bytes_per_step > grads  # the buffers' broadcasts count
+    # the broadcasts may run as torch's own (native): their bytes are then unobserved
+    per_step = [sent + result.bytes_unobserved / 2 for sent in result.bytes_sent_per_step]
+    assert per_step == [result.theory_bytes_per_step] * 2
+
+
 @pytest.mark.parametrize("strategy", DP_STRATEGIES)
 def test_resume_on_two_ranks(pools, tmp_path, strategy):
     config = quiet(model="lenet", global_batch=128, strategy=strategy, eval_every=0,

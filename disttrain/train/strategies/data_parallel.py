@@ -12,6 +12,8 @@ from contextlib import AbstractContextManager
 from statistics import mean
 from typing import Any
 
+import torch
+
 from disttrain.comm import Communicator
 from disttrain.train.strategies.base import (
     BuildContext,
@@ -57,6 +59,23 @@ class DataParallelStrategy(Strategy):
             theory = comm.theory_bytes_sent("all_reduce", bucket.nbytes, algorithm)
             total += ring_all_reduce_bytes(comm.world_size, bucket.nbytes) if theory is None \
                 else theory
+        return total + self._buffer_theory(comm)
+
+    def _buffer_theory(self, comm: Communicator) -> float:
+        """Before each synced forward DDP re-broadcasts the module's buffers (BatchNorm's
+        running statistics) from rank 0, one broadcast per dtype; rank 0 sends the most."""
+        config = getattr(self.model, "config", None)
+        if comm.world_size == 1 or not getattr(config, "broadcast_buffers", False):
+            return 0.0
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        for b in self.module.buffers():
+            if b.numel():
+                key = (b.dtype, b.device)
+                sizes[key] = sizes.get(key, 0) + b.numel() * b.element_size()
+        total = 0.0
+        for nbytes in sizes.values():
+            theory = comm.theory_bytes_sent("broadcast", nbytes)
+            total += float(nbytes) if theory is None else theory
         return total
 
     def no_sync(self) -> AbstractContextManager[Any]:
