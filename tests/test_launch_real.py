@@ -38,8 +38,10 @@ def _run(argv: list[str], env: dict[str, str] | None = None,
 
 
 def _results(done: subprocess.CompletedProcess[str]) -> list[str]:
-    """The ``result ...`` lines a disttrain run printed (one per job, from rank 0)."""
-    return re.findall(r"^result .*$", done.stdout, re.M)
+    """The ``result ...`` lines a disttrain run printed (one per job, from rank 0). Not
+    anchored at a line start: mpirun forwards each rank's output as it reads it, so another
+    rank's unfinished line can precede it."""
+    return re.findall(r"result strategy=.*$", done.stdout, re.M)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,10 +34,13 @@ def run_cli(*argv: str, env: dict[str, str] | None = None,
 
 
 def json_lines(text: str) -> dict[int, dict[str, Any]]:
-    """``[rank R] {json}`` lines → {R: object} (the last JSON line of each rank)."""
-    found = {}
-    for match in re.finditer(r"^\[rank (\d+)\] (\{.*\})$", text, re.M):
-        found[int(match.group(1))] = json.loads(match.group(2))
+    """``[rank R] {json}`` reports → {R: object} (the last of each rank). A report need not
+    start a line: mpirun forwards each rank's output as it reads it, and two ranks' reports
+    have arrived glued together (``{...}[rank 1] {...}``)."""
+    found, decoder = {}, json.JSONDecoder()
+    for match in re.finditer(r"\[rank (\d+)\] (?=\{)", text):
+        with contextlib.suppress(json.JSONDecodeError):  # a prefix before other text
+            found[int(match.group(1))] = decoder.raw_decode(text, match.end())[0]
     return found
 
 
