@@ -16,8 +16,8 @@ that share a host's CPUs, where "the network" is the kernel copying bytes:
   algorithm, because on shared cores algorithms of the same shape differ in effective α, β.
 
 ``native`` (torch.distributed's own kernels, no Python per message) has its own α and β.
-Every formula is written out, with its justification, in docs/cost_model.md;
-``disttrain bench comm --calibrate`` measures the constants.
+docs/cost_model.md explains the model and all_reduce's forms; :data:`_FORMULAS` below holds
+every closed form; ``disttrain bench comm --calibrate`` measures the constants.
 """
 
 from __future__ import annotations
