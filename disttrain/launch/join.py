@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 import os
 import weakref
@@ -115,6 +116,12 @@ def shutdown(comm: Communicator | None = None) -> None:
             first = first or exc
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Objects in reference cycles (a communicator's work handles and closures) can still
+    # hold a group, its store or its work until the cycle collector runs, which may be
+    # during interpreter shutdown: under mpirun, where rank 0 hosts the store, that aborted
+    # most exits of rank 0 (SIGABRT, "terminate called without an active exception").
+    # Collect now, while the interpreter runs.
+    gc.collect()
     if first is not None:
         raise first
 
