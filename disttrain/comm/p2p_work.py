@@ -19,15 +19,35 @@ log = logging.getLogger(__name__)
 _HELPERS: dict[threading.Thread, P2PWork] = {}  # helper threads still waiting
 
 
+def _pending() -> list[tuple[threading.Thread, P2PWork]]:
+    return [(t, w) for t, w in list(_HELPERS.items()) if t.is_alive()]
+
+
+def _warn(pending: list[tuple[threading.Thread, P2PWork]], what: str) -> None:
+    limit = max(w._ctx.timeout_s for _, w in pending)
+    log.warning("rank %d %s with %d polled point-to-point message(s) unfinished (%s): "
+                "waiting until the peer takes them or exits, at most %gs",
+                pending[0][1]._ctx.rank, what, len(pending),
+                ", ".join(w.describe() for _, w in pending), limit)
+
+
 def _warn_pending_at_exit() -> None:
     """Before the interpreter joins the helper threads: say which messages it waits for."""
-    pending = [(t, w) for t, w in list(_HELPERS.items()) if t.is_alive()]
+    pending = _pending()
     if pending:
-        limit = max(w._ctx.timeout_s for _, w in pending)
-        log.warning("rank %d exits with %d polled point-to-point message(s) unfinished (%s): "
-                    "waiting until the peer takes them or exits, at most %gs",
-                    pending[0][1]._ctx.rank, len(pending),
-                    ", ".join(w.describe() for _, w in pending), limit)
+        _warn(pending, "exits")
+
+
+def wait_polled_messages() -> None:
+    """Before the process group goes (``disttrain.shutdown()``): wait for every polled
+    message still in flight, as the exit does, after the same warning. Each helper thread
+    ends when the peer takes its message, exits, or the communicator's timeout passes; a
+    group destroyed under a waiting send would drop the message."""
+    pending = _pending()
+    if pending:
+        _warn(pending, "leaves the process group")
+        for thread, _ in pending:
+            thread.join()
 
 
 # threading's own exit hook runs before non-daemon threads are joined (Python ≥ 3.9)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm import CommConfig, Communicator
+from disttrain.comm.p2p_work import wait_polled_messages
 from disttrain.launch import env as envmod
 from disttrain.launch import hooks, netif, rendezvous
 
@@ -104,6 +105,7 @@ def shutdown(comm: Communicator | None = None) -> None:
     (torch 2.13: "terminate called without an active exception", SIGABRT). Every
     communicator is closed and the group destroyed even if one close fails; the first
     error is raised afterwards."""
+    wait_polled_messages()  # a polled isend still in flight gets its chance, as at exit
     targets = [comm] if comm is not None else [ref() for ref in _opened]
     _opened[:] = [] if comm is None else [ref for ref in _opened if ref() not in (None, comm)]
     first: Exception | None = None
