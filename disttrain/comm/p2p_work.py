@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -46,8 +47,9 @@ def wait_polled_messages() -> None:
     pending = _pending()
     if pending:
         _warn(pending, "leaves the process group")
-        for thread, _ in pending:
-            thread.join()
+        deadline = time.monotonic() + max(w._ctx.timeout_s for _, w in pending) + _BACKSTOP_S
+        for thread, _ in pending:  # each helper is bounded by its timeout; so is this wait
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 # threading's own exit hook runs before non-daemon threads are joined (Python ≥ 3.9)
