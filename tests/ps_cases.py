@@ -23,6 +23,7 @@ from disttrain.parallel.parameter_server import (
     PSError,
     PSWorker,
     assign_roles,
+    build_parameter_server,
     make_click_data,
     run_parameter_server,
 )
@@ -148,9 +149,15 @@ def ps_train(comm: Communicator, servers: int, steps: int, b: int, *, model_name
     cfg = PSConfig(timeout_s=TIMEOUT_S, sparse_params=SPARSE_PARAMS if sparse else (), **config)
     role = roles.role(comm.rank)
     if role.kind == "server":
-        report = run_parameter_server(comm, roles, make(), OPTIMIZERS[opt], cfg,
-                                      **(server_kwargs or {}))
-        return {"role": "server", "report": report}
+        if not (server_kwargs or {}).get("record_updates"):
+            report = run_parameter_server(comm, roles, make(), OPTIMIZERS[opt], cfg,
+                                          **(server_kwargs or {}))
+            return {"role": "server", "report": report}
+        server = build_parameter_server(comm, roles, make(), OPTIMIZERS[opt], cfg,
+                                        **server_kwargs)
+        report = server.serve()
+        return {"role": "server", "report": report, "updates": server.updates,
+                "values": server.shard.param.detach().clone()}
     hooked = [hook(comm, role.index, -1)] if hook is not None else []
     model = make(seed=100 + comm.rank)  # other weights than the servers': the pull fixes them
     ps = PSWorker(comm, model, roles, cfg)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -67,6 +67,16 @@ _NOTICE_S = 5.0  # how long a stopping server waits for the other workers' next 
 Gen = Generator[Wait, None, Any]
 
 
+class AppliedUpdate(NamedTuple):
+    """One update a server applied (``ParameterServer.updates[v]`` made version v + 1): the
+    worker that sent it (−1: a clock's average over every worker), its clock, and the
+    version of this server's values each contributor had read: enough to replay a run."""
+
+    worker: int
+    clock: int
+    read: tuple[int, ...]
+
+
 def run_parameter_server(comm: Communicator, roles: PSRoles, model: nn.Module | Callable[[],
                          nn.Module], optimizer_factory: OptimizerFactory, config: PSConfig, *,
                          checkpoint_dir: str | None = None, restore_dir: str | None = None,
@@ -90,9 +100,11 @@ def build_parameter_server(comm: Communicator, roles: PSRoles, model: nn.Module 
                            nn.Module], optimizer_factory: OptimizerFactory, config: PSConfig, *,
                            checkpoint_dir: str | None = None, restore_dir: str | None = None,
                            checkpoint_every: int = 0,
-                           on_update: Callable[[int], None] | None = None) -> ParameterServer:
+                           on_update: Callable[[int], None] | None = None,
+                           record_updates: bool = False) -> ParameterServer:
     """:func:`run_parameter_server` without the serving: the server, ready to ``serve()``
-    (afterwards ``server.shard.param`` holds this server's final values)."""
+    (afterwards ``server.shard.param`` holds this server's final values and, with
+    ``record_updates``, ``server.updates`` every applied update in order)."""
     if comm.world_size != roles.world_size:
         raise ValueError(f"the communicator has {comm.world_size} ranks but the roles describe "
                          f"{roles.world_size} ({roles.num_servers} servers + "
@@ -110,7 +122,8 @@ def build_parameter_server(comm: Communicator, roles: PSRoles, model: nn.Module 
     values = gather_flat(params, part, start, end - start, params[0].dtype)
     shard = ServerShard(part, role.index, values, optimizer_factory, config.staleness_lr)
     server = ParameterServer(comm, roles, shard, config, checkpoint_dir=checkpoint_dir,
-                             checkpoint_every=checkpoint_every, on_update=on_update)
+                             checkpoint_every=checkpoint_every, on_update=on_update,
+                             record_updates=record_updates)
     if restore_dir is not None:
         server.restore(checkpoint_path(restore_dir, role.index))
     return server
@@ -121,7 +134,8 @@ class ParameterServer:
 
     def __init__(self, comm: Communicator, roles: PSRoles, shard: ServerShard, config: PSConfig,
                  *, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 on_update: Callable[[int], None] | None = None) -> None:
+                 on_update: Callable[[int], None] | None = None,
+                 record_updates: bool = False) -> None:
         self.comm, self.roles, self.shard, self.config = comm, roles, shard, config
         self.name = roles.describe(comm.rank)
         self.clocks = ClockTable(config.bound, roles.num_workers, on_arrival=config.on_arrival)
@@ -136,6 +150,7 @@ class ParameterServer:
         self._gated: dict[int, Header] = {}  # worker → its request waiting at the gate
         self._done: dict[int, Header] = {}  # worker → its DONE, answered at the end
         self.lost: dict[int, str] = {}  # lost worker rank → what happened
+        self.updates: list[AppliedUpdate] | None = [] if record_updates else None
 
     def restore(self, path: str) -> None:
         clock = self.shard.load_state_dict(load_checkpoint(path))
@@ -381,8 +396,13 @@ class ParameterServer:
             self._apply((clock, -1))
 
     def _apply(self, key: UpdateKey) -> None:
-        for staleness in self.shard.apply(key):
+        before = self.shard.version
+        stalenesses = self.shard.apply(key)
+        for staleness in stalenesses:
             self.staleness.add(staleness)
+        if self.updates is not None:
+            self.updates.append(AppliedUpdate(key[1], key[0],
+                                              tuple(before - s for s in stalenesses)))
         version = self.shard.version
         if self.checkpoint_dir is not None and self.checkpoint_every \
                 and version % self.checkpoint_every == 0:

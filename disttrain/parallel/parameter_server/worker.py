@@ -107,6 +107,7 @@ class PSWorker:
                 raise ValueError(f"sparse_ids[{name!r}] has ids outside 0..{rows - 1}")
             unique[t] = flat
         plans = [self._pull_requests(s, unique) for s in range(self.roles.num_servers)]
+        self._forget_overwritten(plans)
         begin = time.perf_counter()
         self._run(plans)
         self._computing_since = time.perf_counter()
@@ -120,6 +121,8 @@ class PSWorker:
         for s in range(self.roles.num_servers):
             start, end = self.partition.server_range(s)
             plans.append([self._dense_pull(s, start, end - start, track)] if end > start else [])
+        if track:
+            self._forget_overwritten(plans)
         self._run(plans)
 
     def push(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
@@ -259,6 +262,13 @@ class PSWorker:
         return requests
 
     # ------------------------------------------------------------------ machinery
+    def _forget_overwritten(self, plans: list[list[Request]]) -> None:
+        """A server whose every key this pull reads (no table by rows) leaves no older value
+        in the model: the versions read before no longer count for the next push."""
+        for s, plan in enumerate(plans):
+            if plan and all(r.type == Msg.PULL for r in plan):
+                self._pulled.discard(s)
+
     def _note_read(self, s: int, h: Header) -> None:
         """Remember the oldest version this step's values from server ``s`` came from."""
         self._read[s] = h.version if s not in self._pulled else min(self._read[s], h.version)
