@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from disttrain.comm import Communicator
+from disttrain.parallel.parameter_server.channel import seal
 from disttrain.parallel.parameter_server.protocol import (
     END_CLOCK,
     MAGIC,
@@ -32,7 +33,8 @@ TOTAL = CLICKS.num_users * 8 + CLICKS.num_items * 8 + 16 * 16 + 16 + 16 + 1
 
 def raw_request(comm: Communicator, header: Header, payloads: tuple[torch.Tensor, ...] = ()
                 ) -> Header:
-    """Send a hand-made request; follow a GRANT with ``payloads``; return the final reply."""
+    """Send a hand-made request; follow a GRANT with ``payloads`` (each sealed for it, unless
+    it is a uint8 tensor: sent as it is); return the final reply."""
     reply = empty_header()
     work = comm.irecv(reply, SERVER, TAG_REPLY)
     comm.send(header.to_tensor(), SERVER, TAG_REQUEST)
@@ -41,8 +43,9 @@ def raw_request(comm: Communicator, header: Header, payloads: tuple[torch.Tensor
     if answer.type == Msg.GRANT and answer.status == Status.OK:
         reply = empty_header()
         work = comm.irecv(reply, SERVER, TAG_REPLY)
-        for payload in payloads:
-            comm.send(payload, SERVER, TAG_REQUEST_PAYLOAD)
+        for i, payload in enumerate(payloads):  # sealed, unless it is raw bytes already
+            message = payload if payload.dtype == torch.uint8 else seal(payload, header.seq, i)
+            comm.send(message, SERVER, TAG_REQUEST_PAYLOAD)
         work.wait()
         answer = Header.from_tensor(reply)
     assert answer.type == Msg.REPLY and answer.seq == header.seq

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from disttrain.parallel.parameter_server import assign_roles
+from disttrain.parallel.parameter_server.channel import TRAILER_BYTES
 from disttrain.train import ParallelOptions, TrainConfig, train
 from disttrain.train.strategies.parameter_server import (
     HEADER_BYTES,
@@ -64,7 +65,7 @@ def test_ps_sync_strategy_equals_single_on_the_global_batch(pools: Any) -> None:
         assert mine.accuracy == pytest.approx(theirs.accuracy, abs=ONE_SAMPLE)
     params = sum(t.numel() * 4 for t in want.values())
     assert worker.bytes_sent_per_step_max == worker.theory_bytes_per_step_max == (
-        params + 2 * HEADER_BYTES)
+        params + 2 * HEADER_BYTES + TRAILER_BYTES)
     extras = worker.extras
     assert extras["staleness"] == {"0": 2 * 6} and extras["staleness_max"] == 0
     assert extras["samples_per_s"] > 0 and extras["workers"] == 2

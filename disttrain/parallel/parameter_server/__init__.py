@@ -56,6 +56,7 @@ from disttrain.parallel.parameter_server.partition import (
 from disttrain.parallel.parameter_server.protocol import (
     ProtocolError,
     PSError,
+    PSPayloadError,
     PSPeerError,
     PSPeerFailedError,
     PSRejectedError,
@@ -86,6 +87,7 @@ __all__ = [
     "ClockTable",
     "PSConfig",
     "PSError",
+    "PSPayloadError",
     "PSPeerError",
     "PSPeerFailedError",
     "PSRejectedError",

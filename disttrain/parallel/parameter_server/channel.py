@@ -10,12 +10,14 @@ Request flow (the header fields are in :mod:`.protocol`)::
       │◄─────────────────── REPLY (TAG_REPLY) ──│ status; PULL may wait here (sync, ssp)
       │◄──────────── values (TAG_REPLY_PAYLOAD) ─│ only for an OK PULL / SPARSE_PULL
 
-The reply-payload receive is posted only after an OK reply header has arrived, so a rejected
-request never leaves a receive behind. Both sides post each message of a request in the
-order of the flow above (a receive only after the sends before it): NCCL ignores the tags,
-matches a pair's messages in posting order and runs them one after the other, so a reply
-receive posted ahead of the request would wait for ever on the worker's own queue
-(:mod:`disttrain.comm.nccl_rules`). The tags still name the four streams on Gloo.
+Every payload is sealed with a trailer and checked on arrival (:func:`seal`, :func:`unseal`;
+the format is in :mod:`.protocol`). The reply-payload receive is posted only after an OK
+reply header has arrived, so a rejected request never leaves a receive behind. Both sides
+post each message of a request in the order of the flow above (a receive only after the
+sends before it): NCCL ignores the tags, matches a pair's messages in posting order and runs
+them one after the other, so a reply receive posted ahead of the request would wait for ever
+on the worker's own queue (:mod:`disttrain.comm.nccl_rules`). The tags still name the four
+streams on Gloo.
 
 On the server every receive is watched (:class:`~.protocol.Watcher`) and awaited with the
 server's deadline, so a worker that stops talking is named by role and rank, never waited on
@@ -27,6 +29,8 @@ none follows.
 from __future__ import annotations
 
 import functools
+import mmap
+import struct
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -46,6 +50,7 @@ from disttrain.parallel.parameter_server.protocol import (
     Msg,
     ProtocolError,
     PSError,
+    PSPayloadError,
     PSPeerFailedError,
     PSRejectedError,
     Status,
@@ -62,6 +67,64 @@ from disttrain.parallel.parameter_server.protocol import (
 )
 
 Reply = Callable[[Header, "torch.Tensor | None"], None]
+
+# ----------------------------------------------------------------------
+# Sealed payloads: the bytes, then a trailer the receiver checks where the grant puts it.
+
+TRAILER_MAGIC = 0x44545054  # "DTPT"
+_TRAILER = struct.Struct("<4q")  # magic, request SEQ, payload index, payload bytes
+TRAILER_BYTES = _TRAILER.size
+
+
+def seal(payload: torch.Tensor, seq: int, index: int) -> torch.Tensor:
+    """``payload``'s bytes followed by its trailer, as one uint8 message on its device."""
+    data = payload.detach().contiguous().view(-1).view(torch.uint8)
+    trailer = torch.frombuffer(bytearray(_TRAILER.pack(TRAILER_MAGIC, seq, index,
+                                                       data.numel())), dtype=torch.uint8)
+    return torch.cat([data, trailer.to(data.device)])
+
+
+def receive_buffer(nbytes: int, reserve: int = 0) -> torch.Tensor:
+    """A zero-filled uint8 buffer for a sealed ``nbytes``-byte payload. With ``reserve``
+    larger than the sealed size it spans ``reserve`` bytes of anonymous memory: zero pages
+    the kernel commits only where a message writes, so a longer message lands in it (and is
+    refused by its trailer) instead of overrunning Gloo's receive, which aborts."""
+    size = nbytes + TRAILER_BYTES
+    if reserve > size:
+        try:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+            return torch.frombuffer(mmap.mmap(-1, reserve, flags=flags), dtype=torch.uint8)
+        except (OSError, ValueError):  # no address space for it: the exact size still works
+            pass
+    return torch.zeros(size, dtype=torch.uint8)
+
+
+def unseal(buffer: torch.Tensor, nbytes: int, seq: int, index: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """The ``nbytes``-byte payload in ``buffer`` as ``dtype``, once its trailer says it is
+    payload ``index`` of request ``seq`` and ends where the grant says; ProtocolError
+    (BAD_PAYLOAD) saying what arrived instead."""
+    found = _TRAILER.unpack(buffer[nbytes:nbytes + TRAILER_BYTES].cpu().numpy().tobytes())
+    if found != (TRAILER_MAGIC, seq, index, nbytes):
+        raise ProtocolError(Status.BAD_PAYLOAD, f"payload {index} of request #{seq} is "
+                            f"{_what_arrived(buffer, nbytes, found, seq)}; it was not used")
+    return buffer[:nbytes].view(dtype)
+
+
+def _what_arrived(buffer: torch.Tensor, nbytes: int, found: tuple[int, ...],
+                  seq: int) -> str:
+    magic, their_seq, their_index, their_bytes = found
+    if magic == TRAILER_MAGIC and their_seq != seq:
+        return f"stale: it was sealed for request #{their_seq}"
+    if magic == TRAILER_MAGIC:
+        return f"sealed as payload {their_index} of {their_bytes} bytes, where {nbytes} bytes " \
+               f"were granted"
+    if not bool(buffer[nbytes:].any()):  # read only on this path: it may span the reserve
+        return f"shorter than the {nbytes} bytes (+ {TRAILER_BYTES}-byte trailer) granted"
+    return f"longer than the {nbytes} bytes (+ {TRAILER_BYTES}-byte trailer) granted, or " \
+           f"not sealed"
+
+
 
 
 @dataclass
@@ -116,8 +179,8 @@ class Channel:
             yield from wait(reply_work, doing)
             settle(sends, self.peer, self.rank, doing)
             self._check(decode_reply(reply, self.rank, h, Msg.GRANT), h)
-            sends += [self._post(self.comm.isend, p, TAG_REQUEST_PAYLOAD, doing)
-                      for p in req.payloads]
+            sends += [self._post(self.comm.isend, seal(p, h.seq, i), TAG_REQUEST_PAYLOAD, doing)
+                      for i, p in enumerate(req.payloads)]
             reply = empty_header()
             reply_work = self._post(self.comm.irecv, reply, TAG_REPLY, doing)
         yield from wait(reply_work, doing)
@@ -130,8 +193,14 @@ class Channel:
             if answer.count != req.count:
                 raise ProtocolError(Status.BAD_SIZE, f"{self.peer} answered {h.describe()} "
                                     f"with {answer.count} items instead of {req.count}")
-            values = torch.empty(req.reply_elems, dtype=req.reply_dtype)
-            yield from wait(self._post(self.comm.irecv, values, TAG_REPLY_PAYLOAD, doing), doing)
+            nbytes = req.reply_elems * req.reply_dtype.itemsize
+            buffer = receive_buffer(nbytes)  # a server is trusted not to send more
+            yield from wait(self._post(self.comm.irecv, buffer, TAG_REPLY_PAYLOAD, doing), doing)
+            try:
+                values = unseal(buffer, nbytes, h.seq, 0, req.reply_dtype)
+            except ProtocolError as exc:
+                raise ProtocolError(exc.status, f"{self.peer} answered {h.describe()}: "
+                                    f"{exc}") from None
         return answer, values
 
     def _post(self, start: Callable[..., Work], tensor: torch.Tensor, tag: int,
@@ -167,8 +236,13 @@ class ServerIO:
     """Receive requests and payloads from workers, send GRANTs and REPLYs to them."""
 
     def __init__(self, comm: Communicator, roles: PSRoles, timeout_s: float,
-                 version: Callable[[], int]) -> None:
+                 version: Callable[[], int], max_payload_bytes: int = 0) -> None:
         self.comm, self.roles, self.timeout_s = comm, roles, timeout_s
+        # Gloo aborts a receiver sent more than it posted: size payload receives for the
+        # largest payload accepted (other transports enforce sizes: exact buffers there)
+        gloo = comm.transport.name == "torch" and comm.device.type == "cpu"
+        self.reserve = max_payload_bytes + TRAILER_BYTES if gloo and max_payload_bytes else 0
+        self.reserved_bytes = 0  # posted beyond the granted messages (counted as received)
         self.name = roles.describe(comm.rank)
         self._version = version  # the parameter version every answer reports
         self.watcher = Watcher(f"ps-{roles.role(comm.rank).kind}{roles.role(comm.rank).index}")
@@ -210,16 +284,26 @@ class ServerIO:
 
     def payloads(self, rank: int, h: Header,
                  sizes: list[tuple[int, torch.dtype]]) -> Generator[Wait, None, list[Any]]:
-        """GRANT request ``h``, then receive its payloads (sizes already validated). The
-        receives come after the GRANT, in the order the worker sends (see :mod:`.channel`)."""
-        buffers = [torch.empty(n, dtype=dtype) for n, dtype in sizes]
+        """GRANT request ``h``, then receive its payloads (sizes already validated) and check
+        their trailers. The receives come after the GRANT, in the order the worker sends
+        (see :mod:`.channel`). A bad payload is answered BAD_PAYLOAD and raised as
+        :class:`~.protocol.PSPayloadError` naming the worker: its stream is not trusted."""
+        nbytes = [n * dtype.itemsize for n, dtype in sizes]
+        buffers = [receive_buffer(n, self.reserve) for n in nbytes]
+        self.reserved_bytes += sum(b.numel() - n - TRAILER_BYTES for b, n in zip(buffers, nbytes))
         self._send(rank, [self._answer(h, Msg.GRANT)], "sending a GRANT")
         works = [self._post(self.comm.irecv, b, rank, TAG_REQUEST_PAYLOAD, "granting a payload")
                  for b in buffers]
         for work in works:
             yield from self._await(work, rank, "receiving a granted payload")
         self._settle(rank, "sending a GRANT")
-        return buffers
+        try:
+            return [unseal(b, n, h.seq, i, dtype)
+                    for i, (b, n, (_, dtype)) in enumerate(zip(buffers, nbytes, sizes))]
+        except ProtocolError as exc:
+            self.reply(rank, h, status=Status.BAD_PAYLOAD)
+            raise PSPayloadError(f"{self.roles.describe(rank)} sent a bad payload with "
+                                 f"{h.describe()}: {exc}", rank) from None
 
     def reply(self, rank: int, h: Header, *, status: int = Status.OK,
               payload: torch.Tensor | None = None, count: int | None = None, key: int | None = None,
@@ -229,7 +313,7 @@ class ServerIO:
         n = count if count is not None else (payload.numel() if payload is not None else 0)
         messages = [self._answer(h, Msg.REPLY, status, n, clock, key)]
         if payload is not None:
-            messages.append(payload)
+            messages.append(seal(payload, h.seq, 0))
         self._send(rank, messages, f"sending the reply to {h.describe()}")
 
     def flush(self, rank: int) -> Gen:

@@ -7,7 +7,7 @@ message starts with a header of :data:`HEADER_FIELDS` int64 (96 bytes), always t
     field          request (worker → server)                 reply (server → worker)
     -------------  ----------------------------------------  ---------------------------------
     MAGIC          0x44545053 ("DTPS")                       same
-    VERSION        protocol version (2)                      same
+    VERSION        protocol version (3)                      same
     TYPE           HELLO PULL PUSH SPARSE_PULL SPARSE_PUSH    GRANT or REPLY
                    CLOCK HEARTBEAT DONE
     STATUS         0                                         0 = OK, else the error (Status)
@@ -28,8 +28,22 @@ message starts with a header of :data:`HEADER_FIELDS` int64 (96 bytes), always t
 A request that carries a payload (PUSH, SPARSE_PULL, SPARSE_PUSH) is sent in two halves: the
 header, then, only after the server answers GRANT, the payload (SPARSE_* send the int64 row
 ids first, then the row values). The server validates every header field before it grants,
-so it never receives a byte it did not size and agree to, and a rejected request leaves no
-stray payload behind in the transport (HTTP's ``Expect: 100-continue`` works the same way).
+and a rejected request leaves no stray payload behind in the transport (HTTP's ``Expect:
+100-continue`` works the same way).
+
+Every payload message, both ways, ends with a 32-byte **trailer** (four little-endian int64:
+``TRAILER_MAGIC`` "DTPT", the request's SEQ, the payload's index in the request, its byte
+count), and lands in a zero-filled buffer: Gloo completes a receive that got *fewer* bytes
+without saying so, so a short payload would otherwise be used with whatever the buffer held
+before. A receiver reads the trailer where the granted size puts it: a short payload leaves
+zeros there, a long one payload bytes, a stale one (sent for another request) another SEQ;
+each is refused (Status BAD_PAYLOAD) and never applied (:mod:`.channel`). A server also
+sizes each payload receive for the largest payload it accepts at all (``max_message_elems``
+elements of 8 bytes, reserved as untouched zero pages), because Gloo aborts the process that
+receives *more* bytes than it posted (in its I/O thread, beyond any handler): a message
+larger than that reserve still ends the server, as it would end any Gloo receiver. A worker
+that sends a bad payload counts as failed (:class:`PSPayloadError`): dropped where the mode
+outlives a lost worker, else the server stops, naming it.
 Every request gets exactly one REPLY; a REPLY with STATUS ≠ OK is a rejection, logged on the
 server, which goes on serving. The exception is PEER_FAILED: a server that stops because a
 peer failed answers the requests it holds (at a consistency gate, or a DONE) with it (KEY:
@@ -82,6 +96,11 @@ class PSPeerFailedError(PSPeerError):
     another rank failed."""
 
 
+class PSPayloadError(PSPeerFailedError):
+    """A peer sent a payload that is not the one agreed (shorter, longer, or from another
+    request): nothing it sends can be trusted any more, so it counts as failed."""
+
+
 class PSRejectedError(PSError):
     """A server rejected a request (the reply carried an error status)."""
 
@@ -102,7 +121,7 @@ class ProtocolError(PSError):
 # The wire format: a fixed-size int64 header, then raw tensor payloads.
 
 MAGIC = 0x44545053  # "DTPS"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HEADER_FIELDS = 12
 
 # Point-to-point tags (the Communicator's user range is 0 … 2**24 − 1).
@@ -146,6 +165,7 @@ class Status(IntEnum):
     BAD_CLOCK = 10
     CONFIG_MISMATCH = 11
     PEER_FAILED = 12  # reply only: the server stops because rank KEY failed
+    BAD_PAYLOAD = 13  # a payload shorter, longer or older than its request (see trailer)
 
 
 _MSG_VALUES = frozenset(int(m) for m in Msg)

@@ -146,7 +146,7 @@ class ParameterServer:
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.on_update = on_update
         self.io = ServerIO(comm, roles, config.resolve_timeout(comm.config.timeout_s),
-                           lambda: self.shard.version)
+                           lambda: self.shard.version, config.max_message_elems * 8)
         self._gated: dict[int, Header] = {}  # worker → its request waiting at the gate
         self._done: dict[int, Header] = {}  # worker → its DONE, answered at the end
         self.lost: dict[int, str] = {}  # lost worker rank → what happened
@@ -190,7 +190,8 @@ class ParameterServer:
                             self.shard.version, self.clocks.slowest, self.staleness.as_dict(),
                             dict(self.requests), dict(self.rejected),
                             self.comm.stats.bytes_sent - sent0,
-                            self.comm.stats.bytes_recv - recv0, dict(self.lost))
+                            self.comm.stats.bytes_recv - recv0 - self.io.reserved_bytes,
+                            dict(self.lost))
 
     def _abort(self, exc: PSError) -> None:
         """Best effort: answer the requests held at a gate, the DONEs not answered yet and

@@ -68,6 +68,7 @@ from disttrain.parallel.parameter_server import (
     assign_roles,
     build_parameter_server,
 )
+from disttrain.parallel.parameter_server.channel import TRAILER_BYTES
 from disttrain.parallel.parameter_server.protocol import HEADER_FIELDS
 from disttrain.parallel.parameter_server.reports import Survivors, finish, gather_extras, survivors
 from disttrain.parallel.parameter_server.shard import checkpoint_path
@@ -200,8 +201,8 @@ class WorkerRankStrategy(Strategy):
         self.ps = PSWorker(comm, ctx.module, roles, self.config)
         self.team: Survivors | None = None  # the ranks that finish the run, once it is over
         self.samples_per_step = ctx.config.global_batch // roles.num_workers
-        self.theory_bytes_per_step = float(param_bytes(ctx.module)
-                                           + 2 * HEADER_BYTES * roles.num_servers)
+        self.theory_bytes_per_step = float(param_bytes(ctx.module) + (
+            2 * HEADER_BYTES + TRAILER_BYTES) * roles.num_servers)  # pull, push + its trailer
         self.report: WorkerReport | None = None
         self.start_step = 0  # the loop's first step: a resumed run starts at the checkpoint's
         self._times: list[float] = []
