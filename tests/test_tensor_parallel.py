@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from disttrain.parallel.tensor import (
     TPGroup,
@@ -19,8 +20,11 @@ from tests.tensor_parallel_cases import (
     batches,
     make_model,
     reference,
+    without_key_bias,
     worst_relative_error,
 )
+
+SGD_LR = 0.5  # large steps: a wrong gradient moves the parameters visibly
 
 
 def train_tp(comm, sequence_parallel: bool) -> tuple[float, str, float, list[float]]:
@@ -53,6 +57,75 @@ def test_tensor_parallel_equals_single_process(pools, tp, sequence_parallel):
         assert err < 1e-5, (name, err)
         assert output_err < 1e-5
         assert losses == results[0][3]  # every TP rank computes the same loss
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient under its name (a clone)."""
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _full_grads(model, group) -> dict[str, torch.Tensor]:
+    """The unsplit model's gradients on every rank: the parameters' data swapped for their
+    gradients while :func:`full_state_dict` gathers them."""
+    params = list(model.parameters())
+    kept = [p.data for p in params]
+    for p in params:
+        p.data = p.grad
+    try:
+        return full_state_dict(model, model.group)
+    finally:
+        for p, data in zip(params, kept):
+            p.data = data
+
+
+def _relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
+                     ) -> dict[str, float]:
+    assert sorted(got) == sorted(want)
+    got, want = without_key_bias(got), without_key_bias(want)
+    return {k: float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-300))
+            for k in want}
+
+
+def grads_and_sgd_tp(comm, sequence_parallel: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """float64, plain SGD: the relative error of every gathered gradient of the first step
+    (before any optimizer) and of every parameter after the steps, against one process."""
+    data = batches()
+    full = make_model().double()
+    ref_grads: dict[str, torch.Tensor] = {}
+    opt = torch.optim.SGD(full.parameters(), lr=SGD_LR)
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        F.cross_entropy(full(x).flatten(0, 1), y.flatten()).backward()
+        if step == 0:
+            ref_grads = _grads(full)
+        opt.step()
+    model = apply_tensor_parallel(make_model().double(), comm, sequence_parallel,
+                                  algorithm="ring")
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    grad_err: dict[str, float] = {}
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        model.loss(model(x), y).backward()
+        model.reduce_sequence_parallel_grads()
+        if step == 0:
+            grad_err = _relative_errors(_full_grads(model, model.group), ref_grads)
+        opt.step()
+    param_err = _relative_errors(full_state_dict(model, model.group), full.state_dict())
+    return grad_err, param_err
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+def test_tensor_parallel_gradients_and_sgd_equal_single_process_in_float64(
+        pools, tp, sequence_parallel):
+    """SGD moves each parameter by its gradient's scale: a gradient wrong by a factor (a
+    missing or extra sum over the group) shows here by that factor, not through Adam's
+    eps. Float64 leaves ~1e-15 for the different order of sums."""
+    for grad_err, param_err in pools(tp).run(grads_and_sgd_tp, sequence_parallel):
+        worst = max(grad_err, key=grad_err.__getitem__)
+        assert grad_err[worst] < 1e-10, (worst, grad_err[worst])
+        worst = max(param_err, key=param_err.__getitem__)
+        assert param_err[worst] < 1e-10, (worst, param_err[worst])
 
 
 # ---------------------------------------------------------------- pure pieces
