@@ -15,7 +15,40 @@ from disttrain.parallel.pipeline.schedules import (
 )
 
 
+def megatron_order(rank: int, p: int, v: int, m: int) -> list[str]:
+    """Megatron-LM's order, written out from ``forward_backward_pipelining_with_interleaving``
+    (megatron/core/pipeline_parallel/schedules.py): ``num_warmup_microbatches`` =
+    (p − rank − 1)·2 + (v − 1)·p, at most all m·v (all of them when m = p); then one
+    forward and one backward; then the remaining backwards. The k-th forward runs
+    ``get_model_chunk_id(k, forward=True)`` = (k mod p·v) // p on micro-batch
+    ``get_microbatch_id_in_model_chunk(k)`` = (k // p·v)·p + k mod p; the k-th backward
+    the same micro-batch and the chunks in reverse, v − 1 − (k mod p·v) // p."""
+    total = m * v
+    warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
+
+    def action(kind: str, k: int) -> str:
+        chunk = (k % (p * v)) // p
+        return f"{kind}{(k // (p * v)) * p + k % p}.{chunk if kind == 'F' else v - 1 - chunk}"
+
+    order = [action("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [action("F", warmup + k), action("B", k)]
+    return order + [action("B", k) for k in range(total - warmup, total)]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (2, 3, 6), (3, 2, 6), (4, 2, 8),
+                                           (4, 3, 4), (3, 1, 9)])
+def test_every_rank_runs_megatron_lms_order(p, v, m):
+    schedule = interleaved_1f1b(p, v, m)
+    for rank in range(p):
+        assert [str(a) for a in schedule.ranks[rank]] == megatron_order(rank, p, v, m), rank
+
+
 def test_the_order_is_megatron_lms():
+    # p = 2, v = 2, m = 4 by hand: rank 0 warms up with (2 − 0 − 1)·2 + (2 − 1)·2 = 4
+    # forwards, rank 1 with 2; forwards go through chunk 0 for micro-batches 0 1, chunk 1
+    # for 0 1, then chunk 0 for 2 3, chunk 1 for 2 3; backwards the same with the chunks
+    # reversed (B0.1 B1.1 B0.0 B1.0 B2.1 ...)
     schedule = interleaved_1f1b(2, 2, 4)
     assert " ".join(map(str, schedule.ranks[0])) == (
         "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0")
