@@ -648,24 +648,39 @@ def test_a_failed_pipeline_message_probe_is_reported_and_charges_nothing(
 def test_the_pipeline_probe_takes_off_the_work_its_stages_ran_not_the_parents(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The stages' work runs at the children's speed: here 8 ms a call in the forked
-    stages and 0.5 ms in the parent. Taking off four of the parent's would
-    read a wake-up of about 15 ms; the rounds minus each stage's own two runs read
-    what the messages cost, a few ms at most on a loaded 2-core machine."""
-    import os
+    stages and 0.5 ms in the parent. The probe must read each message from the rounds
+    timed in the stages, less the two runs of the work each stage timed itself right
+    after (never a time measured in the parent): checked on the very rounds it measured,
+    whatever this machine's speed."""
+    import statistics
 
     import disttrain.probe.stage_probe as stage_probe
 
     monkeypatch.setattr(stage_probe, "ROUNDS", 6)
     monkeypatch.setattr(stage_probe, "WARM_UP", 1)
     parent = os.getpid()
+    measured: list[list[Any]] = []
+    forked = stage_probe.forked_ranks
+
+    def keep(*args: Any, **kwargs: Any) -> list[Any]:
+        per_rank = forked(*args, **kwargs)
+        measured.append(per_rank)
+        return per_rank
+
+    monkeypatch.setattr(stage_probe, "forked_ranks", keep)
 
     def work() -> None:
         time.sleep(0.0005 if os.getpid() == parent else 0.008)
 
     work()
     busy, wakeup = stage_probe.stage_message(work)
-    assert 0 < busy < 0.003
-    assert wakeup < 0.004
+    (per_rank,) = measured
+    rounds = {rank: rest for rank, *rest in per_rank}
+    (cold, hot, solo), other = rounds[0], rounds[1][2]
+    assert len(cold) == len(hot) == len(solo) == len(other) == 6  # after the warm-up
+    assert busy == max(0.0, statistics.median(hot) / 2)  # a hot round: two messages
+    messages = [(c - a - b) / 2 for c, a, b in zip(cold, solo, other, strict=True)]
+    assert wakeup == max(0.0, statistics.median(messages) - busy)
 
 
 def test_collectives_on_shared_cores_slow_the_compute_they_overlap() -> None:
