@@ -66,7 +66,7 @@ def _same_training(done: subprocess.CompletedProcess[str], path: Path,
 def _killed_task_is_named(done: subprocess.CompletedProcess[str], piddir: Path,
                           survivors: tuple[int, ...], launcher_named: bool = False) -> None:
     """Rank 1 SIGKILLed itself mid all-reduce; every survivor's error names it as dead,
-    within 10 s with the default timeout (5 minutes): the kernel says it is gone. With
+    within 30 s with the default timeout (5 minutes): the kernel says it is gone. With
     ``launcher_named`` (mpirun, which aborts the job when a rank dies and says which) a
     survivor may be stopped by the launcher before it reports."""
     assert done.returncode != 0
@@ -79,7 +79,8 @@ def _killed_task_is_named(done: subprocess.CompletedProcess[str], piddir: Path,
     for report in reports.values():
         assert report["suspects"] == [1], report
         assert re.search(r"rank 1 died \(pid \d+ on .* is gone\)", report["error"]), report
-        assert report["at"] - killed_at < 10, report  # generous: a loaded machine
+        # the kernel's word, not the 300 s timeout: 30 s leaves a loaded machine its margin
+        assert report["at"] - killed_at < 30, report
 
 
 # ------------------------------------------------------------------ Slurm (srun)

@@ -160,7 +160,7 @@ def test_an_unreachable_store_names_the_ranks_on_other_hosts_within_the_grace():
     far = liveness.ProcessInfo("node1", "other-host", 1234, 1)
     started = time.monotonic()
     verdict = check_in(_HangingStore(), "p/", 0, (0, 1, 2, 3), [here, here, far, far], 1.0)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15  # the 1 s grace and a loaded machine, not an hour
     assert verdict is not None and verdict.missing == (2, 3)  # rank 1 runs here: not blamed
     assert "on node1: could not be reached" in verdict.notes[2]
     assert check_in(_HangingStore(), "p/", 0, (0, 1), None, 0.5) is None  # cannot tell

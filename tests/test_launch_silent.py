@@ -27,8 +27,11 @@ from tests.launch_scripts.harness import clean_env, is_gone
 
 pytestmark = pytest.mark.timeout(180)
 TIMEOUT_S, INIT_TIMEOUT_S = 5.0, 8.0
-MARGIN_S = 5.0  # the machine is shared and loaded; the bound without it is timeout + 5 s
-STARTUP_MARGIN_S = 8.0  # + how much later than the victim the survivors arrive (imports)
+# The job must end within its deadline (the timeout, then 5 s for the launcher to stop the
+# rest) plus a margin of several seconds for a shared, loaded 2-core machine. What the bound
+# tells apart is ending on the deadline from hanging (the test's own 180 s timeout).
+MARGIN_S = 15.0
+STARTUP_MARGIN_S = 20.0  # + how much later than the victim the survivors arrive (imports)
 RUN = ["run", "--strategy", "ddp", "--model", "tests.launch_scripts.silent:model",
        "--dataset", "digits", "--steps", "6", "--global-batch", "30"]
 PHASES = ("collective", "compute", "startup")
