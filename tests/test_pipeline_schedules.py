@@ -80,19 +80,27 @@ def test_1f1b_order():
     assert " ".join(map(str, one_f_one_b(4, 2).compute(0))) == "F0 F1 B0 B1"
 
 
-@pytest.mark.parametrize(("p", "m"), SIZES)
-def test_1f1b_is_warm_up_then_alternation_then_cool_down_in_micro_batch_order(p, m):
+def test_1f1b_is_warm_up_then_alternation_then_cool_down_in_micro_batch_order():
     """The definition, for every size: forwards and backwards each in micro-batch order
     (a cool-down run backwards fails here, also where two stages hide it from the
     numbers); min(p − s, m) forwards before the first backward; then strictly one backward
     after each further forward; the rest are backwards."""
-    for s in range(p):
-        order = one_f_one_b(p, m).compute(s)
-        kinds = "".join("F" if isinstance(a, Forward) else "B" for a in order)
-        assert [a.microbatch for a in order if isinstance(a, Forward)] == list(range(m))
-        assert [a.microbatch for a in order if isinstance(a, Backward)] == list(range(m))
-        first = min(p - s, m)
-        assert kinds == "F" * first + "BF" * (m - first) + "B" * first, (p, m, s, kinds)
+    for p, m in SIZES:
+        for s in range(p):
+            order = one_f_one_b(p, m).compute(s)
+            kinds = "".join("F" if isinstance(a, Forward) else "B" for a in order)
+            assert [a.microbatch for a in order if isinstance(a, Forward)] == list(range(m))
+            assert [a.microbatch for a in order if isinstance(a, Backward)] == list(range(m))
+            first = min(p - s, m)
+            assert kinds == "F" * first + "BF" * (m - first) + "B" * first, (p, m, s, kinds)
+
+
+def test_gpipe_is_every_forward_then_every_backward_in_micro_batch_order():
+    """Huang et al. 2019: each stage runs the m forwards, then the m backwards."""
+    for p, m in SIZES:
+        for s in range(p):
+            assert [str(a) for a in gpipe(p, m).compute(s)] == (
+                [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]), (p, m, s)
 
 
 def test_grid_small_case_by_hand():
