@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -150,6 +152,81 @@ def test_incomplete_or_foreign_checkpoint_is_refused(saved, tmp_path, capfd, dam
         (directory / STEP / "rank-00000.pt").unlink()
         expected = f"checkpoint file {directory / STEP / 'rank-00000.pt'} is missing"
     assert expected in resume_fails(directory, capfd)
+
+
+def rewrite_manifest(step: Path, change: Any) -> None:
+    """Apply ``change(files)`` to ``step``'s manifest records (name → record)."""
+    manifest = step / "manifest.json"
+    data = json.loads(manifest.read_text())
+    change(data["files"])
+    manifest.write_text(json.dumps(data))
+
+
+def _unlisted(step: Path, outside: Path) -> str:
+    shutil.copy(step / "meta.pt", step / "extra.pt")
+    return f"checkpoint file {step / 'extra.pt'} is not listed in {step / 'manifest.json'}"
+
+
+def _partial(step: Path, outside: Path) -> str:
+    rewrite_manifest(step, lambda files: files.pop("rank-00000.pt"))
+    return f"checkpoint file {step / 'rank-00000.pt'} is not listed in"
+
+
+def _empty(step: Path, outside: Path) -> str:
+    rewrite_manifest(step, lambda files: files.clear())
+    return f"checkpoint manifest {step / 'manifest.json'} lists no files"
+
+
+def _escaping(step: Path, outside: Path) -> str:
+    shutil.copy(step / "meta.pt", outside / "meta.pt")  # listed as ../outside/meta.pt
+    rewrite_manifest(step, lambda files: files.update({"../outside/meta.pt": files["meta.pt"]}))
+    return f"names '../{outside.name}/meta.pt', which is not a file inside {step}"
+
+
+def _linked_file(step: Path, outside: Path) -> str:
+    shutil.move(step / "state.pt", outside / "state.pt")
+    (step / "state.pt").symlink_to(outside / "state.pt")  # the same bytes, through a link
+    return f"checkpoint file {step / 'state.pt'} is a symbolic link"
+
+
+def _linked_directory(step: Path, outside: Path) -> str:
+    shutil.copy(step / "meta.pt", outside / "meta.pt")
+    (step / "sub").symlink_to(outside, target_is_directory=True)
+    rewrite_manifest(step, lambda files: files.update({"sub/meta.pt": files["meta.pt"]}))
+    return f"checkpoint file {step / 'sub'} is a symbolic link"
+
+
+@pytest.mark.parametrize("damage", [_unlisted, _partial, _empty, _escaping, _linked_file,
+                                    _linked_directory])
+def test_a_manifest_must_cover_the_checkpoint_exactly(saved, tmp_path, capfd, damage):
+    """Each case resumed before: the files the loader reads are intact, but one was not
+    listed, listed outside the checkpoint, or read through a link."""
+    directory = damaged_copy(saved, tmp_path)
+    outside = directory / "outside"  # ../outside from the step directory
+    outside.mkdir()
+    expected = damage(directory / STEP, outside)
+    assert expected in resume_fails(directory, capfd)
+
+
+@pytest.mark.parametrize(("version", "refused"), [
+    ("2.4.0", "runs code from the file (CVE-2025-32434)"), ("2.5.1", "CVE-2025-32434"),
+    ("2.9.1", "memory-corruption advisories"), ("2.10.0", None), ("2.13.0+cpu", None),
+    ("3.0.0", None), ("2.10.0a0+git1234", None),
+])
+def test_a_torch_with_an_unsafe_loader_is_refused(tmp_path, monkeypatch, version, refused):
+    path = tmp_path / "state.pt"
+    checkpoint_files.atomic_save({"x": torch.ones(3)}, str(path))
+    monkeypatch.setattr(torch, "__version__", version)
+    if refused is None:
+        assert torch.equal(checkpoint_files.load(str(path))["x"], torch.ones(3))
+        return
+    with pytest.raises(CheckpointError) as err:
+        checkpoint_files.load(str(path))
+    assert str(err.value) == (f"torch {version} cannot load checkpoints safely: its "
+                              f"weights_only loader {refused}; upgrade to torch>=2.10") \
+        or refused in str(err.value)
+    assert "\n" not in str(err.value) and f"torch {version} " in str(err.value)
+    assert str(err.value).endswith("; upgrade to torch>=2.10")
 
 
 def test_a_pickle_is_never_executed(tmp_path):
