@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from disttrain import private_files
 from disttrain.comm.cost_tables import (
     Table,
     interpolate,
@@ -323,10 +324,7 @@ def save_costs(transport: str, costs: LinkCosts, path: Path | None = None) -> Pa
     except (OSError, ValueError):
         data = {}
     data[transport] = _to_json(costs)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    return private_files.write_text(path, json.dumps(data, indent=2) + "\n")  # never via a link
 
 
 def with_world_sizes(base: LinkCosts, entries: dict[int, LinkCosts]) -> LinkCosts:

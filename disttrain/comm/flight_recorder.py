@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from disttrain import private_files
+
 
 @dataclass(slots=True)
 class CollectiveRecord:
@@ -69,8 +71,10 @@ class FlightRecorder:
         return [asdict(r) for r in reversed(picked)]
 
     def write(self, path: str | Path, **meta: Any) -> Path:
+        """Store the records and ``meta`` as JSON at ``path``: atomically, and never through
+        a link someone planted there (:func:`disttrain.private_files.atomic_write`)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**meta, "records": self.dump()}, indent=1) + "\n")
-        return path
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        text = json.dumps({**meta, "records": self.dump()}, indent=1) + "\n"
+        return private_files.write_text(path, text, mode=0o600)
 

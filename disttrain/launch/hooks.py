@@ -171,13 +171,13 @@ def dump_flight_recorders(reason: str) -> list[str]:
     paths = []
     comms = [c for c in (ref() for ref in _state.comms) if c is not None]
     for index, comm in enumerate(comms):
-        path = records.flight_file(_state.rank, _state.env, index)
-        try:
+        try:  # the path too: a private directory that is not private is refused
+            path = records.flight_file(_state.rank, _state.env, index)
             comm.flight_recorder.write(path, rank=_state.rank, host=_state.host, pid=os.getpid(),
                                        reason=reason, time=time.time())
             paths.append(str(path))
         except OSError as exc:
-            log.warning("could not write the flight recorder to %s: %s", path, exc)
+            log.warning("could not write the flight recorder of rank %d: %s", _state.rank, exc)
     _state.dumped = _state.dumped or bool(paths)
     return paths
 

@@ -10,20 +10,27 @@
 * **Launcher pid** (``$DISTTRAIN_LAUNCHER_PID``): a worker whose parent is no longer that
   process has lost its launcher and ends itself (``hooks``).
 * **Flight-recorder dump** (``$DISTTRAIN_FLIGHT_DIR/flight-rank<R>.json``): the
-  communicator's last collectives (see ``disttrain.comm.flight_recorder``).
+  communicator's last collectives (see ``disttrain.comm.flight_recorder``). Without
+  DISTTRAIN_FLIGHT_DIR (torchrun, srun, mpirun) it goes to this user's private directory,
+  ``$TMPDIR/disttrain-<uid>/flight-rank<R>-pid<P>.json`` (:func:`~disttrain.private_files.
+  private_dir`: 0700, owner checked), never to a shared, predictable path.
+
+Every file is written through :func:`disttrain.private_files.atomic_write`: a fresh name
+created with O_EXCL | O_NOFOLLOW, renamed over the target, so no link another user planted
+is ever written through, and a reader never sees half a file.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from disttrain import private_files
 
 ERROR_FILE_VAR = "DISTTRAIN_ERROR_FILE"
 TORCH_ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
@@ -70,13 +77,11 @@ class ErrorRecord:
 
 
 def write_json(path: str | Path, data: Any) -> Path:
-    """Write atomically (a reader never sees half a file)."""
+    """Write atomically, never through a link (see the module docstring); a missing
+    directory is made private (0700)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return private_files.write_text(path, json.dumps(data, indent=1) + "\n", mode=0o600)
 
 
 def read_json(path: str | Path) -> Any | None:
@@ -140,13 +145,13 @@ def wait_for_failure_notice(run_dir: str | Path | None, timeout_s: float) -> Fai
 
 def flight_file(rank: int, env: Mapping[str, str], index: int = 0) -> Path:
     """Where rank ``rank`` dumps its flight recorder: ``$DISTTRAIN_FLIGHT_DIR`` (the launcher
-    sets it to its run directory), else a directory under the temp dir, named by pid."""
+    sets it to its run directory), else this user's private directory, named by pid
+    (PermissionError when that directory is not private: see :func:`private_dir`)."""
     suffix = f"-comm{index}" if index else ""
     directory = env.get(FLIGHT_DIR_VAR)
     if directory:
         return Path(directory) / f"flight-rank{rank}{suffix}.json"
-    base = Path(tempfile.gettempdir()) / "disttrain-flight"
-    return base / f"flight-rank{rank}-pid{os.getpid()}{suffix}.json"
+    return private_files.private_dir() / f"flight-rank{rank}-pid{os.getpid()}{suffix}.json"
 
 
 def last_collective(path: str | Path | None) -> dict[str, Any] | None:
