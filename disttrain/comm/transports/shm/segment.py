@@ -17,17 +17,19 @@ The size depends on the world size and the configured slot sizes, never on messa
 large messages stream through the fixed slots in rounds.
 
 The segment's name is unlinked as soon as every rank has attached (see below); the
-mappings stay valid until the processes exit. A rank killed between creating a segment and
-that moment leaves the name behind (its resource tracker, which would remove it, is killed
-with its process group), so launchers tag their ranks' segments and remove what is left of
-them when the ranks are gone (:func:`unlink_tagged`).
+mappings stay valid until the processes exit. Every rank knows the name before the segment
+exists, so when a rank is killed during set-up (its resource tracker, which would remove
+it, dies with its process group) the others' failed exchange removes it, under any
+launcher. Should every rank die at once, ``disttrain launch`` and ``disttrain run`` tag
+their ranks' segments and remove what is left of them (:func:`unlink_tagged`).
 
-**Sharing a segment** among the ranks of a group (:func:`share_segment`): create, attach,
-unlink, over torch.distributed. Used for the transport's own segment and for shared buffers
-(``transport.py``)::
+**Sharing a segment** among the ranks of a group (:func:`share_segment`): name, create,
+attach, unlink, over torch.distributed. Used for the transport's own segment and for shared
+buffers (``transport.py``)::
 
-    rank 0                 create under a fresh name, write the header (int64 words at 0)
-    every rank             ← broadcast of the name (Gloo)
+    every rank             ← broadcast of a fresh name from rank 0 (Gloo)
+    rank 0                 create it, write the header (int64 words at 0)
+    every rank             ← broadcast of "created"
     every rank             attach, check the header, ``attached(segment)`` (publish a pid, …)
     every rank             → all-gather of "attached" statuses; unlink the name
 
@@ -40,9 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import mmap
 import os
 import secrets
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -59,6 +63,7 @@ from disttrain.comm.liveness import is_alive as is_alive
 from disttrain.comm.liveness import process_start_time as process_start_time
 from disttrain.comm.transports.torch_p2p import TorchTransport, translate_error
 
+log = logging.getLogger(__name__)
 LINE = 64  # bytes per cache line: every counter lives alone on one
 PAGE = 4096
 MAGIC = int.from_bytes(b"distshm1", "little")  # identifies a disttrain segment
@@ -156,17 +161,28 @@ def unlink_tagged(tag: str, directory: str = "/dev/shm") -> list[str]:
     """Remove every segment named with launcher tag ``tag`` (see :func:`new_segment_name`):
     a name outlives set-up only if a rank died in the window between creating a segment
     and every rank attaching it, and then a launcher whose ranks are all gone removes it.
-    Returns the names removed."""
+    Returns the names removed. Only this user's regular files are touched; an entry that
+    is not (another user's, a directory) or cannot be removed is left with a warning: the
+    clean-up of a run, even a successful one, never fails because of it."""
     if not tag:
         return []
     prefix = f"{NAME_PREFIX}{tag}-"
     try:
-        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+        names = sorted(n for n in os.listdir(directory) if n.startswith(prefix))
     except OSError:
         return []  # no /dev/shm here: no names to leak either
+    removed = []
     for name in names:
-        unlink_name(name)
-    return names
+        try:
+            info = os.lstat(os.path.join(directory, name))
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise PermissionError("not a segment of this user's")
+            unlink_name(name)
+        except OSError as exc:
+            log.warning("left %s in %s: %s", name, directory, exc)
+            continue
+        removed.append(name)
+    return removed
 
 
 def create_segment(name: str, size: int) -> SharedMemory:
@@ -331,36 +347,41 @@ def share_segment(group: Any, global_ranks: Sequence[int], rank: int, size: int,
     checks the header and calls ``attached`` (which may raise OSError/ValueError to refuse);
     the name is unlinked on every rank before this returns, also when an exchange fails
     (each waits at most ``timeout_s``; None: the process group's timeout)."""
-    msg = torch.zeros(2 + _NAME_BYTES, dtype=torch.int64)  # [ok, len(name), name bytes...]
-    creator, error = _create(size, header, msg) if rank == 0 else (None, "")
+    msg = torch.zeros(1 + _NAME_BYTES, dtype=torch.int64)  # [len(name), name bytes...]
+    if rank == 0:
+        encoded = list(new_segment_name().encode())
+        msg[0], msg[1 : 1 + len(encoded)] = len(encoded), torch.tensor(encoded)
+    # The name travels before the segment exists: whichever rank dies during set-up, the
+    # others know what to remove (torchrun, srun and mpirun tag no names for a launcher)
+    _exchange("sending the segment's name", group, timeout_s,
+              lambda: dist.broadcast(msg, global_ranks[0], group=group, async_op=True))
+    name = bytes(int(b) for b in msg[1 : 1 + int(msg[0])]).decode()
+    creator, error, shm = None, "", None
     try:
-        _exchange("sending the segment's name", group, timeout_s,
-                  lambda: dist.broadcast(msg, global_ranks[0], group=group, async_op=True))
-    except CommError:
-        if creator is not None:  # nobody else can have it: remove it now, not at exit
-            destroy(creator)
-        raise
-    if int(msg[0]) != 1:
-        raise ShmUnavailableError(f"rank 0 could not create a shared-memory segment "
-                                  f"{'(' + error + ')' if error else '(see its log)'}")
-    name = bytes(int(b) for b in msg[2 : 2 + int(msg[1])]).decode()
-    shm = None
-    try:  # every rank, the creator included, maps the segment the same way
-        shm = attach_segment(name)
-        _check_header(shm, header)
-        if attached is not None:
-            attached(shm)
-    except (OSError, ValueError) as exc:
-        error = f"rank {rank}: {exc}"
-    statuses = [torch.zeros(1, dtype=torch.int64) for _ in global_ranks]
-    mine = torch.tensor([0 if error else 1])
-    try:
+        if rank == 0:
+            creator, error = _create(name, size, header)
+        created = torch.tensor([int(rank != 0 or creator is not None)])
+        _exchange("telling whether the segment was created", group, timeout_s,
+                  lambda: dist.broadcast(created, global_ranks[0], group=group, async_op=True))
+        if int(created) != 1:
+            raise ShmUnavailableError(f"rank 0 could not create a shared-memory segment "
+                                      f"{'(' + error + ')' if error else '(see its log)'}")
+        try:  # every rank, the creator included, maps the segment the same way
+            shm = attach_segment(name)
+            _check_header(shm, header)
+            if attached is not None:
+                attached(shm)
+        except (OSError, ValueError) as exc:
+            error = f"rank {rank}: {exc}"
+        statuses = [torch.zeros(1, dtype=torch.int64) for _ in global_ranks]
+        mine = torch.tensor([0 if error else 1])
         _exchange("gathering who attached the segment", group, timeout_s,
                   lambda: dist.all_gather(statuses, mine, group=group, async_op=True))
     finally:
-        # Everyone attached (or gave up, or the exchange failed): the name is no longer
-        # needed. Every rank removes it, so on every rank it is gone when this returns
-        # (rank 0 also tells its resource tracker, which would otherwise remove it at exit).
+        # Everyone attached (or gave up, or an exchange failed: a rank died): the name is
+        # no longer needed. Every rank removes it, so on every rank it is gone when this
+        # returns (rank 0 also tells its resource tracker, which would otherwise remove it
+        # at exit).
         if creator is not None:
             destroy(creator)
         unlink_name(name)
@@ -372,17 +393,14 @@ def share_segment(group: Any, global_ranks: Sequence[int], rank: int, size: int,
     return shm, name
 
 
-def _create(size: int, header: Sequence[int], msg: torch.Tensor) -> tuple[Any, str]:
-    """Rank 0: create the segment, write its header, and put its name into ``msg``."""
+def _create(name: str, size: int, header: Sequence[int]) -> tuple[Any, str]:
+    """Rank 0: create the segment ``name`` and write its header; (segment, "") or (None,
+    the error)."""
     try:
-        name = new_segment_name()
         creator = create_segment(name, size)
         np.frombuffer(segment_buffer(creator), dtype=np.int64, count=len(header))[:] = header
     except OSError as exc:
         return None, str(exc)
-    encoded = list(name.encode())
-    msg[:2] = torch.tensor([1, len(encoded)])
-    msg[2 : 2 + len(encoded)] = torch.tensor(encoded)
     return creator, ""
 
 
