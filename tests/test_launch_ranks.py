@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
-from disttrain.launch.ranks import LocalRanks, RankEvent
+from disttrain.launch.ranks import LocalRanks, RankEvent, Signals, Worker, stop_workers
 
 
 def _act(rank, world_size, store, channel, how):
@@ -53,3 +54,32 @@ def test_each_rank_is_heard_and_a_death_or_error_is_named_by_rank():
 def test_an_unknown_start_method_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="start must be 'forkserver', 'spawn' or 'fork'"):
         LocalRanks(_act, [()], start="vfork")
+
+
+def test_stopping_never_signals_a_reaped_worker_s_reused_pid():
+    """A worker reaped long ago: its pid may belong to another process now, leading a group
+    of its own (root reaches any). Stopping the job must leave that process alone."""
+    worker = Worker(0, 0, [sys.executable, "-c", "pass"], dict(os.environ))
+    worker.wait()  # exited and reaped: its pid is free
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        worker.popen.pid = stranger.pid  # the kernel gave the pid to someone else
+        stop_workers([worker], signal.SIGTERM, 0.2, Signals())
+        time.sleep(0.1)
+        assert stranger.poll() is None, "the stranger's group was signalled"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_stopping_still_reaches_what_a_reaped_worker_left_in_its_group():
+    worker = Worker(0, 0, ["sh", "-c", "sleep 60 & echo $!"], dict(os.environ))
+    left = int(worker.popen.stdout.readline())  # in the worker's group, outliving it
+    worker.wait()
+    stop_workers([worker], signal.SIGTERM, 0.2, Signals())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{left}") \
+            and open(f"/proc/{left}/stat").read().split()[2] != "Z":
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{left}") or \
+        open(f"/proc/{left}/stat").read().split()[2] == "Z"

@@ -327,7 +327,15 @@ class Worker:
         return self.poll() is None
 
     def signal_group(self, signum: int) -> None:
-        """Send ``signum`` to the worker and everything in its process group."""
+        """Send ``signum`` to the worker and everything in its process group.
+
+        Once the worker is reaped its pid is free again, but its group id is not while a
+        process it left behind is still in the group: the kernel reuses no pid that names
+        a live group. So the group is still ours exactly when no process has that pid; if
+        one does, the pid went to someone else (who may lead a group of their own, and as
+        root the signal would reach it), and nothing is sent."""
+        if self.returncode is not None and _pid_exists(self.popen.pid):
+            return
         try:
             os.killpg(self.popen.pid, signum)
         except (ProcessLookupError, PermissionError):
@@ -367,6 +375,16 @@ def catching_signals() -> Iterator[Signals]:
     finally:
         for number, old in previous.items():
             signal.signal(number, old)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def stop_workers(workers: list[Worker], signum: int, grace_s: float, caught: Signals) -> None:
