@@ -378,3 +378,25 @@ def test_exit_codes_follow_the_shell_convention():
     assert summary.describe_exit(143) == "exited with code 143 (SIGTERM)"
     assert summary.describe_exit(1) == "exited with code 1"
     assert "DISTTRAIN_EXIT_TIMEOUT" in summary.describe_exit(-signal.SIGALRM)
+
+
+def test_a_job_whose_launcher_puts_every_rank_here_is_single_host():
+    """What keeps Gloo on loopback (launch/netif.py): only a launcher's word counts."""
+    one_node = {**SLURM, "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_TASKS_PER_NODE": "2",
+                "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n1"}
+    assert resolve_placement(one_node).single_host
+    assert not resolve_placement(SLURM).single_host  # 4 nodes
+    assert resolve_placement(OMPI).single_host  # local size = size
+    assert not resolve_placement(TORCHRUN).single_host  # 2 of 4 here
+    # WORLD_SIZE alone says nothing about where the ranks run
+    assert not resolve_placement({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
+                                  "MASTER_PORT": "29500"}).single_host
+
+
+def test_gloo_stays_on_loopback_when_every_rank_is_here():
+    from disttrain.launch.netif import LOOPBACK, gloo_interface_for, interface_with_address
+
+    lo = interface_with_address(LOOPBACK)
+    assert lo is not None
+    assert gloo_interface_for("127.0.0.1") == lo
+    assert gloo_interface_for("no-such-host.invalid", single_host=True) == lo

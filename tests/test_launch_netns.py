@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,3 +153,32 @@ def test_a_partition_ends_both_nodes_naming_the_other_side(two_hosts, tmp_path):
     for name in names:
         assert _ip("netns", "pids", name).stdout.split() == [], name
     print(f"partition: node 0 ended {ended[0]:.1f}s, node 1 {ended[1]:.1f}s after the cut")
+
+
+def test_a_single_host_job_keeps_gloo_on_loopback(tmp_path):
+    """The host name resolves to a LAN address (a private /etc/hosts and host name, in
+    mount and UTS namespaces of their own), where Gloo would listen by itself: every
+    connection of a job whose ranks all run here stays on 127.0.0.1."""
+    from disttrain.launch.netif import route_source_address
+
+    lan = route_source_address("192.0.2.1")
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a private /etc/hosts")
+    if lan is None or lan.startswith("127."):
+        pytest.skip("this host has no non-loopback IPv4 address to resolve its name to")
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n{lan} lanhost44\n")
+    launch = f"{sys.executable} -m disttrain launch -n 2 {SCRIPTS / 'gloo_addresses.py'}"
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this tree's disttrain
+    done = subprocess.run(["unshare", "--mount", "--uts", "sh", "-c",
+                           f"mount --bind {hosts} /etc/hosts && hostname lanhost44 && "
+                           f"exec {launch}"], capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S, env=env, cwd=tmp_path)
+    if "unshare: " in done.stderr or "mount: " in done.stderr:
+        pytest.skip(f"no private /etc/hosts here: {done.stderr.strip()[:200]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = json_lines(done.stdout)
+    assert sorted(reports) == [0, 1]
+    for report in reports.values():
+        assert report["addresses"] == ["127.0.0.1"], report

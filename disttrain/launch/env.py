@@ -137,7 +137,8 @@ def _complete(part: PartialPlacement, env: Mapping[str, str]) -> Placement:
                              f"{part.port_hint} (a free TCP port on the node of rank 0), or "
                              "pass master_port=")
     return Placement(rank, world, local_rank, local_world, addr, port, part.source,
-                     part.rendezvous_id if port == part.master_port else None)
+                     part.rendezvous_id if port == part.master_port else None,
+                     single_host=locality_known and local_world >= world)
 
 
 def _default_master_addr(world: int, local_world: int | None) -> str:

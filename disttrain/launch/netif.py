@@ -1,11 +1,15 @@
-"""Which network interface Gloo should use: the one this host reaches the master through.
+"""Which network interface Gloo should use: loopback when every rank runs on this host, else
+the one this host reaches the master through.
 
 Gloo binds to the address its host name resolves to, and falls back to loopback when that
 address is not local (containers, network namespaces, hosts whose name maps to 127.0.1.1).
-Peers on other machines are then told to connect to 127.0.0.1 and time out. The address
-the kernel would use as the source of a packet to MASTER_ADDR is, by construction, one the
-other nodes can reach back (at least when they share a network with the master), so its
-interface is a better default. GLOO_SOCKET_IFNAME, when set, always wins.
+A job whose ranks all run on one host needs no network at all, yet would listen on the
+host's LAN address, open to anyone who can reach the machine: it is kept on loopback (the
+master is 127.0.0.1, or the launcher says every rank is local). Across hosts, peers would be
+told to connect to 127.0.0.1 and time out; the address the kernel would use as the source of
+a packet to MASTER_ADDR is, by construction, one the other nodes can reach back (at least
+when they share a network with the master), so its interface is a better default.
+GLOO_SOCKET_IFNAME, when set, always wins.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import socket
 import struct
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+LOOPBACK = "127.0.0.1"
 
 
 def route_source_address(host: str, port: int = 9) -> str | None:
@@ -46,14 +51,16 @@ def interface_with_address(address: str) -> str | None:
     return None
 
 
-def gloo_interface_for(master_addr: str) -> str | None:
-    """The interface to reach ``master_addr`` through, or None when loopback will do (or
-    nothing better can be found)."""
+def gloo_interface_for(master_addr: str, single_host: bool = False) -> str | None:
+    """The interface Gloo should listen on: loopback's when every rank runs here
+    (``single_host``, or a loopback master), else the one to reach ``master_addr`` through;
+    None when nothing better than Gloo's own choice can be found."""
     try:
-        if ipaddress.ip_address(socket.gethostbyname(master_addr)).is_loopback:
-            return None
+        loopback = ipaddress.ip_address(socket.gethostbyname(master_addr)).is_loopback
     except (OSError, ValueError):
-        return None
+        loopback = False
+    if loopback or single_host:
+        return interface_with_address(LOOPBACK)
     source = route_source_address(master_addr)
     if source is None or ipaddress.ip_address(source).is_loopback:
         return None

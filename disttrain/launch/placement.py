@@ -39,6 +39,7 @@ class Placement:
     master_port: int | None  # None: a single process, which needs no rendezvous port
     source: str  # "explicit", "torchrun", "slurm", "mpi" or "single"
     rendezvous_id: str | None = None  # set when master_port was derived (see module doc)
+    single_host: bool = False  # the launcher says every rank runs on this host
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -69,9 +69,14 @@ def _worker(rank: int, world_size: int, store_path: str, channel: RankChannel,
     import torch.distributed as dist
 
     from disttrain.launch import rendezvous
-    from disttrain.launch.env import resolve_init_timeout
+    from disttrain.launch.env import LOOPBACK, resolve_init_timeout
+    from disttrain.launch.netif import gloo_interface_for
 
     os.environ[SHM_TAG_VAR] = shm_tag  # the parent removes what a killed rank leaves
+    if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        interface = gloo_interface_for(LOOPBACK, single_host=True)  # every rank is here
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface  # not the LAN address
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(_threads_per_rank(world_size))
