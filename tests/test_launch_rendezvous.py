@@ -3,10 +3,13 @@ join, and the check-in verdict on dead, stopped and unreachable peers (comm.chec
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,9 +23,9 @@ from disttrain.launch.placement import PORT_BASE, PORT_SPAN, Placement
 pytestmark = pytest.mark.timeout(120)
 
 
-def _free_run(length: int) -> int:
+def _free_run(length: int, start: int = PORT_BASE + 12345) -> int:
     """A port in the derived range followed by ``length - 1`` free ones."""
-    for first in range(PORT_BASE + 12345, PORT_BASE + PORT_SPAN - length, 97):
+    for first in range(start, PORT_BASE + PORT_SPAN - length, 97):
         socks = []
         try:
             for port in range(first, first + length):
@@ -88,6 +91,72 @@ def test_every_candidate_taken_is_a_clear_error():
     finally:
         for sock in held:
             sock.close()
+
+
+IMPOSTOR = """
+import os, sys, time
+import torch.distributed as dist
+port, label = int(sys.argv[1]), sys.argv[2]
+os.setgid(54321)
+os.setuid(54321)  # the listening socket below is another user's
+store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+store.set("disttrain/rendezvous_id", label)  # copied from the public job id
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="playing another user needs root")
+def test_a_store_another_user_serves_with_this_job_s_id_is_refused():
+    """Another user of the master's host listens first on candidate 0 with a store labelled
+    with this job's (public) id. Rank 0 refuses, naming the port and the user, instead of
+    serving on candidate 1 while the other ranks join the impostor; a rank on this host
+    does not join the impostor either."""
+    first = _free_run(2)
+    impostor = subprocess.Popen([sys.executable, "-c", IMPOSTOR, str(first), "slurm-44.0"],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert impostor.stdout is not None and impostor.stdout.readline() == "ready\n"
+        with pytest.raises(rendezvous.RendezvousError,
+                           match=f"port {first} .* held by another user \\(uid 54321\\)"):
+            rendezvous.open_store(_placement(0, first, "slurm-44.0"), 5, agent_store=False)
+        with pytest.raises(rendezvous.RendezvousError, match="no rendezvous store of"):
+            rendezvous.open_store(_placement(1, first, "slurm-44.0"), 2, agent_store=False)
+    finally:
+        impostor.kill()
+        impostor.wait()
+
+
+def test_rank_0_s_error_names_the_port_it_serves_on(tmp_path):
+    """The job's first derived port is taken (another job of ours), so rank 0 serves on the
+    next; when rank 1 never comes, rank 0's error must name that port, not the first."""
+    job, first = _job_with_free_ports(2)
+    held = socket.socket()
+    held.bind(("127.0.0.1", first))
+    held.listen()
+    env = {**{k: v for k, v in os.environ.items()
+              if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "DISTTRAIN_"))},
+           "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": job,
+           "MASTER_ADDR": "127.0.0.1", "DISTTRAIN_INIT_TIMEOUT": "2",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        done = subprocess.run([sys.executable, "-c", "import disttrain; disttrain.init()"],
+                              capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    finally:
+        held.close()
+    lines = [x for x in done.stderr.splitlines() if "could not join the process group" in x]
+    assert lines and f"127.0.0.1:{first + 1}: " in lines[-1], done.stderr[-2000:]
+
+
+def _job_with_free_ports(count: int) -> tuple[str, int]:
+    """A Slurm job id whose step 0 derives a first port with ``count`` free ports from it."""
+    from disttrain.launch.placement import derived_port
+
+    for j in range(os.getpid(), os.getpid() + 10**5):
+        first = derived_port(f"slurm-{j}.0")
+        if first + count <= PORT_BASE + PORT_SPAN and _free_run(count, first) == first:
+            return str(j), first
+    raise RuntimeError("no job id with free derived ports")
 
 
 def test_ranks_that_never_join_are_named_and_whole_nodes_too():

@@ -207,8 +207,10 @@ def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float,
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
     per_node = (place.local_world_size if place.source == "torchrun"
                 and place.local_world_size < place.world_size else None)
+    port = None  # the store's, once found: a derived port may not be the first candidate
     try:
         store = rendezvous.open_store(place, timeout_s, agent)
+        port = getattr(store, "port", None)
         if agent:  # a restarted job meets in the same store: each attempt gets its own keys
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             store = dist.PrefixStore(f"disttrain/attempt{attempt}/", store)
@@ -216,8 +218,11 @@ def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float,
         rendezvous.init_group(backend, store, place.rank, place.world_size, timeout_s,
                               op_timeout_s)
     except rendezvous.RendezvousError as exc:
+        ports = place.port_candidates()
+        where = port if port is not None else (
+            ports[0] if len(ports) == 1 else f"{ports[0]}-{ports[-1]} (derived)")
         raise InitError(
             f"rank {place.rank} of {place.world_size} could not join the process group at "
-            f"{place.master_addr}:{place.master_port}: {exc}. Check that all "
+            f"{place.master_addr}:{where}: {exc}. Check that all "
             f"{place.world_size} ranks were started and that MASTER_ADDR/MASTER_PORT name the "
             "node of rank 0 (its port reachable from here)", exc.suspects) from exc

@@ -14,12 +14,22 @@
                one is named (comm.checkin), instead of Gloo's "Wait timeout" and a key name
 
 Every store call that could wait on an unreachable host is bounded by the start-up timeout.
+
+A derived port and the id label are public (a job id is), so another user of the master's
+host could listen first on a candidate with a store that carries this job's id. Rank 0
+refuses to go on past such a store (held by another user and carrying our id: an impostor,
+named with its uid) instead of moving to the next candidate, and ranks on the master's host
+skip stores held by another user. Ranks on other hosts cannot see who holds a port: on
+shared nodes, give MASTER_PORT (or use ``disttrain launch`` / torchrun, whose store the
+launcher opens before any rank starts).
 """
 
 from __future__ import annotations
 
 import datetime
 import errno
+import ipaddress
+import os
 import socket
 import time
 from typing import Any
@@ -27,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from disttrain.comm import checkin, liveness
+from disttrain.launch import netif
 from disttrain.launch import store as launch_store
 from disttrain.launch.config import LaunchError
 from disttrain.launch.placement import Placement
@@ -91,12 +102,14 @@ def _in_use(exc: LaunchError) -> bool:
 
 
 def _serve_candidate(place: Placement, timeout_s: float) -> Any:
-    """Rank 0 on a derived port: the first free candidate, labelled with the job's id."""
+    """Rank 0 on a derived port: the first free candidate, labelled with the job's id; an
+    impostor on a candidate (see the module docstring) is refused, naming it."""
     for port in place.port_candidates():
         try:
             store = _serve(place.master_addr, port, timeout_s)
         except RendezvousError as exc:
             if isinstance(exc.__cause__, LaunchError) and _in_use(exc.__cause__):
+                _refuse_impostor(place, port)
                 continue  # another job (or another step of this one) has it: the next
             raise
         store.set(ID_KEY, str(place.rendezvous_id))
@@ -107,14 +120,57 @@ def _serve_candidate(place: Placement, timeout_s: float) -> Any:
                           "MASTER_PORT to a free port")
 
 
+def _refuse_impostor(place: Placement, port: int) -> None:
+    """Rank 0 found ``port`` taken: by another user whose store carries this job's id, it is
+    an impostor the other ranks could join; refuse rather than serve on the next port."""
+    others = listening_uids(port) - {os.geteuid()}
+    if others and _probe(place.master_addr, port, str(place.rendezvous_id)) is not None:
+        raise RendezvousError(
+            f"rendezvous port {port} on {place.master_addr}, derived for "
+            f"{place.rendezvous_id}, is held by another user (uid "
+            f"{', '.join(map(str, sorted(others)))}) whose store claims to be this job's; "
+            "set MASTER_PORT to a free port, and tell the node's administrator")
+
+
+def listening_uids(port: int) -> set[int]:
+    """The users whose sockets listen on TCP ``port`` in this network namespace (from
+    /proc/net/tcp and tcp6); empty where that cannot be read."""
+    uids = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in f.read().splitlines()[1:]]
+        except OSError:
+            continue
+        for row in rows:  # sl local_address rem_address st ... uid
+            if len(row) > 7 and row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port:
+                uids.add(int(row[7]))
+    return uids
+
+
+def _foreign_on_this_host(addr: str, port: int) -> bool:
+    """Whether ``addr`` is this host and only other users listen on ``port`` there."""
+    try:
+        ip = ipaddress.ip_address(socket.gethostbyname(addr))
+    except (OSError, ValueError):
+        return False
+    if not ip.is_loopback and netif.interface_with_address(str(ip)) is None:
+        return False  # another host: who listens there cannot be seen from here
+    owners = listening_uids(port)
+    return bool(owners) and os.geteuid() not in owners
+
+
 def _find_candidate(place: Placement, timeout_s: float) -> Any:
     """A rank other than 0 on a derived port: the candidate whose store carries our id.
-    Ports nobody listens on are skipped at once (rank 0 may not be up yet: cycle again)."""
+    Ports nobody listens on are skipped at once (rank 0 may not be up yet: cycle again),
+    and on the master's host so are ports only another user listens on."""
     deadline = time.monotonic() + timeout_s
     ports = place.port_candidates()
     while True:
         for port in ports:
             if not _listening(place.master_addr, port):
+                continue
+            if _foreign_on_this_host(place.master_addr, port):
                 continue
             store = _probe(place.master_addr, port, str(place.rendezvous_id))
             if store is not None:
