@@ -165,3 +165,167 @@ def test_from_torch_builds_the_rules_transport_and_its_groups_keep_the_rules(poo
     assert kinds == ["TorchTransport", "TorchTransport", "False",
                      "NcclRulesTransport", "NcclRulesTransport", "True"]
     assert issubclass(NcclRulesTransport, TorchTransport)
+
+
+# ---------------------------------------------------------------- lazily created pairs
+def first_contacts_on_two_groups(comm: Communicator, rules: bool, connect: bool) -> str:
+    """Ranks 0 and 1 meet on two groups: rank 0 first receives on the second, rank 1 first
+    receives on the first, each before it sends. On Gloo (pairs exist) both complete; under
+    NCCL's rules each first call blocks creating a different pair communicator: a hang,
+    unless both first connect the groups in one order."""
+    c = Communicator.from_torch(config=CommConfig(timeout_s=3.0, nccl_rules=rules))
+    first, second = c.new_group([0, 1]), c.new_group([0, 1])
+    assert first is not None and second is not None
+    peer, got = 1 - c.rank, torch.zeros(2)
+    try:
+        if connect:
+            first.connect([peer])
+            second.connect([peer])
+        mine = torch.full((2,), float(c.rank))
+        if c.rank == 0:
+            works = [second.irecv(got, peer), first.isend(mine, peer)]
+        else:
+            works = [first.irecv(got, peer), second.isend(mine, peer)]
+        for work in works:
+            work.wait()
+        return f"ok {got.tolist()}"
+    except CommTimeoutError as exc:
+        return f"timeout: {exc}"
+    finally:
+        if not c.failed and not first.failed and not second.failed:
+            c.close()
+
+
+def test_two_ranks_meeting_first_on_two_groups_in_opposite_orders_hang_under_the_rules():
+    from tests.dist import DistPool
+
+    pool = DistPool(2)  # its own ranks: a timed-out message leaves their connections broken
+    try:
+        assert pool.run(first_contacts_on_two_groups, False, False) == ["ok [1.0, 1.0]",
+                                                                        "ok [0.0, 0.0]"]
+        assert pool.run(first_contacts_on_two_groups, True, True) == ["ok [1.0, 1.0]",
+                                                                      "ok [0.0, 0.0]"]
+        ruled = pool.run(first_contacts_on_two_groups, True, False)
+        assert all(r.startswith("timeout:") and "made no first call" in r for r in ruled), ruled
+        assert "rank 1" in ruled[0] and "rank 0" in ruled[1]  # each names its peer
+    finally:
+        pool.close()
+
+
+def ring_without_connecting(comm: Communicator, skip_connect: bool) -> str:
+    """A ring all-reduce at p = 3 under the rules; ``skip_connect``: as if the collective
+    did not create its pairs first (every rank's first call, a receive from the left,
+    blocks on a pair whose other rank is blocked on its own left: a cycle)."""
+    from disttrain.comm import algorithms
+
+    from disttrain.comm.cost_model import load_costs
+
+    saved = dict(algorithms.CONNECT_FIRST)
+    if skip_connect:
+        algorithms.CONNECT_FIRST.clear()
+    # costs given: agreeing on rank 0's (a broadcast) would create pairs before the ring
+    c = Communicator(NcclRulesTransport(timeout_s=3.0), CommConfig(timeout_s=3.0),
+                     load_costs("torch"))
+    try:
+        t = torch.full((7,), float(c.rank + 1))
+        c.all_reduce(t, algorithm="ring")
+        return f"ok {t[0].item()}"
+    except CommTimeoutError as exc:
+        return f"timeout: {exc}"
+    finally:
+        algorithms.CONNECT_FIRST.update(saved)
+        if not c.failed:
+            c.close()
+
+
+def test_a_ring_whose_first_contacts_cycle_hangs_under_the_rules_and_connecting_fixes_it():
+    from tests.dist import DistPool
+
+    pool = DistPool(3)
+    try:
+        assert pool.run(ring_without_connecting, False) == ["ok 6.0"] * 3
+        ruled = pool.run(ring_without_connecting, True)
+        assert all(r.startswith("timeout:") and "made no first call" in r for r in ruled), ruled
+    finally:
+        pool.close()
+
+
+# ---------------------------------------------------------------- groups bound to a device
+def one_queue_per_group(comm: Communicator, bound: bool) -> str:
+    """Each rank receives from its left, then sends to its right, after the pairs exist.
+    With a queue per pair every receive finds its send; with one queue per group (a group
+    bound to a device) every rank's send waits behind its own receive: a hang."""
+    transport = NcclRulesTransport(timeout_s=3.0, bound=bound)
+    c = Communicator(transport, CommConfig(timeout_s=3.0))
+    p, r = c.world_size, c.rank
+    left, right = (r - 1) % p, (r + 1) % p
+    try:
+        c.connect([left, right])
+        got = torch.zeros(1)
+        works = [c.irecv(got, left), c.isend(torch.full((1,), float(r)), right)]
+        for work in works:
+            work.wait()
+        return f"ok {got.item()}"
+    except CommTimeoutError as exc:
+        return f"timeout: {exc}"
+    finally:
+        if not c.failed:
+            c.close()
+
+
+def refused_on_a_bound_group(comm: Communicator) -> list[str]:
+    c = Communicator(NcclRulesTransport(timeout_s=10.0, bound=True), CommConfig(timeout_s=10.0))
+    out = []
+    try:
+        t = torch.ones(4)
+        c.all_reduce(t)  # auto: native, the only algorithm a bound group serves
+        out.append(f"auto {t[0].item()}")
+        try:
+            c.all_reduce(t, algorithm="ring")
+        except ValueError as exc:
+            out.append(str(exc))
+    finally:
+        c.close()
+    return out
+
+
+def test_a_group_bound_to_a_device_runs_every_message_in_one_queue():
+    from tests.dist import DistPool
+
+    pool = DistPool(3)
+    try:
+        assert pool.run(one_queue_per_group, False) == ["ok 2.0", "ok 0.0", "ok 1.0"]
+        bound = pool.run(one_queue_per_group, True)
+        assert all(r.startswith("timeout:") for r in bound), bound
+    finally:
+        pool.close()
+
+
+def test_disttrain_collectives_refuse_a_bound_group_in_one_line(pools):
+    for out in pools(3).run(refused_on_a_bound_group):
+        assert out[0] == "auto 3.0"
+        assert "bound to a device" in out[1] and "native" in out[1] and "\n" not in out[1]
+
+
+def test_the_environment_can_model_bound_groups():
+    assert nccl_rules_from_env({"DISTTRAIN_NCCL_RULES": "bound"}) == "bound"
+    assert CommConfig(nccl_rules="bound").nccl_rules == "bound"
+
+
+def pipelines_on_bound_groups(comm: Communicator) -> list[tuple]:
+    """GPipe and 1F1B against one process, every message of every group in one queue."""
+    from tests.test_pipeline_runtime import check_equivalence
+
+    c = Communicator(NcclRulesTransport(timeout_s=10.0, bound=True), CommConfig(timeout_s=10.0))
+    try:
+        return check_equivalence(c, [("gpipe", 4, "params"), ("1f1b", 6, "params")])
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_pipelines_run_on_groups_bound_to_a_device(pools, stages):
+    # one group of all stages per channel would hang at p ≥ 3: a stage's send to the next
+    # stage waits behind its receive from the previous one (a group of two per pair does not)
+    per_rank = pools(stages).run(pipelines_on_bound_groups)
+    assert all(len(r) == 2 for r in per_rank)

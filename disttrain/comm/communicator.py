@@ -81,8 +81,12 @@ class Communicator:
     def from_torch(cls, group: Any | None = None, config: CommConfig | None = None) -> Communicator:
         """A communicator over an initialized torch.distributed group (default: WORLD)."""
         config = config or CommConfig()
-        kind = NcclRulesTransport if config.nccl_rules else TorchTransport
-        return cls(kind(group, timeout_s=config.timeout_s), config)
+        if config.nccl_rules:
+            transport: TorchTransport = NcclRulesTransport(
+                group, timeout_s=config.timeout_s, bound=config.nccl_rules == "bound")
+        else:
+            transport = TorchTransport(group, timeout_s=config.timeout_s)
+        return cls(transport, config)
 
     # ----------------------------------------------------------------- identity
     @property
@@ -157,7 +161,9 @@ class Communicator:
                 if self.config.debug_checks:
                     verify_signature(self._context("debug_check", seq, "naive"), op, seq,
                                      signature())
-                body(self._context(op, seq, name), name)
+                ctx = self._context(op, seq, name)
+                ctx.connect(algorithms.peers_to_connect(name, self.rank, self.world_size))
+                body(ctx, name)
             except BaseException as exc:
                 self.flight_recorder.ended(record, exc)
                 if not isinstance(exc, (ValueError, TypeError)) and self._failure is None:
@@ -165,10 +171,11 @@ class Communicator:
                 raise
             self.flight_recorder.ended(record)
 
+        fence = None
         if self.transport.device_type == "cuda":  # NCCL: follow the caller's stream
-            task = on_current_stream(task)
+            task, fence = on_current_stream(task)
         return self._progress.run(task, async_op, self.config.timeout_s, op=op, seq=seq,
-                                  name=name)
+                                  name=name, fence=fence)
 
     def _tensor(self, name: str, tensor: Any) -> torch.Tensor:
         t = checks.tensor_arg(name, tensor, self.transport.device_type)
@@ -367,6 +374,24 @@ class Communicator:
         """Start receiving into ``tensor`` from rank ``src``; returns a handle with ``wait()``
         (``check_in`` as for :meth:`isend`)."""
         return self._p2p("recv", tensor, src, tag, check_in)
+
+    def connect(self, peers: Sequence[int]) -> None:
+        """Create this rank's connections to ``peers`` now, in ascending rank order. NCCL
+        (without ``device_id``) creates a pair's communicator at the pair's first message,
+        and that call blocks until the peer's first message to this rank on the same group:
+        point-to-point code whose first contacts could form a cycle (every rank first
+        receiving from its left neighbour; two ranks meeting first on two groups in
+        opposite orders) calls this first, on each group in one order every rank shares.
+        Each peer must call it with this rank among its peers. Nothing happens on Gloo or
+        shared memory; disttrain's collectives do it for themselves."""
+        targets = [checks.rank_arg("peer", p, self.world_size) for p in peers]
+        self._check_usable(targets)
+        ctx = self._context("connect", self._p2p_seq, "p2p")
+        try:
+            ctx.connect(targets)
+        except CommError as exc:
+            self._fail(exc)
+            raise
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()

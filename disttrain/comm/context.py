@@ -22,7 +22,7 @@ import torch
 
 from disttrain.comm.errors import CommError, CommTimeoutError, PeerFailedError
 from disttrain.comm.stats import TrafficStats
-from disttrain.comm.transport import DoneWork, RawWork, Transport
+from disttrain.comm.transport import DoneWork, PairTimeoutError, RawWork, Transport
 
 # Tags at or above this value belong to collectives; user point-to-point tags stay below it.
 COLLECTIVE_TAG_BASE = 1 << 24
@@ -47,6 +47,17 @@ def instance_tag_base(transport: Transport) -> int:
 # reported after the timeout: a hang detector must answer within timeout + a few seconds.
 _MAX_GRACE_S = 4.5
 _SCRATCH_ALIGN = 64  # bytes: every scratch region starts on a cache line
+
+
+def check_in_s(timeout_s: float) -> float:
+    """How long a rank whose wait failed waits for the other survivors to check in."""
+    return min(timeout_s, _MAX_GRACE_S) + 0.5
+
+
+def longest_wait_s(timeout_s: float) -> float:
+    """The longest a communicator with ``timeout_s`` blocks before it raises an error that
+    names the rank to blame: the timeout, then the survivors' check-in."""
+    return timeout_s + check_in_s(timeout_s)
 
 
 class ScratchArena:
@@ -196,12 +207,29 @@ class CollectiveContext:
         connection that already broke (a peer that died or gave up a moment ago), so the
         error must name the operation and the peer as a failed wait does. A refusal is
         immediate whatever Gloo's reason (a closed connection, or a pair closed by an
-        earlier timeout), so it never reads as "timed out after …"."""
+        earlier timeout), so it never reads as "timed out after …"; a post that blocked
+        until its timeout creating the pair's connection (:class:`PairTimeoutError`) does."""
         try:
             return post(tensor, peer, self._tag(step))
         except (TimeoutError, ConnectionError) as exc:
-            raise self.failure(describe_wait("starting", kind, peer), exc, peer, timed_out=False,
+            raise self.failure(describe_wait("starting", kind, peer), exc, peer,
+                               timed_out=isinstance(exc, PairTimeoutError),
                                probe=self._probe_posts) from exc
+
+    def connect(self, peers: Iterable[int]) -> None:
+        """Create this rank's connections to ``peers`` where the transport makes them at
+        the first message (:meth:`Transport.connect`): an algorithm whose first contacts
+        form a cycle (a ring's receive from the left) would otherwise hang on NCCL."""
+        wanted = sorted(set(peers) - {self.rank})
+        if not wanted:
+            return
+        try:
+            self.transport.connect(wanted)
+        except (TimeoutError, ConnectionError) as exc:
+            peer = getattr(exc, "peer", None)
+            raise self.failure(f"creating the connection to rank {peer}" if peer is not None
+                               else f"creating the connections to ranks {wanted}", exc, peer,
+                               timed_out=isinstance(exc, TimeoutError)) from exc
 
     def wait(self, pending: Pending) -> None:
         """Wait for one message; on failure, name the op, its sequence number and the peer."""
@@ -247,12 +275,12 @@ class CollectiveContext:
     @property
     def check_in_s(self) -> float:
         """How long :meth:`unresponsive` waits for the other survivors to check in."""
-        return min(self.timeout_s, _MAX_GRACE_S) + 0.5
+        return check_in_s(self.timeout_s)
 
     @property
     def longest_wait_s(self) -> float:
         """The longest :meth:`wait` blocks: its timeout, then the survivors' check-in."""
-        return self.timeout_s + self.check_in_s
+        return longest_wait_s(self.timeout_s)
 
     def failure(self, doing: str, exc: BaseException, waited: int | None, *,
                 timed_out: bool, probe: bool = True) -> CommTimeoutError | PeerFailedError:

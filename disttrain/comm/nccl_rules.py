@@ -27,6 +27,25 @@ does behind each rule (torch's ProcessGroupNCCL, torch 2.x):
    of a receive is written when the lane reaches it, possibly long after the call: code
    that reads a receive buffer before its work completed reads stale bytes here.
 
+4. **A pair's communicator is created at its first message.** Without ``device_id`` in
+   ``init_process_group`` (disttrain never passes one), ProcessGroupNCCL creates a two-rank
+   NCCL communicator per (group, pair) lazily, at the first send or receive between the
+   two, and that call blocks until the peer makes its own first call to this rank on the
+   same group. Here the first message to a peer on a transport blocks its posting call in
+   the same way (a one-byte handshake with the peer on Gloo), and gives up after the
+   timeout naming the peer. Ranks whose first contacts form a cycle (every rank first
+   receiving from its left neighbour; two ranks first meeting on two groups in opposite
+   orders) therefore hang here as on the GPUs. :meth:`Transport.connect` opens a set of
+   pairs in an order that cannot cycle (ascending peer rank on every rank); the
+   collectives and the pipeline call it before their first messages.
+5. **A group bound to a device** (``init_process_group(device_id=...)``; every group made
+   after it inherits the binding) uses its one main communicator for point-to-point too:
+   every unbatched send and receive of the group, to any peer, runs on one stream in
+   posting order, and no pair is created lazily. ``DISTTRAIN_NCCL_RULES=bound`` (or
+   ``CommConfig(nccl_rules="bound")``) models such groups: one queue per group instead of
+   one per pair. disttrain's own point-to-point collectives refuse bound groups
+   (``native`` serves them; see ``Transport.bound_to_device``).
+
 What it does not model: NCCL moves CUDA tensors only (the Communicator stages tensors on
 another device, :mod:`disttrain.comm.staging`, so that difference is invisible to
 strategies); NCCL does not check message sizes (a mismatch is undefined behaviour there;
@@ -37,23 +56,24 @@ disttrain.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from queue import SimpleQueue
 from typing import Any
 
 import torch
 
-from disttrain.comm.transport import RawWork
-from disttrain.comm.transports.torch_p2p import TorchTransport
+from disttrain.comm.transport import PairTimeoutError, RawWork
+from disttrain.comm.transports.torch_p2p import TorchTransport, _naming
 
 log = logging.getLogger(__name__)
 
 ENV = "DISTTRAIN_NCCL_RULES"
 _TAG = 0  # the one tag every message carries: NCCL has none
+_HANDSHAKE_TAG = (1 << 30) + 2  # the pair-creation handshake: below the lanes, never mixed
 _JOIN_S = 1.0  # how long close() waits for an idle lane to stop
+_GROUP = -1  # the lane key of a group bound to a device: one queue for every peer
 
 
 class _LaneWork:
@@ -81,12 +101,12 @@ class _LaneWork:
 
 
 class _Lane:
-    """The sends and receives between this rank and one peer, run one after the other in
-    posting order, like the CUDA stream of the pair's NCCL communicator."""
+    """Sends and receives run one after the other in posting order, like the CUDA stream of
+    an NCCL communicator: a pair's (lazily created) or, for a bound group, the group's."""
 
-    def __init__(self, post: Callable[[str, torch.Tensor], RawWork], peer: int,
-                 timeout_s: float, name: str) -> None:
-        self._post, self.peer, self._timeout_s = post, peer, timeout_s
+    def __init__(self, post: Callable[[str, torch.Tensor, int], RawWork], timeout_s: float,
+                 name: str) -> None:
+        self._post, self._timeout_s = post, timeout_s
         self._queue: SimpleQueue[_LaneWork | None] = SimpleQueue()
         self._broken: BaseException | None = None
         # a daemon: a lane stuck on a dead peer must not keep the process alive
@@ -106,8 +126,8 @@ class _Lane:
                 work.error = self._broken  # Gloo's and NCCL's do
                 work.done.set()
                 continue
-            try:
-                self._post(work.kind, work.tensor).wait(self._timeout_s)
+            try:  # longer than the caller's wait, whose error names the rule broken
+                self._post(work.kind, work.tensor, work.peer).wait(2 * self._timeout_s + 1)
             except BaseException as exc:  # TimeoutError/ConnectionError by the contract
                 work.error = self._broken = exc
             work.tensor = torch.empty(0)  # the lane keeps no message alive
@@ -116,18 +136,29 @@ class _Lane:
 
 class NcclRulesTransport(TorchTransport):
     """The ``torch`` transport over Gloo, matching messages by NCCL's rules (module doc).
-    Same name and costs as the plain transport: ``auto`` chooses alike."""
+    Same name and costs as the plain transport: ``auto`` chooses alike. ``bound``: model a
+    group bound to a device (rule 5) instead of lazily created pairs (rule 4)."""
 
-    def __init__(self, group: Any | None = None, timeout_s: float = 1800.0) -> None:
+    def __init__(self, group: Any | None = None, timeout_s: float = 1800.0, *,
+                 bound: bool = False) -> None:
         super().__init__(group, timeout_s)
+        self._bound = bound
         self._lanes: dict[int, _Lane] = {}
         self._lanes_lock = threading.Lock()
-        log.debug("rank %d: point-to-point under NCCL's rules (tags ignored, one queue per "
-                  "pair)", self.rank)
+        self._creating: dict[int, threading.Event] = {}  # pairs whose handshake runs now
+        log.debug("rank %d: point-to-point under NCCL's rules (tags ignored, %s)", self.rank,
+                  "one queue per group" if bound else "one lazily created queue per pair")
 
     @property
     def in_order(self) -> bool:
         return True
+
+    @property
+    def bound_to_device(self) -> bool:
+        return self._bound
+
+    def _sibling(self, group: Any) -> TorchTransport:
+        return type(self)(group, self.timeout_s, bound=self._bound)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RawWork:
         return self._lane(dst).submit(_LaneWork("send", tensor, dst))
@@ -135,19 +166,62 @@ class NcclRulesTransport(TorchTransport):
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> RawWork:
         return self._lane(src).submit(_LaneWork("recv", tensor, src))
 
-    def _lane(self, peer: int) -> _Lane:
-        lane = self._lanes.get(peer)
-        if lane is None:
-            with self._lanes_lock:
-                lane = self._lanes.get(peer)
-                if lane is None:
-                    name = f"disttrain-nccl-rules-r{self.rank}-p{peer}"
-                    lane = self._lanes[peer] = _Lane(functools.partial(self._start, peer=peer),
-                                                     peer, self.timeout_s, name)
-        return lane
+    def connect(self, peers: Sequence[int]) -> None:
+        """Create the pairs with ``peers`` (ascending, one message each, lower rank
+        sending), skipping those already made: the order every rank shares."""
+        if self._bound:
+            return
+        for peer in sorted(set(peers) - {self.rank}):
+            if peer in self._lanes:
+                continue
+            token = torch.zeros(1, dtype=torch.uint8)
+            post = self.isend if self.rank < peer else self.irecv
+            _naming(peer, post(token, peer, _TAG).wait, self.timeout_s)
 
-    def _start(self, kind: str, tensor: torch.Tensor, *, peer: int) -> RawWork:
-        """Post one message on Gloo now, with the one tag (called by the peer's lane)."""
+    def _lane(self, peer: int) -> _Lane:
+        key = _GROUP if self._bound else peer
+        while True:
+            lane = self._lanes.get(key)
+            if lane is not None:
+                return lane
+            with self._lanes_lock:
+                if key in self._lanes:
+                    continue
+                creating = self._creating.get(key)
+                if creating is None:  # this thread creates the pair; others wait for it
+                    creating = self._creating[key] = threading.Event()
+                    break
+            creating.wait(self.timeout_s)
+        try:
+            if not self._bound:
+                self._handshake(peer)
+            name = f"disttrain-nccl-rules-r{self.rank}-" + ("group" if self._bound else
+                                                             f"p{peer}")
+            lane = _Lane(self._start, self.timeout_s, name)
+            with self._lanes_lock:
+                self._lanes[key] = lane
+            return lane
+        finally:
+            with self._lanes_lock:
+                self._creating.pop(key).set()
+
+    def _handshake(self, peer: int) -> None:
+        """Block until ``peer`` makes its first call to this rank here too (rule 4)."""
+        token, theirs = torch.ones(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
+        sent = TorchTransport.isend(self, token, peer, _HANDSHAKE_TAG)
+        try:
+            TorchTransport.irecv(self, theirs, peer, _HANDSHAKE_TAG).wait(self.timeout_s)
+            sent.wait(self.timeout_s)
+        except TimeoutError as exc:
+            raise PairTimeoutError(
+                f"rank {peer} made no first call to this rank within {self.timeout_s:g}s on "
+                f"this group: under NCCL's rules a pair's communicator is created at its "
+                f"first message and that call blocks until the peer makes its own; first "
+                f"contacts must come in one order all ranks share (Transport.connect), never "
+                f"in a cycle ({exc})", peer) from exc
+
+    def _start(self, kind: str, tensor: torch.Tensor, peer: int) -> RawWork:
+        """Post one message on Gloo now, with the one tag (called by a lane)."""
         post = TorchTransport.isend if kind == "send" else TorchTransport.irecv
         return post(self, tensor, peer, _TAG)
 

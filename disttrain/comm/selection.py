@@ -59,12 +59,19 @@ class AlgorithmChooser:
             candidates = [a for a in runnable if a not in AUTO_NEVER]
             return choose(op, self._transport.world_size, nbytes, self._costs, candidates)
         algorithms.get(op, name)  # raises a ValueError listing the choices
+        if name not in runnable and self._transport.bound_to_device and name != "shm":
+            raise ValueError(f"algorithm={name!r} cannot run on a process group bound to a "
+                             f"device (init_process_group(device_id=...)): NCCL runs all its "
+                             f"point-to-point messages on one stream there; use 'native' or "
+                             f"'auto', or create the group without device_id")
         if name not in runnable:
             raise ValueError(f"algorithm={name!r} cannot run on the {self._transport.name!r} "
                              f"transport; choose one of: {', '.join(['auto', *runnable])}")
         return name
 
     def can_run(self, name: str) -> bool:
+        if self._transport.bound_to_device and name not in ("native", "shm"):
+            return False  # one queue for every peer: disttrain's algorithms need pairs
         if name == "native":
             return self._transport.native_group is not None
         if name == "shm":

@@ -40,6 +40,11 @@ class PeerTimeoutError(TimeoutError):
         self.peer = peer
 
 
+class PairTimeoutError(PeerTimeoutError):
+    """A message whose posting blocked until the timeout: creating the pair's connection
+    waits for the peer's first message (NCCL's lazily created communicators)."""
+
+
 class PeerGoneError(ConnectionError):
     """A transport's ``ConnectionError`` that names the group rank ``peer`` it lost."""
 
@@ -122,6 +127,21 @@ class Transport(ABC):
         the other, each waiting for its match (NCCL; the NCCL-rules test mode). Algorithms
         must then post the messages of a pair in an order both ranks agree on."""
         return False
+
+    @property
+    def bound_to_device(self) -> bool:
+        """True when every point-to-point message of the group, to any peer, runs on one
+        queue in posting order (an NCCL group bound to a device; see
+        :mod:`disttrain.comm.nccl_rules`, rule 5)."""
+        return False
+
+    def connect(self, peers: Sequence[int]) -> None:
+        """Make sure this rank's connections to ``peers`` exist, creating the missing ones
+        now, in ascending peer order (blocking until each peer does the same). Transports
+        whose pairs are created at their first message (NCCL without a bound device) need
+        it before a pattern whose first contacts would form a cycle; every rank of a pair
+        must call it. Nothing to do by default: the pairs exist when the group does."""
+        return None
 
     def zeros(self, numel: int, dtype: torch.dtype, only_if_useful: bool = False
               ) -> torch.Tensor:

@@ -71,6 +71,31 @@ hierarchical.register(ALGORITHMS)  # all_reduce, broadcast, all_gather: docs/hie
 COLLECTIVES = tuple(ALGORITHMS)
 
 
+def _neighbours(rank: int, size: int) -> set[int]:
+    return {(rank - 1) % size, (rank + 1) % size}
+
+
+def _everyone(rank: int, size: int) -> set[int]:
+    return set(range(size))
+
+
+# Where a pair's connection is created at its first message and that call blocks until the
+# peer's first message (NCCL without a bound device), first contacts must not form a cycle.
+# A ring's do (every rank first receives from its left neighbour), and so do naive
+# all-to-all's staggered partners: the Communicator connects these peers first, in the
+# order every rank shares (Transport.connect). The others' first contacts are acyclic (a
+# tree's from the root down; exchanges lower rank first, in ascending order), which the
+# NCCL-rules tests check at p = 2, 3, 4.
+CONNECT_FIRST: dict[str, Callable[[int, int], set[int]]] = {
+    "ring": _neighbours, "naive": _everyone}
+
+
+def peers_to_connect(name: str, rank: int, size: int) -> set[int]:
+    """The peers algorithm ``name`` connects to before its first message (see above)."""
+    first = CONNECT_FIRST.get(name)
+    return first(rank, size) - {rank} if first is not None and size > 1 else set()
+
+
 def get(op: str, name: str) -> Algorithm:
     """The algorithm ``name`` for collective ``op``, or a ValueError listing the choices."""
     table = ALGORITHMS.get(op)
@@ -89,4 +114,5 @@ def names(op: str) -> list[str]:
     return list(ALGORITHMS[op])
 
 
-__all__ = ["ALGORITHMS", "COLLECTIVES", "Algorithm", "get", "names"]
+__all__ = ["ALGORITHMS", "COLLECTIVES", "CONNECT_FIRST", "Algorithm", "get", "names",
+           "peers_to_connect"]

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from disttrain.comm import watchdog
 from disttrain.comm.checkin import Verdict, check_in
 from disttrain.comm.errors import CommError
 from disttrain.comm.liveness import ProcessInfo, read_table
@@ -141,6 +142,8 @@ class TorchTransport(Transport):
             raise ValueError("this process is not a member of the given process group")
         backend = str(dist.get_backend(self._group)).lower()
         self._device_type = "cuda" if "nccl" in backend else "cpu"
+        self._bound = getattr(self._group, "bound_device_id", None) is not None
+        self._paired: set[int] = set()  # NCCL: peers whose pair communicator exists
         self.timeout_s = timeout_s
         self._table: tuple[ProcessInfo | None, ...] | None = None
         self._table_read = False
@@ -191,15 +194,38 @@ class TorchTransport(Transport):
         """NCCL ignores tags and runs a pair's sends and receives in posting order."""
         return self._device_type == "cuda"
 
+    @property
+    def bound_to_device(self) -> bool:
+        """The group was bound to a device (``init_process_group(device_id=...)``): NCCL runs
+        all its point-to-point messages on the group's one communicator, in posting order."""
+        return self._bound
+
+    def connect(self, peers: Sequence[int]) -> None:
+        """NCCL without a bound device creates a pair's communicator at its first message,
+        blocking until the peer's first message to this rank (:mod:`disttrain.comm.
+        nccl_rules`, rule 4): create the missing ones now, in ascending peer order (the
+        order every rank shares, so no first contacts can cycle), one byte each, the lower
+        rank sending. Nothing to do on Gloo (its pairs connect when the group is made)."""
+        if self._device_type != "cuda" or self._bound:
+            return
+        for peer in sorted(set(peers) - self._paired - {self._rank}):
+            token = torch.zeros(1, dtype=torch.uint8, device="cuda")
+            post = self.isend if self._rank < peer else self.irecv
+            _naming(peer, post(token, peer, _SETUP_TAG).wait, self.timeout_s)
+
     # The group's own send/recv take group ranks, as these methods do. dist.isend/irecv
     # would reach the same calls after argument handling that costs about as much again as
     # the call itself (29 against 15 µs to post a message here), on every message of every
     # algorithm. Gloo refuses to post on a connection that already broke: that error is
     # translated as a failed wait's is.
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> RawWork:
+        if self._device_type == "cuda":
+            self._paired.add(dst)  # this call creates the pair's communicator, if missing
         return _post(self._group.send, tensor, dst, tag, self._device_type == "cuda")
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> RawWork:
+        if self._device_type == "cuda":
+            self._paired.add(src)
         return _post(self._group.recv, tensor, src, tag, self._device_type == "cuda")
 
     def tune_io(self, workload: str) -> None:
@@ -217,14 +243,19 @@ class TorchTransport(Transport):
             raise ValueError(f"this torch version orders group ranks by number; pass ranks in "
                              f"increasing order (got {list(ranks)}) or upgrade torch")
         self._agree_on_group_count(ranks)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
+        backend = "nccl" if self._device_type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=watchdog.group_timeout_s(backend, self.timeout_s))
         # Only members synchronise, so groups can be created by the ranks that need them.
         try:
             group = dist.new_group(members, timeout=timeout, use_local_synchronization=True,
                                    **order)
         except RuntimeError as exc:  # the members' store barrier: a timeout, or a lost peer
             _reraise(exc)
-        return type(self)(group, self.timeout_s)  # a subclass's rules hold in its groups
+        return self._sibling(group)  # a subclass's rules hold in its groups
+
+    def _sibling(self, group: Any) -> TorchTransport:
+        """A transport like this one over ``group``."""
+        return type(self)(group, self.timeout_s)
 
     def _agree_on_group_count(self, ranks: Sequence[int]) -> None:
         """Pad this process's process-group count to the members' maximum (see module doc)."""

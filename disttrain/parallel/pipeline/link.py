@@ -20,8 +20,8 @@ from hanging or corrupting silently:
   travels from the last stage to all others with the gradients (no collective to hang in).
 
 **Channels.** A channel is a tag of the pipeline's communicator where tags keep messages
-apart (Gloo, shared memory), and a sub-communicator of its own (``Communicator.new_group``,
-made once by every stage) where they do not: NCCL has no tags, matches a pair's messages in
+apart (Gloo, shared memory), and a two-rank sub-communicator of its own per neighbouring
+pair (``Communicator.new_group``) where they do not: NCCL has no tags, matches a pair's messages in
 the order they are posted, and runs each rank's sends and receives to one peer one after
 the other, each waiting for its match (``Transport.in_order``;
 :mod:`disttrain.comm.nccl_rules` enforces the same on Gloo). On a channel only one stage
@@ -30,7 +30,14 @@ block a send queued behind it, whatever the schedule; with both directions on on
 communicator, 1F1B's steady state would deadlock there (each stage's next send queued
 behind a receive the other stage serves only after its own send). The shared-memory
 transport advances a rank's messages only while that rank waits on the same transport,
-which is why it keeps tags on one communicator.
+which is why it keeps tags on one communicator. A group of two per pair, rather than one
+group of all stages per kind, is what a group bound to a device needs (NCCL runs all its
+messages on one queue there: a stage's send to the next stage would wait behind its
+receive from the previous one). NCCL creates a pair's communicator on a channel at its
+first message there, and that call blocks until the neighbour's own first message on it;
+a stage's first call is a receive, of an activation on one channel for stage 1 and of a
+gradient on another for stage 0, so each pair connects on every channel as the channels
+open, in one order on every stage (``Communicator.connect``).
 
 **Sizes.** A receive needs a buffer of the message's exact size before the message arrives.
 Both ends of a channel remember the payload size of the message at each *position* (the
@@ -99,24 +106,36 @@ class Direction(enum.Enum):
         return "activation" if self is Direction.ACTIVATION else "gradient"
 
 
-Channel = tuple[Communicator, int]  # (communicator, tag)
-Channels = Mapping[tuple[Direction, int], Channel]
+Channel = tuple[Communicator, int, int]  # (communicator, tag, the neighbour's rank there)
+Channels = Mapping[tuple[Direction, int, int], Channel]  # (direction, mode, neighbour stage)
 _TAG_BASE = 0x7100  # user point-to-point tags; collectives use tags far above
 _KINDS = ((Direction.ACTIVATION, TRAIN), (Direction.ACTIVATION, EVAL),
           (Direction.GRADIENT, TRAIN))  # eval calls send no gradients
 
 
-def open_channels(comm: Communicator) -> dict[tuple[Direction, int], Channel]:
-    """The channels of a pipeline's messages by (direction, mode): a tag each on ``comm``,
-    or, where the transport matches in posting order whatever the tags, a sub-communicator
-    each (module doc). Collective: every stage of ``comm`` calls it."""
-    if comm.transport.in_order:
-        everyone = list(range(comm.world_size))
-        made = [comm.new_group(everyone) for _ in _KINDS]
-        channels = {kind: (sub, 0) for kind, sub in zip(_KINDS, made) if sub is not None}
-    else:
-        channels = {kind: (comm, _TAG_BASE + i) for i, kind in enumerate(_KINDS)}
-    channels[(Direction.GRADIENT, EVAL)] = channels[(Direction.GRADIENT, TRAIN)]
+def open_channels(comm: Communicator, stage: int
+                  ) -> dict[tuple[Direction, int, int], Channel]:
+    """The channels of a pipeline's messages by (direction, mode, neighbour stage): a tag
+    each on ``comm``, or, where the transport matches in posting order whatever the tags,
+    a two-rank sub-communicator per neighbouring pair and kind, each connected as it is
+    made (module doc). Collective: every stage of ``comm`` calls it; stage s is rank s."""
+    stages = comm.world_size
+    neighbours = [s for s in (stage - 1, stage + 1) if 0 <= s < stages]
+    channels: dict[tuple[Direction, int, int], Channel] = {}
+    for i, kind in enumerate(_KINDS):
+        if not comm.transport.in_order:
+            channels.update({(*kind, peer): (comm, _TAG_BASE + i, peer) for peer in neighbours})
+            continue
+        for low in range(stages - 1):  # ascending pairs: one order of groups and first
+            if stage not in (low, low + 1):  # contacts on every stage, never a cycle
+                continue
+            pair = comm.new_group([low, low + 1])
+            assert pair is not None  # a member
+            peer = low + 1 if stage == low else low
+            pair.connect([1 - pair.rank])
+            channels[(*kind, peer)] = (pair, 0, 1 - pair.rank)
+    for peer in neighbours:
+        channels[(Direction.GRADIENT, EVAL, peer)] = channels[(Direction.GRADIENT, TRAIN, peer)]
     return channels
 
 
@@ -166,7 +185,7 @@ class StageLink:
         self.comm = comm
         self.stage = stage
         self.num_stages = comm.world_size
-        self.channels = channels if channels is not None else open_channels(comm)
+        self.channels = channels if channels is not None else open_channels(comm, stage)
         self.device = device if device is not None else torch.device("cpu")
         self.wire = comm.device  # where messages live: where the communicator moves bytes
         self.pending: list[tuple[Work, int, str, torch.Tensor]] = []  # sends in flight
@@ -185,7 +204,7 @@ class StageLink:
 
     def communicators(self) -> list[Communicator]:
         """The channels' communicators (their byte counts are the pipeline's traffic)."""
-        return list({id(c): c for c, _ in self.channels.values()}.values())
+        return list({id(c): c for c, _, _ in self.channels.values()}.values())
 
     def begin(self, mode: int, sends: Mapping[Direction, int],
               recvs: Mapping[Direction, int]) -> None:
@@ -200,28 +219,28 @@ class StageLink:
             if channel.count:
                 self._post_recv(direction, 0)
 
-    def _channel(self, direction: Direction, mode: int) -> Channel:
-        return self.channels[(direction, mode)]
+    def _channel(self, direction: Direction, mode: int, peer: int) -> Channel:
+        return self.channels[(direction, mode, peer)]
 
     def _post_recv(self, direction: Direction, position: int) -> None:
         channel = self._in[direction]
         buffer = torch.empty(HEADER_BYTES + channel.expected(position), dtype=torch.uint8,
                              device=self.wire)
         peer = self._peer(direction, sending=False)
-        chan = self._channel(direction, channel.mode)
+        chan = self._channel(direction, channel.mode, peer)
         channel.posted.append((buffer, self._irecv(chan, buffer, peer,
                                                    f"the next {direction.noun}")))
 
     def _irecv(self, channel: Channel, buffer: torch.Tensor, peer: int, what: str) -> Work:
         try:
-            return channel[0].irecv(buffer, peer, channel[1])
+            return channel[0].irecv(buffer, channel[2], channel[1])
         except CommError as exc:  # refused at once: the connection to the peer is closed
             raise PipelineError(f"{self.describe(self.stage)} could not wait for {what} from "
                                 f"{self.describe(peer)}: {exc}") from exc
 
     def _isend(self, channel: Channel, tensor: torch.Tensor, peer: int, what: str) -> None:
         try:
-            work = channel[0].isend(tensor, peer, channel[1])
+            work = channel[0].isend(tensor, channel[2], channel[1])
         except CommError as exc:  # refused at once: the connection to the peer is closed
             raise PipelineError(f"{self.describe(self.stage)} could not send {what} to "
                                 f"{self.describe(peer)}: {exc}") from exc
@@ -245,7 +264,7 @@ class StageLink:
                         tuple(tensor.shape))
         key = (channel.mode, channel.position)
         expected = channel.expected(channel.position)
-        chan = self._channel(direction, channel.mode)
+        chan = self._channel(direction, channel.mode, peer)
         if header.nbytes == expected:
             self._isend(chan, wire.pack(header, tensor, expected, self.wire), peer, what)
         else:  # fill the receiver's buffer with the news, then send the payload alone
@@ -268,7 +287,7 @@ class StageLink:
         header = self._check(Header.unpack(buffer), peer, what, (call, mode, microbatch))
         if header.status == RESHAPE:  # the payload is the next message on this channel
             buffer, offset = torch.empty(header.nbytes, dtype=torch.uint8, device=self.wire), 0
-            chan = self._channel(direction, channel.mode)
+            chan = self._channel(direction, channel.mode, peer)
             self._wait(self._irecv(chan, buffer, peer, what), peer, what)
             channel.sizes[(channel.mode, channel.position)] = header.nbytes
         elif header.nbytes == buffer.numel() - HEADER_BYTES:
@@ -360,7 +379,7 @@ class StageLink:
                 continue
             notice = wire.pack(header, None, channel.expected(channel.position), self.wire)
             try:
-                comm, tag = self._channel(direction, channel.mode)
-                self.orphans.append(comm.isend(notice, peer, tag))
+                comm, tag, there = self._channel(direction, channel.mode, peer)
+                self.orphans.append(comm.isend(notice, there, tag))
             except CommError:  # this neighbour cannot be told (its connection is closed,
                 continue  # or the communicator failed): the other one still may
