@@ -25,6 +25,7 @@ from disttrain.launch.env import (
     worker_env,
 )
 from disttrain.launch.placement import derived_port, port_candidates
+from disttrain.launch.threads import usable_cores
 
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
@@ -54,7 +55,8 @@ def test_worker_env_keeps_user_settings_and_defaults_threads():
                      node_rank=0, master_addr="127.0.0.1", master_port=1234)
     assert env["OMP_NUM_THREADS"] == "4" and env["PYTHONUNBUFFERED"] == "1"
     assert worker_env({}, local_rank=0, nproc_per_node=2, nnodes=1, node_rank=0,
-                      master_addr="h", master_port=1)["OMP_NUM_THREADS"] == "1"
+                      master_addr="h", master_port=1)["OMP_NUM_THREADS"] == str(
+        max(1, usable_cores() // 2))  # the host's usable cores, shared
     assert "OMP_NUM_THREADS" not in worker_env({}, local_rank=0, nproc_per_node=1, nnodes=1,
                                                node_rank=0, master_addr="h", master_port=1)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from disttrain.launch import mpi, slurm
+from disttrain.launch import mpi, slurm, threads
 from disttrain.launch.placement import (
     PartialPlacement,
     Placement,
@@ -257,7 +257,7 @@ def worker_env(base: Mapping[str, str], *, local_rank: int, nproc_per_node: int,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     })
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the rank prefixer as they happen
-    if nproc_per_node > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: N workers share the cores
+    if nproc_per_node > 1:  # N workers share this host's cores (launch/threads.py)
+        env.setdefault(threads.OMP_VAR, str(threads.threads_per_rank(nproc_per_node, base)))
     env.update(extra or {})
     return env

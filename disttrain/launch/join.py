@@ -29,10 +29,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from disttrain.comm import CommConfig, Communicator
+from disttrain.comm import CommConfig, Communicator, liveness
 from disttrain.comm.p2p_work import wait_polled_messages
 from disttrain.launch import env as envmod
-from disttrain.launch import hooks, netif, rendezvous
+from disttrain.launch import hooks, netif, rendezvous, threads
 
 log = logging.getLogger(__name__)
 _opened: list[weakref.ref[Communicator]] = []  # what init() returned, for shutdown()
@@ -79,7 +79,8 @@ def init(backend: str | None = None, *, device: str | None = None, rank: int | N
     if dist.is_initialized():
         _check_existing(place)
     else:
-        _init_process_group(name, place, start_timeout, timeout)
+        sharing = _init_process_group(name, place, start_timeout, timeout)
+        _choose_threads(place, sharing)
     comm = Communicator.from_torch(config=CommConfig(timeout_s=timeout,
                                                      debug_checks=debug_checks))
     hooks.register(comm)
@@ -169,12 +170,27 @@ def _check_existing(place: envmod.Placement) -> None:
                         "init_process_group, or pass matching rank=/world_size=")
 
 
+def _choose_threads(place: envmod.Placement, sharing: int) -> None:
+    """Intra-op threads as under every launcher (:mod:`disttrain.launch.threads`): the
+    cores this process may use over the ``sharing`` ranks of this host on the same cores;
+    an OMP_NUM_THREADS already set (disttrain launch, torchrun, the user) is torch's own."""
+    if os.environ.get(threads.OMP_VAR):
+        return
+    count = threads.threads_per_rank(sharing)
+    threads.set_threads(count)
+    if place.rank == 0:
+        log.info("disttrain.init: %d intra-op thread(s) per rank (%d usable core(s) shared "
+                 "by %d rank(s) here)", count, threads.usable_cores(), sharing)
+
+
 def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float,
-                        op_timeout_s: float) -> None:
+                        op_timeout_s: float) -> int:
+    """Join the job's process group; returns how many ranks of this host share this
+    process's cores (counted in the store while joining)."""
     if place.master_port is None:  # a world of one needs no rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        return
+        return 1
     if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME") and place.world_size > 1:
         interface = netif.gloo_interface_for(place.master_addr, place.single_host)
         if interface is not None:
@@ -193,7 +209,10 @@ def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float,
         if agent:  # a restarted job meets in the same store: each attempt gets its own keys
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             store = dist.PrefixStore(f"disttrain/attempt{attempt}/", store)
+        cores = f"disttrain/cores/{liveness.host_key().hex()[:24]}/{threads.mask_key()}"
+        store.add(cores, 1)  # before joining: once all have joined, the count is final
         rendezvous.join(store, place.rank, place.world_size, timeout_s, per_node)
+        sharing = int(store.add(cores, 0))
         rendezvous.init_group(backend, store, place.rank, place.world_size, timeout_s,
                               op_timeout_s)
     except rendezvous.RendezvousError as exc:
@@ -205,3 +224,4 @@ def _init_process_group(backend: str, place: envmod.Placement, timeout_s: float,
             f"{place.master_addr}:{where}: {exc}. Check that all "
             f"{place.world_size} ranks were started and that MASTER_ADDR/MASTER_PORT name the "
             "node of rank 0 (its port reachable from here)", exc.suspects) from exc
+    return sharing

@@ -43,10 +43,6 @@ __all__ = ["RankFailedError", "in_launched_job", "make_comm", "root_cause", "run
 log = logging.getLogger(__name__)
 
 
-def _threads_per_rank(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
 def make_comm(transport: str, comm_config: CommConfig) -> Communicator:
     """A Communicator over the initialized default group, moving bytes by ``transport``
     ("torch": torch.distributed point-to-point; "shm": shared memory; "auto")."""
@@ -71,6 +67,7 @@ def _worker(rank: int, world_size: int, store_path: str, channel: RankChannel,
     from disttrain.launch import rendezvous
     from disttrain.launch.env import LOOPBACK, resolve_init_timeout
     from disttrain.launch.netif import gloo_interface_for
+    from disttrain.launch.threads import threads_per_rank
 
     os.environ[SHM_TAG_VAR] = shm_tag  # the parent removes what a killed rank leaves
     if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
@@ -79,7 +76,7 @@ def _worker(rank: int, world_size: int, store_path: str, channel: RankChannel,
             os.environ["GLOO_SOCKET_IFNAME"] = interface  # not the LAN address
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(_threads_per_rank(world_size))
+    torch.set_num_threads(threads_per_rank(world_size))  # as every launcher's ranks
     comm = None
     try:
         select_local_gpu(config.device, rank)  # cuda:rank: every rank here is local
