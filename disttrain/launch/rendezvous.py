@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from disttrain.comm import checkin, liveness
+from disttrain.comm import checkin, liveness, watchdog
 from disttrain.launch import netif
 from disttrain.launch import store as launch_store
 from disttrain.launch.config import LaunchError
@@ -262,12 +262,16 @@ def init_group(backend: str, store: Any, rank: int, world_size: int, timeout_s: 
     that fails, the error names the silent ranks (see the module docstring). The group's
     own operations then time out after ``op_timeout_s``: the communicator's timeout, so that
     an operation torch still runs after the communicator gave up on it ends about then too
-    (a process whose exit waits for it would otherwise wait out the longer start-up one)."""
+    (a process whose exit waits for it would otherwise wait out the longer start-up one).
+    On NCCL, the watchdog's timeout is longer and its error handling set so that
+    disttrain's own error comes first (:mod:`disttrain.comm.watchdog`)."""
+    watchdog.apply(backend, os.environ)  # NCCL reads it when the group is made
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         if op_timeout_s is not None and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=op_timeout_s))
+            group_s = watchdog.group_timeout_s(backend, op_timeout_s)
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=group_s))
     except Exception as exc:
         verdict = checkin.check_in(store, "disttrain/init-failure/", rank,
                                    tuple(range(world_size)),
