@@ -26,7 +26,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from disttrain.comm.work import Work
+from disttrain.comm.work import StreamFence, Work
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -125,16 +125,19 @@ def _call_staged(method: Callable[..., Any], signature: inspect.Signature,
     return result
 
 
-def on_current_stream(task: Callable[[], None]) -> Callable[[], None]:
+def on_current_stream(task: Callable[[], None]) -> tuple[Callable[[], None], StreamFence]:
     """``task``, to run on the CUDA stream that is current now (the caller's), wherever it
     runs: the kernels of a collective queued for the progress thread (reductions, copies,
     NCCL's own wait) then follow the kernels that produced its tensors in stream order, and
     every buffer it allocates or frees belongs to that one stream, so the caching allocator
-    never hands out memory a collective still reads."""
+    never hands out memory a collective still reads. The fence, recorded on that stream
+    after the task's last kernel, is what ``wait()`` orders the waiter's stream after."""
     stream = torch.cuda.current_stream()
+    fence = StreamFence()
 
     def run() -> None:
         with torch.cuda.stream(stream):
             task()
+        fence.record(stream)
 
-    return run
+    return run, fence

@@ -15,6 +15,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from queue import SimpleQueue
+from typing import Any
+
+import torch
 
 from disttrain.comm.errors import CommTimeoutError
 
@@ -28,6 +31,26 @@ class Work:
 
     def is_completed(self) -> bool:
         raise NotImplementedError
+
+
+class StreamFence:
+    """The end of a collective's kernels on the stream it ran on. A host that saw the
+    collective finish has only seen its kernels *queued*: the ``avg`` division and an
+    algorithm's closing copies may still be running on that stream. :meth:`order_current`
+    makes the waiter's current stream wait for them (an event, no host wait), so a result
+    read on another stream is the final one."""
+
+    def __init__(self) -> None:
+        self.event: Any = None
+
+    def record(self, stream: Any) -> None:
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.event = event
+
+    def order_current(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
 
 class CompletedWork(Work):
@@ -46,8 +69,10 @@ class CollectiveWork(Work):
     never trips it."""
 
     def __init__(self, future: Future[None], description: str, executor: ProgressThread,
-                 timeout_s: float, *, op: str = "", seq: int = -1) -> None:
+                 timeout_s: float, *, op: str = "", seq: int = -1,
+                 fence: StreamFence | None = None) -> None:
         self._future = future
+        self._fence = fence  # CUDA: the waiter's stream must follow the collective's
         self._description = description
         self._executor = executor
         self._timeout_s = timeout_s
@@ -59,6 +84,8 @@ class CollectiveWork(Work):
         while True:
             try:
                 self._future.result(timeout=limit)
+                if self._fence is not None:
+                    self._fence.order_current()
                 return
             except FutureTimeout:
                 if self._executor.progress() == seen:
@@ -101,7 +128,7 @@ class ProgressThread:
         return self.pending == 0
 
     def run(self, task: Callable[[], None], async_op: bool, timeout_s: float, *, op: str,
-            seq: int, name: str) -> CollectiveWork | None:
+            seq: int, name: str, fence: StreamFence | None = None) -> CollectiveWork | None:
         """Run collective ``op`` #``seq`` (algorithm ``name``): now, on this thread, when the
         caller waits for it anyway and nothing is queued (the common, cheapest case);
         otherwise queued behind the pending work, so the call order is kept. Returns the
@@ -111,7 +138,7 @@ class ProgressThread:
             return None
         description = f"{op} #{seq} ({name})"
         work = CollectiveWork(self.submit(task, description), description, self, timeout_s,
-                              op=op, seq=seq)
+                              op=op, seq=seq, fence=fence)
         if async_op:
             return work
         work.wait()
