@@ -25,6 +25,7 @@ import gc
 import logging
 import os
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,10 +72,15 @@ def init(backend: str | None = None, *, device: str | None = None, rank: int | N
     debug_checks = envmod.resolve_debug(debug, environ)
     exit_timeout = envmod.resolve_exit_timeout(exit_timeout_s, environ)
     name = envmod.choose_backend(backend, environ, torch.cuda.is_available(), device)
+    if name == "nccl":
+        check_gpus_for_nccl(place.local_world_size, torch.cuda.device_count(), environ)
     if name == "nccl" or (device or "auto").startswith("cuda") or (
             device in (None, "auto") and torch.cuda.is_available()):
-        # cuda:LOCAL_RANK, shared round-robin when ranks outnumber GPUs (Gloo only)
-        torch.cuda.set_device(place.local_rank % torch.cuda.device_count())
+        # cuda:N as named; else cuda:LOCAL_RANK, shared round-robin when ranks outnumber
+        # GPUs (Gloo only)
+        named = device is not None and ":" in device
+        torch.cuda.set_device(torch.device(device) if named and device else
+                              place.local_rank % torch.cuda.device_count())
     hooks.install(None, place.rank, exit_timeout_s=exit_timeout)  # a failure to join too
     if dist.is_initialized():
         _check_existing(place)
@@ -94,6 +100,21 @@ def init(backend: str | None = None, *, device: str | None = None, rank: int | N
                  place.world_size, name, place.source, timeout,
                  ", desync checks on" if debug_checks else "")
     return comm
+
+
+def check_gpus_for_nccl(local_ranks: int, gpus: int, environ: Any) -> None:
+    """Refuse, in one line, a node whose ranks would share GPUs under NCCL (it refuses two
+    ranks on one GPU, later and less clearly: "Duplicate GPU detected"). With
+    ``CUDA_VISIBLE_DEVICES`` set, each rank may see its own GPU as ``cuda:0`` (Slurm's
+    ``--gpus-per-task``): then one visible GPU per rank is enough."""
+    if gpus == 0:
+        raise InitError("the NCCL backend needs a CUDA GPU per rank, and torch finds none "
+                        "here; use backend='gloo' (or DISTTRAIN_BACKEND=gloo)")
+    if local_ranks > gpus and not environ.get("CUDA_VISIBLE_DEVICES"):
+        raise InitError(f"NCCL needs a GPU of its own per rank, but this node runs "
+                        f"{local_ranks} ranks on {gpus} GPU(s) (NCCL refuses two ranks on one "
+                        f"GPU); start at most {gpus} rank(s) per node, or use backend='gloo' "
+                        f"(CUDA tensors staged through pinned host memory)")
 
 
 def shutdown(comm: Communicator | None = None) -> None:

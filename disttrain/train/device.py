@@ -59,7 +59,10 @@ def local_gpu(local_rank: int) -> int:
 def select_local_gpu(name: str, local_rank: int | None = None) -> None:
     """Make this rank's GPU the current CUDA device (``cuda:LOCAL_RANK``), when ``name``
     trains on GPUs; ``local_rank`` defaults to ``$LOCAL_RANK`` (else 0)."""
-    if not uses_cuda(name) or ":" in name:
+    if not uses_cuda(name):
+        return
+    if ":" in name:  # every rank on the named GPU: it must be current, as the model is
+        torch.cuda.set_device(torch.device(name))
         return
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
@@ -81,6 +84,9 @@ def local_backend(requested: str | None, device: str, transport: str, world_size
         return "gloo"
     name = choose_backend(requested, os.environ, torch.cuda.is_available(), device)
     gpus = torch.cuda.device_count()
+    if name == "nccl" and ":" in device and world_size > 1:
+        raise ValueError(f"--device {device} puts all {world_size} ranks on one GPU, which "
+                         f"NCCL refuses; use --device cuda (a GPU per rank) or --backend gloo")
     if name == "nccl" and world_size > gpus:
         raise ValueError(f"NCCL needs a GPU of its own per rank, but {world_size} ranks would "
                          f"share {gpus} GPU(s) here (NCCL refuses two ranks on one GPU); use "
@@ -99,7 +105,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def to_device(batch: tuple[Any, Any], device: torch.device) -> tuple[Any, Any]:
-    """``(inputs, targets)`` with their tensors on ``device`` (anything else unchanged)."""
-    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t  # type: ignore[return-value]
-                 for t in batch)
+def to_device(batch: tuple[Any, Any], device: torch.device,
+              dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """``(inputs, targets)`` with their tensors on ``device`` and, given ``dtype``, their
+    floating-point tensors in it (the model's); anything else unchanged."""
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if dtype is not None and t.is_floating_point():
+            return t.to(device, dtype)
+        return t.to(device)
+
+    return tuple(move(t) for t in batch)  # type: ignore[return-value]
