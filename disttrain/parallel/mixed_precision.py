@@ -31,6 +31,21 @@ from disttrain.comm import Communicator
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32 when it is a narrower float (an fp16/bf16 output of autocast),
+    as it is otherwise: a float64 model's losses and logits stay float64."""
+    if tensor.is_floating_point() and torch.finfo(tensor.dtype).bits < 32:
+        return tensor.float()
+    return tensor
+
+
+def accumulate(total: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
+    """``total + loss`` (``loss`` detached, at least float32), on ``loss``'s device: a
+    step's loss summed over micro-batches without a tensor made elsewhere."""
+    part = at_least_fp32(loss.detach())
+    return part if total is None else total + part
+
+
 def autocast(device_type: str = "cpu", dtype: str | None = "bf16") -> AbstractContextManager[Any]:
     """A ``torch.autocast`` context for the forward pass: ``"bf16"`` or ``"fp16"`` on CUDA or
     CPU (fp16 on CPU is slow: it is there to test fp16 training where there is no GPU);

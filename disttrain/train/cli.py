@@ -30,6 +30,7 @@ from typing import Any
 from disttrain.comm import CommConfig
 from disttrain.flags import add_alias, add_json_argument, write_rows
 from disttrain.train.config import (
+    DTYPES,
     OPTIMIZERS,
     PRECISIONS,
     STALENESS_LR,
@@ -76,6 +77,9 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32; bf16 or fp16 autocast (fp16 with dynamic loss scaling)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="the parameters' dtype (float inputs follow): float64 for numerical "
+                        "checks, e.g. a strategy against single at tight tolerance")
     p.add_argument("--device", default="auto", metavar="{auto,cpu,cuda}",
                    help="where each rank trains: auto (this rank's GPU, cuda:LOCAL_RANK, when "
                         "CUDA is available, else the CPU), cpu, cuda or cuda:N")
@@ -196,7 +200,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         parallel=parallel, epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
         accumulate=args.accumulate, optimizer=args.optimizer, lr=args.lr,
         momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
-        precision=args.precision, device=args.device, eval_every=args.eval_every,
+        precision=args.precision, dtype=args.dtype, device=args.device,
+        eval_every=args.eval_every,
         log_every=args.log_every,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, tensorboard_dir=args.tensorboard, progress=args.progress)

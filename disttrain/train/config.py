@@ -16,6 +16,7 @@ from disttrain.train.device import check_device
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")  # fp16: with dynamic loss scaling (the loop's)
+DTYPES = ("float32", "float64")  # the parameters' (and float inputs') dtype
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -144,6 +145,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 0  # model init (same on every rank) and data order
     precision: str = "fp32"
+    dtype: str = "float32"  # parameters and float inputs; float64 for numerical checks
     device: str = "auto"  # "auto", "cpu", "cuda" (this rank's GPU) or "cuda:N" (train/device.py)
     eval_every: int | None = None  # None: after each epoch; 0: only at the end; N: every N steps
     log_every: int = 10  # steps between metrics lines (0: none)
@@ -171,6 +173,8 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")

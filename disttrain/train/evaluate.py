@@ -40,9 +40,10 @@ def batch_count(total: int, shards: int, batch_size: int, min_rows: int) -> int:
 
 
 def evaluate(strategy: Strategy, dataset: Dataset[Any], loss_fn: LossFn, autocast: Autocast,
-             batch_size: int = 256, device: torch.device | None = None) -> tuple[float, float]:
+             batch_size: int = 256, device: torch.device | None = None,
+             dtype: torch.dtype | None = None) -> tuple[float, float]:
     """``(accuracy, mean loss)`` over all of ``dataset``, the same on every rank (batches
-    moved to ``device``, the CPU by default)."""
+    moved to ``device``, the CPU by default, float inputs cast to ``dtype`` if given)."""
     device = device if device is not None else torch.device("cpu")
     total = size(dataset)
     sampler = DistributedSampler(total, strategy.eval_shards, strategy.eval_shard,
@@ -60,7 +61,7 @@ def evaluate(strategy: Strategy, dataset: Dataset[Any], loss_fn: LossFn, autocas
             for part in torch.tensor_split(indices, batches):
                 if len(part) == 0 and not strategy.collective_eval:
                     continue
-                inputs, targets = to_device(fetch(dataset, part), device)
+                inputs, targets = to_device(fetch(dataset, part), device, dtype)
                 with autocast():
                     output = strategy.predict(inputs)
                 count = targets.numel()

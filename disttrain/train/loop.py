@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from disttrain.comm import Communicator
+from disttrain.parallel.mixed_precision import at_least_fp32
 from disttrain.train import checkpoint
 from disttrain.train.config import TrainConfig
 from disttrain.train.data import DatasetSplits, build_dataset, fetch, size
@@ -69,7 +70,7 @@ Hook = Callable[[StepRecord], None]
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy; works for classes (B, C)/(B,) and tokens (B, T, V)/(B, T)."""
-    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+    return F.cross_entropy(at_least_fp32(output.flatten(0, -2)), target.flatten())
 
 
 def train(config: TrainConfig, comm: Communicator | None = None, *,
@@ -132,11 +133,12 @@ class _Run:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.data: DatasetSplits = build_dataset(config.dataset, config.data)
         torch.manual_seed(config.seed)  # identical initial parameters on every rank
-        module = build_model(config.model, self.data.info).to(self.device)
+        self.dtype: torch.dtype = getattr(torch, config.dtype)
+        module = build_model(config.model, self.data.info).to(self.device, self.dtype)
         self.numel = sum(p.numel() for p in module.parameters() if p.requires_grad)  # Ψ
         sample = to_device(fetch(self.data.train,
                                  list(range(min(self.micro, size(self.data.train))))),
-                           self.device)
+                           self.device, self.dtype)
         self.strategy: Strategy = spec.make(
             BuildContext(module, comm, optimizer_factory(config), config, sample))
         self.scaler = _loss_scaler(config, comm, self.strategy)
@@ -232,7 +234,7 @@ class _Run:
         sent_before = self._bytes_sent()
         hidden_before = self._bytes_unobserved()
         micro = [to_device(fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro]),
-                           self.device) for m in range(self.config.accumulate)]
+                           self.device, self.dtype) for m in range(self.config.accumulate)]
         tracking = len(self.step_times) < self.tracked_steps
         with self.activations if tracking else contextlib.nullcontext():
             if self.whole_step and self.phases is not None:
@@ -285,7 +287,8 @@ class _Run:
 
     def _evaluate(self) -> None:
         accuracy, loss = evaluate(self.strategy, self.data.test, loss_fn, self.autocast,
-                                  batch_size=max(self.micro, 256), device=self.device)
+                                  batch_size=max(self.micro, 256), device=self.device,
+                                  dtype=self.dtype)
         epoch = max(self.step - 1, 0) // self.steps_per_epoch
         self.evaluations.append(EvalPoint(self.step, epoch, accuracy, loss))
         if self.rank == 0:

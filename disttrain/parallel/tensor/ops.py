@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from disttrain.comm import Communicator
+from disttrain.parallel.mixed_precision import at_least_fp32
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: TPGroup,
                 vocab_start: int) -> torch.Tensor:
         vocab_local = logits.shape[-1]
-        logits = logits.float()
+        logits = at_least_fp32(logits)
         peak = logits.amax(dim=-1).contiguous()
         group.all_reduce(peak, "max")
         shifted = logits - peak.unsqueeze(-1)  # a new tensor: logits stay untouched

@@ -34,6 +34,7 @@ regions (Megatron's RNG tracker).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -59,9 +60,7 @@ class ParallelEmbeddings(nn.Module):
         self.max_len = full.max_len
         self.tokens = VocabParallelEmbedding.from_embedding(full.tokens, group,
                                                             sequence_parallel)
-        self.positions = nn.Embedding(full.positions.num_embeddings,
-                                      full.positions.embedding_dim)
-        self.positions.weight.data.copy_(full.positions.weight.detach())
+        self.positions = copy.deepcopy(full.positions)  # its device and dtype, too
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -187,10 +186,8 @@ def reduce_sequence_parallel_grads(params: list[nn.Parameter], group: TPGroup) -
 
 
 def _copy_norm(norm: nn.LayerNorm) -> nn.LayerNorm:
-    copy = nn.LayerNorm(norm.normalized_shape, eps=norm.eps,
-                        elementwise_affine=norm.elementwise_affine)
-    copy.load_state_dict(norm.state_dict())
-    return copy
+    """A replica of ``norm`` on its device, in its dtype (never a fresh default one)."""
+    return copy.deepcopy(norm)
 
 
 def check_sequence(length: int, tp: int) -> None:

@@ -122,6 +122,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, master_dtype: torch.
         raise ValueError(f"the optimizer state formula knows {', '.join(sorted(_STATE_SLOTS))}, "
                          f"not {name}; pass optimizer_bytes to formula() yourself")
     slots = _STATE_SLOTS[name](optimizer.param_groups[0])
+    master_dtype = torch.promote_types(master_dtype, param_dtype)  # never narrower
     element = torch.empty(0, dtype=master_dtype).element_size()
     master = element if master_dtype != param_dtype else 0
     return master + slots * element

@@ -52,10 +52,11 @@ _STEP_OPS = ("all_gather", "reduce_scatter")
 class ZeroConfig:
     """How a ZeRO wrapper keeps and moves its shards.
 
-    * ``master_dtype``: dtype of the optimizer's flat shard ("master weights"). When it
-      equals the model's parameter dtype the shard *is* the parameters' memory (no copy);
-      when the model trains in bf16/fp16 and this is float32, each rank keeps an fp32 copy
-      of its shard only, and casts after each step.
+    * ``master_dtype``: the least precision of the optimizer's flat shard ("master
+      weights"); the shard is never narrower than the parameters (a float64 model keeps
+      float64 masters). When the two agree the shard *is* the parameters' memory (no
+      copy); when the model trains in bf16/fp16 and this is float32, each rank keeps an
+      fp32 copy of its shard only, and casts after each step.
     * ``reduce_dtype``: dtype in which gradients are reduced (and the gradient shard kept,
       stages 2 and 3). ``None``: the parameters' dtype (2 bytes/param in bf16, the paper's
       accounting); ``torch.float32`` reduces bf16 gradients in fp32 (more exact, 2× bytes).
@@ -339,12 +340,18 @@ def shard_of(flat: torch.Tensor, layout: ShardLayout, rank: int) -> torch.Tensor
     return flat[start:end]
 
 
+def master_dtype(param_dtype: torch.dtype, least: torch.dtype) -> torch.dtype:
+    """The master weights' dtype: ``least`` (the config's), or the parameters' when wider."""
+    return torch.promote_types(param_dtype, least)
+
+
 def master_copy(shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The optimizer's parameter: the shard itself when dtypes match (no extra memory),
-    else a copy in ``dtype`` (fp32 master weights for a bf16 model)."""
-    if shard.dtype == dtype:
+    """The optimizer's parameter: the shard itself when its dtype is at least ``dtype`` (no
+    extra memory), else a copy in ``dtype`` (fp32 master weights for a bf16 model)."""
+    target = master_dtype(shard.dtype, dtype)
+    if shard.dtype == target:
         return shard
-    return shard.detach().to(dtype=dtype, copy=True)
+    return shard.detach().to(dtype=target, copy=True)
 
 
 def to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -29,6 +29,7 @@ from torch import nn
 from disttrain.comm import Communicator
 from disttrain.parallel.checkpoint_files import atomic_save
 from disttrain.parallel.checkpoint_files import load as safe_load
+from disttrain.parallel.mixed_precision import accumulate
 from disttrain.train.config import TrainConfig
 
 Batch = tuple[Any, Any]  # (inputs, targets)
@@ -82,6 +83,13 @@ class BuildContext:
             raise ValueError(f"strategy {name!r} needs a communicator (run it under "
                              f"'disttrain run -n N' or pass comm=...)")
         return self.comm
+
+
+def placed_like(module: nn.Module, like: nn.Module) -> nn.Module:
+    """``module`` moved to the device and dtype of ``like``'s parameters: a model rebuilt
+    from a shard's state keeps the shard's placement (a float64 run stays float64)."""
+    param = next(like.parameters(), None)
+    return module if param is None else module.to(param.device, param.dtype)
 
 
 def missing_state(path: str, what: str) -> ValueError:
@@ -172,8 +180,7 @@ class Strategy:
                     loss = loss_fn(self.model(inputs), targets) / len(micro_batches)
                 with self.phase("backward"):  # with DDP, includes the gradient sync
                     (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-            part = loss.detach().float()
-            total = part if total is None else total + part
+            total = accumulate(total, loss)
         if self.optimizer is not None:
             with self.phase("optimizer"):
                 self.optimizer.step()  # fp16: through the scaler (use_loss_scaler)

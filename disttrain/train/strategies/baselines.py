@@ -53,6 +53,22 @@ def native_group(comm: Communicator, name: str) -> Any:
     return group
 
 
+def mesh_device_type(ctx: BuildContext, comm: Communicator, name: str) -> str:
+    """The device type of torch's DeviceMesh for baseline ``name``: where the module lives.
+    torch's own collectives move its tensors where they are, which disttrain cannot stage:
+    a module on a device the backend cannot serve (CUDA tensors on Gloo, which cannot
+    reduce-scatter them) is refused in one line."""
+    param = next(ctx.module.parameters(), None)
+    device = param.device.type if param is not None else "cpu"
+    if device != comm.transport.device_type:
+        backend = "nccl" if device == "cuda" else "gloo"
+        raise ValueError(f"strategy {name!r} runs torch's own collectives on the module's "
+                         f"{device} tensors, which the {comm.transport.device_type} backend "
+                         f"cannot move and disttrain cannot stage for it; use --backend "
+                         f"{backend} with --device {device}")
+    return device
+
+
 def torch_ddp(ctx: BuildContext, name: str) -> nn.Module:
     """torch's DistributedDataParallel around the module, with the loop's bucket settings."""
     comm = ctx.require_comm(name)
@@ -136,12 +152,12 @@ def build_torch_zero1(ctx: BuildContext) -> Strategy:
 
 
 class TorchFSDPStrategy(Strategy):
-    """torch's FSDP2 (``fully_shard``): ZeRO stage 3 as PyTorch ships it, on a CPU
-    DeviceMesh over the Gloo group. Each child module with parameters is one unit (as
-    disttrain's ``zero3`` cuts a Sequential), then the root: a unit's parameters are
-    all-gathered for its forward, freed, gathered again for its backward, and its
-    gradients reduce-scattered. Theory per rank: 3 × (p−1)/p × 4Ψ bytes (two gathers, one
-    reduce-scatter; FSDP pads each parameter to a multiple of p)."""
+    """torch's FSDP2 (``fully_shard``): ZeRO stage 3 as PyTorch ships it, on a DeviceMesh
+    of the module's device type over the communicator's group. Each child module with
+    parameters is one unit (as disttrain's ``zero3`` cuts a Sequential), then the root: a
+    unit's parameters are all-gathered for its forward, freed, gathered again for its
+    backward, and its gradients reduce-scattered. Theory per rank: 3 × (p−1)/p × 4Ψ bytes
+    (two gathers, one reduce-scatter; FSDP pads each parameter to a multiple of p)."""
 
     counts_bytes = False
     memory_formula = "zero3"
@@ -154,7 +170,7 @@ class TorchFSDPStrategy(Strategy):
         comm = ctx.require_comm("torch-fsdp")
         group = native_group(comm, "torch-fsdp")
         self._skeleton = empty_copy(ctx.module)  # the result's module, filled at the end
-        mesh = DeviceMesh.from_group(group, "cpu")
+        mesh = DeviceMesh.from_group(group, mesh_device_type(ctx, comm, "torch-fsdp"))
         for child in ctx.module.children():
             if any(p.requires_grad for p in child.parameters()):
                 fully_shard(child, mesh=mesh)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from disttrain.parallel.mixed_precision import accumulate, at_least_fp32
 from disttrain.train.config import TrainConfig
 from disttrain.train.strategies.base import (
     Autocast,
@@ -79,12 +80,22 @@ def _tensors(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
             yield from _tensors(item, depth - 1)
 
 
+def refuse_float64(ctx: BuildContext, name: str) -> None:
+    """DeepSpeed's data-parallel and pipeline engines reduce fp32/fp16/bf16 gradients only
+    and assert on float64, after the whole set-up: refuse such a model first, in one line."""
+    if any(p.dtype == torch.float64 for p in ctx.module.parameters()):
+        raise ValueError(f"{name} reduces fp32, fp16 and bf16 gradients only, not this "
+                         f"float64 model's; use --dtype float32")
+
+
 class DeepSpeedStrategy(Strategy):
     """One DeepSpeed ZeRO stage (0: data parallel) driving the module."""
 
     counts_bytes = False
 
     def __init__(self, ctx: BuildContext, stage: int) -> None:
+        if stage == 0:  # ZeRO 1-3 keep float64 (their own reduction)
+            refuse_float64(ctx, ctx.config.strategy)
         if not torch.cuda.is_available():  # CPU: say so, rather than have DeepSpeed warn
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # DeepSpeed logs and prints (the build of its CPU ops) on stdout, where the
@@ -135,7 +146,7 @@ class DeepSpeedStrategy(Strategy):
         """DeepSpeed's loop: backward and step on every micro-batch (the engine steps the
         optimizer at the accumulation boundary and divides the loss by its count)."""
         self.engine.train()
-        total = torch.zeros((), dtype=torch.float32)
+        total: torch.Tensor | None = None
         for inputs, targets in micro_batches:
             with self.phase("forward"), autocast():
                 loss = loss_fn(self.engine(inputs), targets)
@@ -143,7 +154,8 @@ class DeepSpeedStrategy(Strategy):
                 self.engine.backward(loss)
             with self.phase("optimizer"):
                 self.engine.step()
-            total += loss.detach().float() / len(micro_batches)
+            total = accumulate(total, loss / len(micro_batches))
+        assert total is not None  # the loop passes at least one micro-batch
         return total
 
     def eval_modules(self) -> list[nn.Module]:
@@ -200,7 +212,8 @@ def build_deepspeed(stage: int) -> Any:
 def _pipe_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The loop's loss (mean cross-entropy over classes or tokens), for DeepSpeed's last
     stage, which computes it itself."""
-    return torch.nn.functional.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+    return torch.nn.functional.cross_entropy(at_least_fp32(output.flatten(0, -2)),
+                                             target.flatten())
 
 
 class DeepSpeedPipeStrategy(Strategy):
@@ -215,6 +228,7 @@ class DeepSpeedPipeStrategy(Strategy):
     def __init__(self, ctx: BuildContext) -> None:
         from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
 
+        refuse_float64(ctx, "deepspeed-pipe")
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         with contextlib.redirect_stdout(sys.stderr):
@@ -258,7 +272,7 @@ class DeepSpeedPipeStrategy(Strategy):
         chunks = list(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)))
         with autocast():
             loss = self.engine.train_batch(iter(chunks))
-        return loss.detach().float()
+        return at_least_fp32(loss.detach())
 
     def eval_modules(self) -> list[nn.Module]:
         return [self.engine]

@@ -350,8 +350,8 @@ class ServerRankStrategy(Strategy):
 
     def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn,
                    autocast: Autocast) -> torch.Tensor:
-        self.step += 1
-        return torch.tensor(self.mean_loss)
+        self.step += 1  # the workers' mean loss, in the dtype a worker would report it
+        return torch.tensor(self.mean_loss, dtype=self.server.shard.param.dtype)
 
     @property
     def final(self) -> bool:

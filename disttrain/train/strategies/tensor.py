@@ -40,6 +40,7 @@ from torch import nn
 from disttrain.comm import Communicator
 from disttrain.parallel import DataParallel, ZeRO1, ZeRO2, ZeroConfig
 from disttrain.parallel.mesh import DeviceMesh, build_mesh
+from disttrain.parallel.mixed_precision import accumulate, at_least_fp32
 from disttrain.parallel.tensor import apply_tensor_parallel, full_state_dict
 from disttrain.parallel.tensor import theory as tp_theory
 from disttrain.parallel.tensor.transformer import (
@@ -58,6 +59,7 @@ from disttrain.train.strategies.base import (
     atomic_save,
     missing_state,
     param_bytes,
+    placed_like,
     ring_all_reduce_bytes,
     safe_load,
 )
@@ -174,7 +176,7 @@ class TensorParallelStrategy(Strategy):
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.shard is not None:
             return self.shard.loss(output, target)
-        return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+        return F.cross_entropy(at_least_fp32(output.flatten(0, -2)), target.flatten())
 
     def no_sync(self) -> AbstractContextManager[Any]:
         if self.zero is not None:
@@ -189,7 +191,7 @@ class TensorParallelStrategy(Strategy):
         self.model.train()
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), dtype=torch.float32)
+        total: torch.Tensor | None = None
         last = len(micro_batches) - 1
         for i, (inputs, targets) in enumerate(micro_batches):
             with self.no_sync() if i < last else nullcontext():
@@ -197,11 +199,12 @@ class TensorParallelStrategy(Strategy):
                     loss = self.loss(self.model(inputs), targets) / len(micro_batches)
                 with self.phase("backward"):
                     loss.backward()
-            total += loss.detach().float()
+            total = accumulate(total, loss)
         if self.shard is not None:
             reduce_sequence_parallel_grads(self._sp_params, self.shard.group)
         with self.phase("optimizer"):
             self.optimizer.step()
+        assert total is not None  # the loop passes at least one micro-batch
         return total
 
     # ------------------------------------------------------------------ evaluation
@@ -274,7 +277,7 @@ class TensorParallelStrategy(Strategy):
         """The unsplit TransformerLM (its shards gathered over tp: a collective)."""
         if self.shard is None:
             return self.module
-        full = TransformerLM(**lm_shape(self.shard))
+        full = placed_like(TransformerLM(**lm_shape(self.shard)), self.shard)
         full.load_state_dict(full_state_dict(self.shard, self.shard.group))
         return full
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.parallel.mesh import DeviceMesh
+from disttrain.parallel.mixed_precision import at_least_fp32
 from disttrain.parallel.tensor import apply_tensor_parallel, full_state_dict
 from disttrain.parallel.tensor import theory as tp_theory
 from disttrain.parallel.tensor.ops import gather_vocab
@@ -42,6 +43,7 @@ from disttrain.train.strategies.base import (
     Batch,
     BuildContext,
     LossFn,
+    placed_like,
     ring_all_reduce_bytes,
 )
 from disttrain.train.strategies.mesh import MeshSettings
@@ -80,7 +82,7 @@ class TensorPipelineStrategy(PipelineStrategy):
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.shard is not None:
             return self.shard.loss(output, target)
-        return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+        return F.cross_entropy(at_least_fp32(output.flatten(0, -2)), target.flatten())
 
     def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn,
                    autocast: Autocast) -> torch.Tensor:
@@ -143,6 +145,7 @@ class TensorPipelineStrategy(PipelineStrategy):
         if self.shard is None:
             return self.module
         full = TransformerLM(**lm_shape(self.shard))
+        placed_like(full, self.shard)
         stage = nn.Sequential(OrderedDict((name, full[int(name)])
                                           for name in self.module._modules))
         stage.load_state_dict(full_state_dict(self.module, self.shard.group))

@@ -2,8 +2,9 @@
 ``torch-tp-sp``.
 
 ``torch.distributed.tensor.parallel.parallelize_module`` with ``ColwiseParallel`` /
-``RowwiseParallel`` (and ``SequenceParallel`` for the norms with ``torch-tp-sp``) on a CPU
-``DeviceMesh`` over the communicator's Gloo group, the plan torchtitan applies to Llama.
+``RowwiseParallel`` (and ``SequenceParallel`` for the norms with ``torch-tp-sp``) on a
+``DeviceMesh`` of the module's device type over the communicator's group, the plan
+torchtitan applies to Llama.
 It is torch's code, so it calls torch.distributed directly and its traffic bypasses
 disttrain.comm (``counts_bytes = False``).
 
@@ -33,9 +34,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain.parallel.mixed_precision import accumulate, at_least_fp32
 from disttrain.parallel.tensor.transformer import lm_shape
-from disttrain.train.strategies.base import Autocast, Batch, BuildContext, LossFn, Strategy
-from disttrain.train.strategies.baselines import native_group
+from disttrain.train.strategies.base import (
+    Autocast,
+    Batch,
+    BuildContext,
+    LossFn,
+    Strategy,
+    placed_like,
+)
+from disttrain.train.strategies.baselines import mesh_device_type, native_group
 from disttrain.train.strategies.tensor import ActivationProbe
 from disttrain.train.transformer import CausalSelfAttention, TransformerLM
 
@@ -47,7 +56,9 @@ class SplitQKVAttention(nn.Module):
         super().__init__()
         d_model = fused.out.in_features
         self.head_dim = d_model // fused.n_heads
-        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+        weight = fused.qkv.weight
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model, device=weight.device,
+                                            dtype=weight.dtype) for _ in range(3))
         with torch.no_grad():
             for proj, w, b in zip((self.q, self.k, self.v), fused.qkv.weight.chunk(3),
                                   fused.qkv.bias.chunk(3)):
@@ -124,7 +135,8 @@ class TorchTensorParallelStrategy(Strategy):
         if not isinstance(ctx.module, TransformerLM):
             raise ValueError(f"strategy {name!r} splits disttrain's TransformerLM; use --model "
                              f"transformer")
-        self.device_mesh = DeviceMesh.from_group(native_group(comm, name), "cpu")
+        self.device_mesh = DeviceMesh.from_group(native_group(comm, name),
+                                                 mesh_device_type(ctx, comm, name))
         self.shape = lm_shape(ctx.module)  # to rebuild the unsplit model at the end
         model = parallelize_module(split_qkv(ctx.module), self.device_mesh,
                                    plan(ctx.module, sequence_parallel))
@@ -140,18 +152,19 @@ class TorchTensorParallelStrategy(Strategy):
         self.model.train()
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), dtype=torch.float32)
+        total: torch.Tensor | None = None
         for inputs, targets in micro_batches:
             with loss_parallel():
                 with self.phase("forward"), autocast():
                     logits = self.model(inputs)
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(),
+                    loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)),
                                            targets.flatten()) / len(micro_batches)
                 with self.phase("backward"):
                     loss.backward()
-            total += _local(loss.detach()).float()
+            total = accumulate(total, _local(loss.detach()))
         with self.phase("optimizer"):
             self.optimizer.step()
+        assert total is not None  # the loop passes at least one micro-batch
         return total
 
     @property
@@ -179,7 +192,7 @@ class TorchTensorParallelStrategy(Strategy):
             prefix, leaf = key.split(".attention.q.")
             state[f"{prefix}.attention.qkv.{leaf}"] = torch.cat(
                 [state.pop(f"{prefix}.attention.{p}.{leaf}") for p in "qkv"])
-        full = TransformerLM(**self.shape)
+        full = placed_like(TransformerLM(**self.shape), self.module)
         full.load_state_dict(state)
         return full
 
