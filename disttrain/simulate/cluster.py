@@ -36,7 +36,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (a dependency there)
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from disttrain.comm.cost_model import LinkCosts, load_costs
 
