@@ -1,6 +1,6 @@
 """disttrain on one CUDA GPU: every check this machine can make, one PASS/FAIL line each.
 
-    python3 scripts/gpu_check.py                 # on a machine with a CUDA GPU (< 8 minutes)
+    python3 scripts/gpu_check.py                 # on a machine with a CUDA GPU (< 6 minutes)
     python3 scripts/gpu_check.py --cpu-dry-run   # the same checks on the CPU
     python3 scripts/gpu_check.py --cpu-dry-run --quick   # a few of each group (CI)
     python3 scripts/gpu_check.py --only single,nccl --list
@@ -26,8 +26,25 @@ import time
 from gpu_check_groups import GROUPS
 from gpu_check_lib import GROUP_S, ROOT, Options, check_names, say, time_limit
 
-
 # ---------------------------------------------------------------- the parent
+NEEDED = ("numpy", "torch", "disttrain.cli")  # scikit-learn is not: the data are synthetic
+
+
+def preflight() -> str | None:
+    """One line naming the first module this machine cannot import, or None."""
+    import importlib
+
+    for name in NEEDED:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # ImportError, or a module that fails while importing
+            reason = str(exc).strip().splitlines()
+            return (f"gpu_check: cannot import {name} ({type(exc).__name__}: "
+                    f"{reason[-1] if reason else ''}); install it beside torch (disttrain "
+                    f"from this checkout: pip install --no-deps -e .), then run again")
+    return None
+
+
 def run_group(group: str, opts: Options, flags: list[str]) -> tuple[int, int]:
     """Run ``group`` in a child process; relay its lines; a check that never reported (the
     child crashed or overran) is a FAIL. Returns (passed, failed)."""
@@ -87,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         for g in groups:
             print(f"{g}: " + ", ".join(check_names(g, opts)))
         return 0
+    missing = preflight()
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return 2
     if not args.cpu_dry_run:
         import torch
 

@@ -1,10 +1,13 @@
-"""The groups of scripts/gpu_check.py that run in one process: env, single, nccl, bench
+"""The groups of scripts/gpu_check.py that run in one process: env, single, nccl, cli, bench
 (the rank pools' group is gpu_check_ranks.py). Each runs its checks with run_check."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -94,6 +97,9 @@ def group_single(opts: Options) -> None:
 
 # ---------------------------------------------------------------- group: nccl (one rank)
 def group_nccl(opts: Options) -> None:
+    """NCCL on a world of one: a smoke test. Every collective is the identity there, so
+    these checks prove that the NCCL path runs (streams, staging, the strategies' set-up on
+    one GPU), not that its results are right; the rank groups prove that, over Gloo."""
     import torch
     import torch.distributed as dist
 
@@ -121,7 +127,7 @@ def group_nccl(opts: Options) -> None:
         for stream in (None, side):  # on the caller's stream, whichever it is
             with torch.cuda.stream(stream) if stream is not None else _nothing():
                 t = torch.arange(1 << 20, dtype=torch.float32, device=device)
-                work = comm.all_reduce(t, "sum", async_op=True)
+                work = comm.all_reduce(t, "avg", async_op=True)
                 assert work is not None
                 work.wait()
                 values.append(float(t[-1]))
@@ -148,10 +154,11 @@ def group_nccl(opts: Options) -> None:
             return f"matches single (max diff {worst:.1e}), {on_device(result, opts)}"
         return check
 
-    run_check(f"{opts.nccl}:collectives", collectives, CHECK_S * opts.slack)
-    run_check(f"{opts.nccl}:async-streams-staging", asynchronous, CHECK_S * opts.slack)
+    smoke = f"{opts.nccl}-smoke"
+    run_check(f"{smoke}:collectives", collectives, CHECK_S * opts.slack)
+    run_check(f"{smoke}:async-streams-staging", asynchronous, CHECK_S * opts.slack)
     for name in ("ddp", "zero1", "zero3"):
-        run_check(f"{opts.nccl}:{name}-1-rank", strategy(name), CHECK_S * opts.slack)
+        run_check(f"{smoke}:{name}-1-rank", strategy(name), CHECK_S * opts.slack)
     comm.close()
     dist.destroy_process_group()
 
@@ -184,6 +191,41 @@ def one_collective(comm: Any, op: str, name: str, device: Any) -> None:
         raise CheckFailed(f"{op} ({name}) gave {out.tolist()}")
 
 
+# ---------------------------------------------------------------- group: cli
+def group_cli(opts: Options) -> None:
+    """``disttrain run`` as a user types it: two ranks on the device (Gloo: they share
+    GPU 0), a checkpoint, and a resumed run that continues from it."""
+    folder = tempfile.mkdtemp(prefix="gpu-check-cli-")
+    base = [sys.executable, "-m", "disttrain", "run", "--strategy", "ddp", "-n", "2",
+            "--device", opts.device, "--backend", "gloo", "--model", "mlp", "--dataset",
+            "synthetic", "--eval-every", "0", "--log-every", "0", "--checkpoint-dir", folder]
+    limit = (GROUP_S["cli"] // 2 - 2) * opts.slack
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+    def run(*extra: str) -> str:
+        done = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=limit,
+                              cwd=ROOT, env=env)
+        if done.returncode != 0:
+            raise CheckFailed(f"exit {done.returncode}: {done.stderr.strip()[-300:]}")
+        return done.stdout + done.stderr
+
+    def first() -> str:
+        out = run("--steps", "4")
+        result = [line for line in out.splitlines() if line.startswith("result ")]
+        if not result or "steps=4" not in result[0]:
+            raise CheckFailed(f"no result line for 4 steps:\n{out[-500:]}")
+        return result[0][:100]
+
+    def resume() -> str:
+        out = run("--steps", "6", "--resume")
+        if not re.search(r"resumed from \S+ at step 4", out):
+            raise CheckFailed(f"the run did not resume at step 4:\n{out[-500:]}")
+        return "resumed at step 4 and finished step 6"
+
+    run_check("cli:run", first, limit + 5)
+    run_check("cli:checkpoint-resume", resume, limit + 5)
+
+
 # ---------------------------------------------------------------- group: bench
 def group_bench(opts: Options) -> None:
     def table() -> str:
@@ -191,7 +233,7 @@ def group_bench(opts: Options) -> None:
         command = [sys.executable, "-m", "disttrain", "bench", "--device", opts.device,
                    "--backend", "gloo", "--strategies", ",".join(names), "-n", "2",
                    "--steps", "5" if opts.quick else "20", "--eval-every", "0",
-                   "--model", "mlp", "--dataset", "digits"]
+                   "--model", "mlp", "--dataset", "synthetic"]
         limit = (GROUP_S["bench"] - 10) * opts.slack
         done = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT)
         if done.returncode != 0:
@@ -207,5 +249,5 @@ def group_bench(opts: Options) -> None:
 
 GROUPS: dict[str, Callable[[Options], None]] = {
     "env": group_env, "single": group_single, "nccl": group_nccl, "ranks": group_ranks,
-    "bench": group_bench,
+    "cli": group_cli, "bench": group_bench,
 }

@@ -26,8 +26,17 @@ def _modules():
         sys.path.remove(str(ROOT / "scripts"))
 
 
-def test_the_quick_dry_run_passes_every_check():
-    env = {**os.environ, "PYTHON": sys.executable}
+def hiding(tmp_path: Path, module: str) -> dict[str, str]:
+    """An environment in which ``import module`` fails, as on a machine without it."""
+    fake = tmp_path / module
+    fake.mkdir()
+    (fake / "__init__.py").write_text(f"raise ImportError('{module} is hidden by the test')\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": path}
+
+
+def test_the_quick_dry_run_passes_every_check_without_scikit_learn(tmp_path):
+    env = hiding(tmp_path, "sklearn")  # the GPU machine has torch, not scikit-learn
     done = subprocess.run([str(SCRIPT), "--cpu-dry-run", "--quick"], capture_output=True,
                           text=True, env=env, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line[:4] in ("PASS", "FAIL")]
@@ -38,6 +47,30 @@ def test_the_quick_dry_run_passes_every_check():
     options = lib.Options("cpu", "gloo", quick=True)
     assert names == [n for g in groups.GROUPS for n in lib.check_names(g, options)]
     assert '"failed": 0' in done.stdout.splitlines()[-1]
+
+
+def test_a_missing_import_is_named_in_one_line_before_any_check(tmp_path):
+    done = subprocess.run([str(SCRIPT), "--cpu-dry-run"], capture_output=True, text=True,
+                          env=hiding(tmp_path, "numpy"), timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot import numpy" in lines[0], done.stderr
+    assert "PASS" not in done.stdout and "FAIL" not in done.stdout
+
+
+def test_the_full_check_covers_every_strategy_at_two_and_three_ranks():
+    lib, _ = _modules()
+    names = lib.check_names("ranks", lib.Options("cuda", "nccl"))
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "gpipe", "1f1b", "model-parallel",
+                     "tp", "tp-sp", "3d", "torch-ddp", "torch-zero1", "torch-fsdp",
+                     "torch-tp", "torch-tp-sp"):
+        assert {f"gloo-2rank:{strategy}", f"gloo-3rank:{strategy}"} <= set(names), strategy
+    assert "gloo-2rank:async-avg-side-stream" in names
+    assert lib.check_names("cli", lib.Options("cuda", "nccl")) == ["cli:run",
+                                                                    "cli:checkpoint-resume"]
+    assert all(n.startswith("nccl-smoke:") for n in lib.check_names("nccl",
+                                                                   lib.Options("cuda", "nccl")))
+    assert sum(lib.GROUP_S.values()) <= 360  # the script bounds itself to the 6 minutes
 
 
 def test_a_failing_or_hanging_check_is_a_fail_line(capsys):
