@@ -217,7 +217,6 @@ def ring_without_connecting(comm: Communicator, skip_connect: bool) -> str:
     did not create its pairs first (every rank's first call, a receive from the left,
     blocks on a pair whose other rank is blocked on its own left: a cycle)."""
     from disttrain.comm import algorithms
-
     from disttrain.comm.cost_model import load_costs
 
     saved = dict(algorithms.CONNECT_FIRST)
@@ -329,3 +328,44 @@ def test_pipelines_run_on_groups_bound_to_a_device(pools, stages):
     # stage waits behind its receive from the previous one (a group of two per pair does not)
     per_rank = pools(stages).run(pipelines_on_bound_groups)
     assert all(len(r) == 2 for r in per_rank)
+
+
+# ---------------------------------------------------------------- a dead peer is silence
+def test_a_dead_peer_leaves_the_lane_silent_as_nccl_does():
+    from disttrain.comm.nccl_rules import _Lane, _LaneWork
+
+    class Broken:
+        def wait(self, timeout_s: float) -> None:
+            raise ConnectionError("Connection closed by peer")
+
+    lane = _Lane(lambda kind, tensor, peer: Broken(), 5.0, "test-lane")
+    first = lane.submit(_LaneWork("recv", torch.zeros(1), 1))
+    lane.thread.join(5.0)  # the lane stops at the dead peer ...
+    second = lane.submit(_LaneWork("recv", torch.zeros(1), 1))
+    assert not first.is_completed() and not second.is_completed()  # ... and says nothing
+    with pytest.raises(TimeoutError, match="did not complete"):
+        first.wait(0.1)
+
+
+def test_a_wait_for_a_peer_known_dead_is_its_failure_where_death_is_silent():
+    from types import SimpleNamespace
+
+    from disttrain.comm.checkin import Verdict
+    from disttrain.comm.context import CollectiveContext
+    from disttrain.comm.errors import PeerFailedError
+    from disttrain.comm.stats import TrafficStats
+
+    def context(in_order: bool) -> CollectiveContext:
+        transport = SimpleNamespace(
+            rank=0, world_size=2, in_order=in_order,
+            diagnose=lambda grace: Verdict((1,), {1: "died (pid 7 on node0 is gone)"}))
+        return CollectiveContext(transport, TrafficStats(), op="recv", seq=3,  # type: ignore
+                                 algorithm="p2p", timeout_s=1.0, chunk_bytes=1)
+
+    silent = context(True).failure("waiting to recv from rank 1", TimeoutError("t"), 1,
+                                   timed_out=True)
+    assert isinstance(silent, PeerFailedError) and silent.peer == 1
+    assert "rank 1 died while this rank was waiting" in str(silent)
+    gloo = context(False).failure("waiting to recv from rank 1", TimeoutError("t"), 1,
+                                  timed_out=True)
+    assert isinstance(gloo, CommTimeoutError)  # Gloo closes connections: a timeout is one

@@ -289,6 +289,8 @@ class CollectiveContext:
         Gloo treats an expired wait as fatal and closes all of that rank's connections, so
         a broken connection often means a live peer gave up, not that it died: if the peer
         waited for checks in afterwards, the failure is reported as the timeout it is.
+        Where a dead peer closes nothing (NCCL: ``in_order`` transports), a wait for a peer
+        the check-in knows dead is reported as that peer's failure.
         ``probe=False`` skips that check-in (and its wait)."""
         missing = self.unresponsive() if probe else None
         where = f"{self.op} #{self.seq} ({self.algorithm}) on rank {self.rank}"
@@ -304,6 +306,13 @@ class CollectiveContext:
                      f"rank {waited} died, or gave up after a timeout of its own")
         else:
             blame = "every rank checked in afterwards: none died"
+        if timed_out and self.transport.in_order and waited in suspects and (
+                self.notes.get(waited, "").startswith("died")):
+            # NCCL reports a dead peer as a wait that never ends, not a closed connection:
+            # known dead, it failed as a broken connection would have said on Gloo
+            return PeerFailedError(f"{where}: rank {waited} died while this rank was {doing}; "
+                                   f"{blame} ({exc})", op=self.op, seq=self.seq, peer=waited,
+                                   suspects=suspects)
         if timed_out or (missing is not None and waited is not None and waited not in missing):
             what = (f"timed out after {self.timeout_s:g}s {doing}" if timed_out else
                     f"rank {waited} gave up (it timed out and closed its connections) while "

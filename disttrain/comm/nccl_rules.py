@@ -45,6 +45,10 @@ does behind each rule (torch's ProcessGroupNCCL, torch 2.x):
    ``CommConfig(nccl_rules="bound")``) models such groups: one queue per group instead of
    one per pair. disttrain's own point-to-point collectives refuse bound groups
    (``native`` serves them; see ``Transport.bound_to_device``).
+6. **A dead peer is silence.** Over NVLink or InfiniBand a peer that dies closes no
+   connection a receiver would see: its messages never complete, and only a timeout ends
+   the wait. Here a closed Gloo connection leaves the lane's messages pending in the same
+   way; the communicator's timeout then names the peer, and the check-in says it died.
 
 What it does not model: NCCL moves CUDA tensors only (the Communicator stages tensors on
 another device, :mod:`disttrain.comm.staging`, so that difference is invisible to
@@ -109,6 +113,7 @@ class _Lane:
         self._post, self._timeout_s = post, timeout_s
         self._queue: SimpleQueue[_LaneWork | None] = SimpleQueue()
         self._broken: BaseException | None = None
+        self._silenced: BaseException | None = None
         # a daemon: a lane stuck on a dead peer must not keep the process alive
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -128,7 +133,11 @@ class _Lane:
                 continue
             try:  # longer than the caller's wait, whose error names the rule broken
                 self._post(work.kind, work.tensor, work.peer).wait(2 * self._timeout_s + 1)
-            except BaseException as exc:  # TimeoutError/ConnectionError by the contract
+            except ConnectionError as exc:  # a dead peer: NCCL never says so (rule 6)
+                self._silenced = exc
+                log.debug("a peer's connection closed (%s): its messages never complete", exc)
+                return  # this and every later message of the lane stay pending
+            except BaseException as exc:  # TimeoutError by the contract
                 work.error = self._broken = exc
             work.tensor = torch.empty(0)  # the lane keeps no message alive
             work.done.set()
