@@ -369,3 +369,69 @@ def test_a_wait_for_a_peer_known_dead_is_its_failure_where_death_is_silent():
     gloo = context(False).failure("waiting to recv from rank 1", TimeoutError("t"), 1,
                                   timed_out=True)
     assert isinstance(gloo, CommTimeoutError)  # Gloo closes connections: a timeout is one
+
+
+# ---------------------------------------------------------------- worker loss on NCCL
+def _rules_connect(rank: int, world_size: int, store: str) -> Communicator:
+    """As test_ps_failures.connect, under NCCL's rules, with every rank's process published
+    (what disttrain.init does): the table tells a dead rank on this host from a silent one."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from disttrain.comm import liveness
+    from disttrain.comm.transports.torch_p2p import job_store
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    liveness.publish(job_store(), rank)
+    job_store().wait([liveness.PROC_KEY + str(r) for r in range(world_size)])
+    return Communicator.from_torch(config=CommConfig(timeout_s=60.0, nccl_rules=True))
+
+
+def rules_victim_main(rank: int, world_size: int, store: str, *args: object) -> None:
+    from tests.test_ps_failures import play
+
+    play(_rules_connect(rank, world_size, store), True, *args)
+
+
+def rules_rank_main(rank: int, world_size: int, store: str, victim: int,
+                    *args: object) -> dict[str, object]:
+    import subprocess
+    import sys
+    import time
+
+    from tests.ps_cases import catching
+    from tests.test_ps_failures import REPO, play
+
+    if rank != victim:
+        return catching(play, _rules_connect(rank, world_size, store), False, *args)
+    code = (f"from tests.test_nccl_rules import rules_victim_main; "
+            f"rules_victim_main({rank}, {world_size}, {store!r}, *{args!r})")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+    return {"exit": proc.wait()}
+
+
+def test_an_async_server_outlives_a_killed_worker_where_death_is_silence():
+    """On NCCL a dead worker closes no connection: the server learns of it only when its
+    deadline passes. It then finds the worker's process gone and goes on without it, as
+    on Gloo, instead of stopping at a timeout."""
+    import signal
+
+    from tests.dist import run_fresh
+
+    steps = 8
+    results = run_fresh(rules_rank_main, 4, 1, "async", 1, steps, timeout_s=120)
+    assert results[1]["exit"] == -signal.SIGKILL
+    for rank in (0, 2):
+        assert results[rank]["error"] is None, results[rank]
+        assert results[rank]["result"].lost_workers == (1,)
+    report = results[3]["result"]
+    assert sorted(report.lost) == [1] and "died" in report.lost[1], report.lost

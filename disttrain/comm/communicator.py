@@ -393,6 +393,14 @@ class Communicator:
             self._fail(exc)
             raise
 
+    def peer_died(self, peer: int) -> str | None:
+        """How this host knows that rank ``peer`` died (``"died (pid 4711 on node3 is
+        gone)"``), or None when it does not know. On NCCL a dead peer closes no connection
+        (its messages just never complete), so code that outlives a lost peer asks this
+        after a timeout, to tell a dead peer from a silent one."""
+        probe = getattr(self.transport, "peer_died", None)
+        return probe(peer) if probe is not None else None
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from disttrain.comm import watchdog
 from disttrain.comm.checkin import Verdict, check_in
 from disttrain.comm.errors import CommError
-from disttrain.comm.liveness import ProcessInfo, read_table
+from disttrain.comm.liveness import DEAD, ProcessInfo, describe, local_state, read_table
 from disttrain.comm.transport import PeerGoneError, PeerTimeoutError, RawWork, Transport
 from disttrain.comm.transports import gloo_threads
 
@@ -278,6 +278,15 @@ class TorchTransport(Transport):
         timeout = datetime.timedelta(seconds=self.timeout_s)
         while len(names) < target:  # a one-rank group needs no peer: it only takes a name
             dist.new_group([me], timeout=timeout, use_local_synchronization=True)
+
+    def peer_died(self, peer: int) -> str | None:
+        """How this host knows that group rank ``peer`` died (its process is gone), from
+        the process table the members published; None when it does not know (alive, on
+        another host, or no table). No store round trip: a local fact only."""
+        table = self._table
+        info = table[peer] if table is not None and 0 <= peer < len(table) else None
+        state = local_state(info)
+        return describe(state, info) if state == DEAD else None
 
     def unresponsive_ranks(self, grace_s: float) -> list[int] | None:
         """The group ranks to blame after a failure (see :meth:`diagnose`); None when the

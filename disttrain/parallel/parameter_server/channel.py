@@ -211,7 +211,7 @@ class Channel:
 
     def _await(self, work: Any, doing: str, timeout_s: float) -> Generator[Wait, None, None]:
         watch = self.watcher.watch(work)
-        yield on_watch(watch, timeout_s, self.peer, self.rank, doing)
+        yield on_watch(watch, timeout_s, self.peer, self.rank, doing, self.comm.peer_died)
         finish(watch, self.peer, self.rank, doing)
 
     def _check(self, answer: Header, request: Header) -> None:
@@ -257,7 +257,8 @@ class ServerIO:
         peer = self.roles.describe(rank)
         watch = self.watcher.watch(self._post(self.comm.irecv, raw, rank, TAG_REQUEST, doing))
         self._asking[rank] = (raw, watch)
-        yield on_watch(watch, timeout_s or self.timeout_s, peer, rank, doing)
+        yield on_watch(watch, timeout_s or self.timeout_s, peer, rank, doing,
+                       self.comm.peer_died)
         del self._asking[rank]
         finish(watch, peer, rank, doing)
         self._settle(rank, "sending earlier replies")  # it asks again: it got them all
@@ -364,5 +365,6 @@ class ServerIO:
     def _await(self, work: Any, rank: int, doing: str, timeout_s: float | None = None) -> Gen:
         watch = self.watcher.watch(work)
         peer = self.roles.describe(rank)
-        yield on_watch(watch, timeout_s or self.timeout_s, peer, rank, doing)
+        yield on_watch(watch, timeout_s or self.timeout_s, peer, rank, doing,
+                       self.comm.peer_died)
         finish(watch, peer, rank, doing)

@@ -370,12 +370,20 @@ class Wait:
 Task = Generator[Wait, None, Any]
 
 
-def on_watch(watch: Watch, timeout_s: float, peer: str, rank: int, doing: str) -> Wait:
-    """Wait for a watched message to or from ``peer`` (rank ``rank``) at most ``timeout_s``."""
-    return Wait(lambda: watch.done, time.monotonic() + timeout_s,
-                lambda: PSTimeoutError(f"{peer} did not answer within {timeout_s:g}s while "
-                                       f"{doing}: it died, hangs, or is slower than "
-                                       f"timeout_s", rank))
+def on_watch(watch: Watch, timeout_s: float, peer: str, rank: int, doing: str,
+             died: Callable[[int], str | None] | None = None) -> Wait:
+    """Wait for a watched message to or from ``peer`` (rank ``rank``) at most ``timeout_s``.
+    Past it, ``died(rank)`` (``Communicator.peer_died``) tells a dead peer from a silent
+    one: on NCCL a dead peer closes no connection, so its death shows only as silence."""
+    def expired() -> BaseException:
+        note = died(rank) if died is not None else None
+        if note is not None:
+            return PSPeerFailedError(f"{peer} failed: it {note} while {doing} (no message "
+                                     f"came within {timeout_s:g}s)", rank)
+        return PSTimeoutError(f"{peer} did not answer within {timeout_s:g}s while {doing}: "
+                              f"it died, hangs, or is slower than timeout_s", rank)
+
+    return Wait(lambda: watch.done, time.monotonic() + timeout_s, expired)
 
 
 def post(start: Callable[[], Work], peer: str, rank: int, doing: str) -> Work:
@@ -414,14 +422,16 @@ def finish(watch: Watch, peer: str, rank: int, doing: str) -> None:
 
 def drive(tasks: Sequence[Task], wakeup: threading.Event) -> list[Any]:
     """Run the conversations until all return; returns their return values in order.
-    The first error (from a conversation or a deadline) is raised; the others are closed.
-    ``wakeup`` is set by the watcher when a message completes."""
+    A deadline's error is raised inside its conversation, which may handle it (a server
+    that outlives a worker found dead when its deadline passed); the first error a
+    conversation does not handle is raised and the others are closed. ``wakeup`` is set by
+    the watcher when a message completes."""
     results: list[Any] = [None] * len(tasks)
     current: dict[int, Wait] = {}
 
-    def advance(i: int) -> None:
+    def advance(i: int, error: BaseException | None = None) -> None:
         try:
-            current[i] = next(tasks[i])
+            current[i] = next(tasks[i]) if error is None else tasks[i].throw(error)
         except StopIteration as stop:
             results[i] = stop.value
             current.pop(i, None)
@@ -438,7 +448,8 @@ def drive(tasks: Sequence[Task], wakeup: threading.Event) -> list[Any]:
                     advance(i)
                     progressed = True
                 elif now > wait.deadline:
-                    raise wait.expired() if wait.expired is not None else TimeoutError()
+                    advance(i, wait.expired() if wait.expired is not None else TimeoutError())
+                    progressed = True
             if not progressed:
                 nearest = min(w.deadline for w in current.values()) - now
                 wakeup.wait(max(0.0, min(_IDLE_CHECK_S, nearest)))
