@@ -24,6 +24,12 @@ def _pending() -> list[tuple[threading.Thread, P2PWork]]:
     return [(t, w) for t, w in list(_HELPERS.items()) if t.is_alive()]
 
 
+def polled_messages() -> int:
+    """How many polled point-to-point messages are still in flight (each with a helper
+    thread): what :func:`wait_polled_messages` would wait for."""
+    return len(_pending())
+
+
 def _warn(pending: list[tuple[threading.Thread, P2PWork]], what: str) -> None:
     limit = max(w._ctx.timeout_s for _, w in pending)
     log.warning("rank %d %s with %d polled point-to-point message(s) unfinished (%s): "

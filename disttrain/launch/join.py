@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.comm import CommConfig, Communicator, liveness
-from disttrain.comm.p2p_work import wait_polled_messages
+from disttrain.comm.p2p_work import polled_messages, wait_polled_messages
 from disttrain.launch import env as envmod
 from disttrain.launch import hooks, netif, rendezvous, threads
 
@@ -153,21 +153,27 @@ def shutdown(comm: Communicator | None = None) -> None:
 def _shutdown_at_exit() -> None:
     """A script that ends without :func:`shutdown` still frees its process groups before
     interpreter shutdown (see :func:`shutdown`); also when it destroyed the group itself,
-    since the communicators still hold it. Nothing is done on the way out of an error, in
-    a forked child, after a communicator failed (peers may be gone) or with asynchronous
-    collectives unfinished (closing would wait for them). The shutdown is bounded as a
-    failing rank's exit is (``DISTTRAIN_EXIT_TIMEOUT``), so one that hangs cannot hold the
-    exit; the bound is lifted once it is done."""
-    if hooks.is_failing() or os.getpid() != _init_pid:
+    since the communicators still hold it, and also on the way out of an error of the
+    rank's own (a ValueError in its code: its communicators are healthy, and a Gloo group
+    freed at interpreter shutdown would turn its exit status 1 into SIGABRT about one time
+    in seven). Nothing is done in a forked child, after a communicator failed (peers may be
+    gone), with asynchronous collectives unfinished (closing would wait for them) or, on
+    the way out of an error, with polled messages in flight or another backend than Gloo.
+    The shutdown is bounded as a failing rank's exit is (``DISTTRAIN_EXIT_TIMEOUT``), so
+    one that hangs cannot hold the exit; the bound is lifted once it is done (a failing
+    rank's stays)."""
+    if os.getpid() != _init_pid:
         return
+    failing = hooks.is_failing()
     comms = [c for c in (ref() for ref in _opened) if c is not None and not c.closed]
     failed = [c.rank for c in comms if c.failed]
     busy = [(c.rank, c.unfinished) for c in comms if c.unfinished]
-    if failed or busy:
-        log.warning("disttrain: exiting without disttrain.shutdown() while %s; the process "
-                    "group is left to interpreter shutdown",
-                    f"the communicator of rank {failed[0]} has failed" if failed else
-                    f"asynchronous collectives are unfinished (rank, count: {busy})")
+    if failed or busy or (failing and (polled_messages() or not _gloo_group())):
+        if not failing:
+            log.warning("disttrain: exiting without disttrain.shutdown() while %s; the "
+                        "process group is left to interpreter shutdown",
+                        f"the communicator of rank {failed[0]} has failed" if failed else
+                        f"asynchronous collectives are unfinished (rank, count: {busy})")
         return
     if not comms and not dist.is_initialized():
         return
@@ -178,6 +184,13 @@ def _shutdown_at_exit() -> None:
         log.warning("disttrain: could not shut down cleanly at exit: %s", exc)
     if bounded:  # done in time: what other exit handlers do is not ours to bound
         hooks.release_exit_bound()
+
+
+def _gloo_group() -> bool:
+    try:
+        return dist.is_initialized() and dist.get_backend() == "gloo"
+    except (RuntimeError, ValueError):  # no default group after all
+        return False
 
 
 def _check_existing(place: envmod.Placement) -> None:
