@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from disttrain.baselines import deepspeed_rows as deepspeed_baseline
 from disttrain.bench import experiments as experiments_module
 from disttrain.bench.experiments import BenchConfig, experiments, plan
 from disttrain.bench.presets import DEFAULT_PRESET, PRESETS, get_preset
@@ -13,7 +14,6 @@ from disttrain.bench.report import cells, markdown_table, text_table
 from disttrain.bench.strategy_bench import add_comparisons, train_config
 from disttrain.cli import main
 from disttrain.train import STRATEGIES
-from disttrain.train.strategies import deepspeed_baseline
 
 
 def test_the_default_config_is_the_default_preset():

@@ -138,7 +138,7 @@ def test_a_named_gpu_becomes_the_current_device_and_nccl_refuses_sharing_it(monk
 
 
 def test_torch_meshes_follow_the_module_and_refuse_a_backend_that_cannot_move_it():
-    from disttrain.train.strategies.baselines import mesh_device_type
+    from disttrain.baselines.torch_data_parallel import mesh_device_type
 
     comm = types.SimpleNamespace(transport=types.SimpleNamespace(device_type="cpu"))
     on_cpu = types.SimpleNamespace(module=nn.Linear(2, 2))

@@ -196,3 +196,11 @@ def test_the_probes_import_the_model_and_never_the_reverse() -> None:
     assert probes and all(not any(n.startswith("disttrain.probe") for n in graph[m])
                           for m in _model_modules())
     assert any(n.startswith("disttrain.simulate") for m in probes for n in graph[m])
+
+
+def test_disttrains_own_code_never_imports_the_baselines() -> None:
+    """PyTorch's and DeepSpeed's implementations live in disttrain/baselines/ for comparison;
+    the registry finds them by name (train.strategies.PLUGINS), nothing imports them."""
+    importers = sorted(m for m in MODULES if not m.startswith("disttrain.baselines")
+                       and any(n.startswith("disttrain.baselines") for n in imported_names(m)))
+    assert importers == [], importers

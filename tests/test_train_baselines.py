@@ -88,8 +88,8 @@ def test_deepspeed_pipeline_engine_matches_single(reference):
 
 
 def test_deepspeed_rows_are_refused_with_the_install_command_when_missing(monkeypatch):
+    from disttrain.baselines import deepspeed_rows as deepspeed_baseline
     from disttrain.train.loop import checked_setup
-    from disttrain.train.strategies import deepspeed_baseline
 
     monkeypatch.setattr(deepspeed_baseline, "available", lambda: False)
     with pytest.raises(ValueError, match=r"needs DeepSpeed.*pip install 'disttrain\[baselines\]'"):

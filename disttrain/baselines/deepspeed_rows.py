@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from disttrain.baselines.torch_data_parallel import empty_copy
 from disttrain.parallel.mixed_precision import accumulate, at_least_fp32
 from disttrain.train.config import TrainConfig
 from disttrain.train.strategies.base import (
@@ -44,7 +45,6 @@ from disttrain.train.strategies.base import (
     param_bytes,
     ring_all_reduce_bytes,
 )
-from disttrain.train.strategies.baselines import empty_copy
 
 INSTALL = "pip install 'disttrain[baselines]' (or pip install deepspeed)"
 BUCKET_ELEMENTS = 25 * 2**20 // 4  # torch DDP's 25 MiB of fp32
@@ -56,6 +56,11 @@ def available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("deepspeed") is not None
+
+
+def unavailable() -> str | None:
+    """Why DeepSpeed's rows cannot run here (one line), or None."""
+    return None if available() else f"DeepSpeed is not installed: {INSTALL}"
 
 
 def check_installed(config: TrainConfig, world_size: int, dp: int) -> None:

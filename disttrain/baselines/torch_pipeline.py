@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from disttrain.baselines.torch_data_parallel import native_group
 from disttrain.train.strategies.base import Autocast, Batch, BuildContext, LossFn, Strategy
-from disttrain.train.strategies.baselines import native_group
 from disttrain.train.strategies.pipeline import (
     DEFAULT_MICROBATCHES,
     activation_sizes,

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain.baselines.torch_data_parallel import mesh_device_type, native_group
 from disttrain.parallel.mixed_precision import accumulate, at_least_fp32
 from disttrain.parallel.tensor.transformer import lm_shape
 from disttrain.train.strategies.base import (
@@ -44,7 +45,6 @@ from disttrain.train.strategies.base import (
     Strategy,
     placed_like,
 )
-from disttrain.train.strategies.baselines import mesh_device_type, native_group
 from disttrain.train.strategies.tensor import ActivationProbe
 from disttrain.train.transformer import CausalSelfAttention, TransformerLM
 

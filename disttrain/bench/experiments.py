@@ -4,16 +4,13 @@ An experiment is a strategy of :data:`disttrain.train.STRATEGIES` plus how the b
 it: which transport (the baselines, PyTorch's and DeepSpeed's, always run on ``torch``: they
 call torch.distributed themselves), which collective algorithm (by default ``auto``: the
 ``shm`` algorithm on the shared-memory transport, whose bytes are counted), and which
-PyTorch and DeepSpeed implementations of the same idea it is compared with (``ddp`` against
-``torch-ddp`` and ``deepspeed-ddp``, ``zero1``/``zero2`` against ``torch-zero1`` and their
-DeepSpeed stage, ``zero3`` against ``torch-fsdp`` and ``deepspeed-zero3``, ``gpipe`` against
-``torch-gpipe``, ``tp``/``tp-sp`` against ``torch-tp``/``torch-tp-sp``).
+PyTorch and DeepSpeed implementations of the same idea it is compared with: each baseline
+says which presets it implements (``baseline_of`` in disttrain/baselines/), e.g. ``zero3``
+against ``torch-fsdp`` and ``deepspeed-zero3``.
 
 The list is read from the strategy registry at run time, so a strategy registered there is a
-row here with nothing else to do; :data:`TORCH_COUNTERPART` and
-:data:`DEEPSPEED_COUNTERPART` are the entries to add when a new disttrain strategy has an
-equivalent there. A row whose optional dependency is missing (DeepSpeed) is skipped with a
-note, not failed.
+row here with nothing else to do. A row whose optional dependency is missing (DeepSpeed) is
+skipped with a note, not failed.
 
 Parameter-server rows (``ps-sync``, ``ps-async``, ``ps-ssp``): ``-n W`` means W workers, and
 each run starts ``servers`` more ranks; ``straggler`` and ``staleness`` apply to them only.
@@ -38,13 +35,6 @@ from disttrain.train.models import TRANSFORMER_MODELS
 from disttrain.train.strategies import STRATEGIES
 
 REFERENCE = "single"
-TORCH_COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero1", "zero2": "torch-zero1",
-                     "zero3": "torch-fsdp", "gpipe": "torch-gpipe", "tp": "torch-tp",
-                     "tp-sp": "torch-tp-sp"}
-DEEPSPEED_COUNTERPART = {"ddp": "deepspeed-ddp", "zero1": "deepspeed-zero1",
-                         "zero2": "deepspeed-zero2", "zero3": "deepspeed-zero3",
-                         "1f1b": "deepspeed-pipe"}
-BASELINE_PREFIXES = ("torch-", "deepspeed-")
 # the fastest disttrain has on one machine: shared memory and its own algorithm, whose bytes
 # comm.stats counts (docs/shm_transport.md); --transport torch --algorithm ring measures the
 # classic ring over Gloo instead
@@ -72,25 +62,27 @@ class Experiment:
     unavailable: str | None = None  # why it cannot run here (a missing optional package)
 
 
+def counterparts(family: str) -> dict[str, str]:
+    """disttrain's preset → the baseline of ``family`` ("torch", "deepspeed") that
+    implements the same idea, as the baselines' registry says (``baseline_of``)."""
+    return {preset: name for name, spec in STRATEGIES.items() if spec.family == family
+            for preset in spec.baseline_of}
+
+
 def experiments() -> dict[str, Experiment]:
     """Every registered strategy as an experiment: the reference first, then torch's
     baselines, then disttrain's strategies (so a row's comparisons are known when it ends)."""
-    from disttrain.train.strategies.deepspeed_baseline import INSTALL, available
-
-    deepspeed = available()
+    torch_rows, deepspeed_rows = counterparts("torch"), counterparts("deepspeed")
     found = {}
     for name, spec in STRATEGIES.items():
         found[name] = Experiment(
             name=name, description=spec.description,
-            is_baseline=name.startswith(BASELINE_PREFIXES),
-            compare_to=TORCH_COUNTERPART.get(name) if TORCH_COUNTERPART.get(name)
-            in STRATEGIES else None,
+            is_baseline=spec.family is not None, compare_to=torch_rows.get(name),
             takes_algorithm="algorithm" in spec.options, max_world_size=spec.max_world_size,
             parameter_server=spec.layout == "ps", takes_staleness="staleness" in spec.options,
             needs_transformer=spec.layout == "mesh",
-            compare_to_deepspeed=DEEPSPEED_COUNTERPART.get(name),
-            unavailable=None if deepspeed or not name.startswith("deepspeed-") else (
-                f"DeepSpeed is not installed: {INSTALL}"))
+            compare_to_deepspeed=deepspeed_rows.get(name),
+            unavailable=spec.unavailable() if spec.unavailable is not None else None)
     order = sorted(found, key=lambda n: (n != REFERENCE, not found[n].is_baseline))
     return {name: found[name] for name in order}
 

@@ -1,29 +1,24 @@
 """Strategies: how one training step runs on a communicator. A registry of name → spec.
 
-Adding a strategy is one entry in :data:`STRATEGIES`: a builder ``(BuildContext) →
+Adding a strategy is one entry in :data:`PRESETS`: a builder ``(BuildContext) →
 Strategy``, a description, the :class:`~disttrain.train.config.ParallelOptions` fields it
 accepts, and how its ranks divide the data (its *layout*)::
 
     "single"          one process, the reference every other strategy must match
     "ddp"             disttrain.parallel.DataParallel: bucketed all-reduce over disttrain.comm
-    "torch-ddp"       torch.nn.parallel.DistributedDataParallel (baseline)
     "zero1/2/3"       disttrain.parallel.zero: sharded optimizer state / + gradients / + params
-    "torch-zero1"     torch's ZeroRedundancyOptimizer under torch's DDP (baseline)
-    "torch-fsdp"      torch's FSDP2 (fully_shard): ZeRO stage 3 as PyTorch ships it (baseline)
-    "deepspeed-ddp"   DeepSpeed's engine, ZeRO stage 0 (baseline; needs deepspeed)
-    "deepspeed-zeroS" DeepSpeed's ZeRO stage S = 1, 2, 3 (baselines; need deepspeed)
-    "deepspeed-pipe"  DeepSpeed's pipeline engine, one stage per rank (baseline)
     "model-parallel"  consecutive layers on consecutive ranks, one batch at a time
     "gpipe", "1f1b"   disttrain.parallel.pipeline with that schedule (pp × dp with pp_size)
-    "torch-gpipe"     torch.distributed.pipelining's ScheduleGPipe on the same split (baseline)
     "ps-sync"         parameter server (disttrain.parallel.parameter_server), synchronous SGD
     "ps-async"        parameter server, asynchronous SGD (updates applied on arrival)
     "ps-ssp"          parameter server, stale-synchronous: at most --staleness steps ahead
     "tp", "tp-sp"     disttrain.parallel.tensor over every rank (tp-sp: sequence parallel)
     "3d"              dp × pp × tp on one mesh (--dp, --pp, --tp; --zero 1/2 over dp)
-    "torch-tp"        torch.distributed.tensor.parallel on the same model (baseline;
-                      "torch-tp-sp" with torch's SequenceParallel)
     ("pipeline" is accepted as the strategy name: it means parallel.schedule, 1f1b by default)
+
+:data:`STRATEGIES` adds the baselines (``torch-ddp``, ``torch-fsdp``, ``deepspeed-zero2``, …:
+PyTorch's and DeepSpeed's own implementations, disttrain/baselines/) to these names; the
+baselines' package is loaded only when one of its names is asked for.
 
 Layouts: ``data`` (every rank a replica reading its own shard), ``pipeline`` (world/pp_size
 replicas of a pp_size-stage pipeline; every stage of a replica reads the same shard),
@@ -36,7 +31,8 @@ tp ranks and pp stages of one dp replica read the same shard: world / (tp · pp)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from disttrain.comm.transport import check_workload
@@ -50,18 +46,7 @@ from disttrain.train.strategies.base import (
     optimizer_class,
     optimizer_factory,
 )
-from disttrain.train.strategies.baselines import (
-    build_torch_ddp,
-    build_torch_fsdp,
-    build_torch_zero1,
-)
 from disttrain.train.strategies.data_parallel import build_ddp, build_single
-from disttrain.train.strategies.deepspeed_baseline import (
-    build_deepspeed,
-    build_deepspeed_pipe,
-    check_installed,
-    check_pipe,
-)
 from disttrain.train.strategies.mesh import check_mesh, mesh_settings, mesh_workload
 from disttrain.train.strategies.parameter_server import (
     build_parameter_server_strategy,
@@ -74,8 +59,6 @@ from disttrain.train.strategies.pipeline import (
     build_pipeline_strategy,
 )
 from disttrain.train.strategies.tensor import build_mesh_strategy
-from disttrain.train.strategies.torch_pipeline import build_torch_gpipe
-from disttrain.train.strategies.torch_tensor import build_torch_tp
 from disttrain.train.strategies.zero import build_zero1, build_zero2, build_zero3
 
 Builder = Callable[[BuildContext], Strategy]
@@ -116,6 +99,11 @@ class StrategySpec:
     # what its communication mostly is, "collectives" or "p2p" (or a function of config and
     # world size giving one); None: learned from use (the first isend/irecv says "p2p")
     workload: str | Callable[[TrainConfig, int], str | None] | None = None
+    # a baseline's (disttrain/baselines/): whose implementation it is ("torch", "deepspeed")
+    # and which of disttrain's presets it implements, for the benchmark's comparisons
+    family: str | None = None
+    baseline_of: tuple[str, ...] = ()
+    unavailable: Callable[[], str | None] | None = None  # why it cannot run here, or None
 
     def __post_init__(self) -> None:
         if isinstance(self.workload, str):
@@ -202,7 +190,7 @@ def _check_options(opts: ParallelOptions, accepted: frozenset[str], name: str) -
                          f"it applies to: {', '.join(users)}{hint}")
 
 
-def _check_pipeline(config: TrainConfig, world_size: int, dp: int) -> None:
+def check_pipeline(config: TrainConfig, world_size: int, dp: int) -> None:
     name, opts = config.strategy, config.parallel
     schedule = "gpipe" if name == "torch-gpipe" else name
     if opts.schedule is not None and opts.schedule != schedule:
@@ -260,14 +248,12 @@ def ranks_needed(config: TrainConfig, workers: int) -> int:
         workers)
 
 
-STRATEGIES: dict[str, StrategySpec] = {
+PRESETS: dict[str, StrategySpec] = {
     "single": StrategySpec(build_single, "one process, the reference", max_world_size=1,
                            needs_comm=False),
     "ddp": StrategySpec(build_ddp, "disttrain DataParallel: bucketed all-reduce overlapping "
                         "backward", TORCH_DP | {"compression", "algorithm"},
                         workload="collectives"),
-    "torch-ddp": StrategySpec(build_torch_ddp, "torch.nn.parallel.DistributedDataParallel "
-                              "(baseline)", TORCH_DP, workload="collectives"),
     "zero1": StrategySpec(build_zero1, "ZeRO stage 1: optimizer state sharded",
                           frozenset({"algorithm"}), workload="collectives"),
     "zero2": StrategySpec(build_zero2, "ZeRO stage 2: optimizer state and gradients sharded",
@@ -275,39 +261,13 @@ STRATEGIES: dict[str, StrategySpec] = {
     "zero3": StrategySpec(build_zero3, "ZeRO stage 3: optimizer state, gradients and "
                           "parameters sharded", frozenset({"algorithm"}),
                           workload="collectives"),
-    "torch-zero1": StrategySpec(build_torch_zero1, "torch ZeroRedundancyOptimizer under torch "
-                                "DDP (baseline)", TORCH_DP, loss_scaling=False,
-                                workload="collectives"),
-    "torch-fsdp": StrategySpec(build_torch_fsdp, "torch FSDP2 fully_shard per layer: ZeRO "
-                               "stage 3 (baseline)", loss_scaling=False,
-                               workload="collectives"),
-    "deepspeed-ddp": StrategySpec(build_deepspeed(0), "DeepSpeed engine, ZeRO stage 0: data "
-                                  "parallel (baseline, needs deepspeed)", check=check_installed,
-                                  loss_scaling=False, workload="collectives"),
-    "deepspeed-zero1": StrategySpec(build_deepspeed(1), "DeepSpeed ZeRO stage 1 (baseline, "
-                                    "needs deepspeed)", check=check_installed,
-                                    loss_scaling=False, workload="collectives"),
-    "deepspeed-zero2": StrategySpec(build_deepspeed(2), "DeepSpeed ZeRO stage 2 (baseline, "
-                                    "needs deepspeed)", check=check_installed,
-                                    loss_scaling=False, workload="collectives"),
-    "deepspeed-zero3": StrategySpec(build_deepspeed(3), "DeepSpeed ZeRO stage 3 (baseline, "
-                                    "needs deepspeed)", check=check_installed,
-                                    loss_scaling=False, workload="collectives"),
     "model-parallel": StrategySpec(build_model_parallel_strategy, "layers split over the "
                                    "ranks, one batch at a time", frozenset({"partition"}),
                                    layout="model"),
     "gpipe": StrategySpec(build_pipeline_strategy, "pipeline, GPipe schedule (all forwards, "
-                          "then all backwards)", PIPELINE, "pipeline", check=_check_pipeline),
+                          "then all backwards)", PIPELINE, "pipeline", check=check_pipeline),
     "1f1b": StrategySpec(build_pipeline_strategy, "pipeline, 1F1B schedule (PipeDream-Flush)",
-                         PIPELINE, "pipeline", check=_check_pipeline),
-    "torch-gpipe": StrategySpec(build_torch_gpipe, "torch.distributed.pipelining ScheduleGPipe "
-                                "on the same split (baseline)",
-                                frozenset({"schedule", "microbatches", "partition"}), "model",
-                                check=_check_pipeline, loss_scaling=False),
-    "deepspeed-pipe": StrategySpec(build_deepspeed_pipe, "DeepSpeed's pipeline engine, one "
-                                   "stage per rank (baseline, needs deepspeed)",
-                                   frozenset({"microbatches"}), "model", check=check_pipe,
-                                   loss_scaling=False, workload="p2p"),
+                         PIPELINE, "pipeline", check=check_pipeline),
     "ps-sync": StrategySpec(build_parameter_server_strategy, "parameter server, synchronous "
                             "SGD (workers + --servers ranks)", PS, "ps", check=_check_ps,
                             loss_scaling=False),
@@ -329,15 +289,46 @@ STRATEGIES: dict[str, StrategySpec] = {
     "3d": StrategySpec(build_mesh_strategy, "data × pipeline × tensor parallel on one mesh "
                        "(--dp, --pp, --tp; --zero 1/2 over dp)", MESH, "mesh",
                        check=check_mesh, workload=mesh_workload),
-    "torch-tp": StrategySpec(build_torch_tp, "torch.distributed.tensor.parallel (Colwise/"
-                             "RowwiseParallel) on the same model (baseline)",
-                             frozenset({"sequence_parallel"}), "mesh", check=check_mesh,
-                             loss_scaling=False, workload="collectives"),
-    "torch-tp-sp": StrategySpec(build_torch_tp, "torch.distributed.tensor.parallel with "
-                                "SequenceParallel (baseline)", frozenset({"sequence_parallel"}),
-                                "mesh", check=check_mesh, loss_scaling=False,
-                                workload="collectives"),
 }
+
+PLUGINS = ("disttrain.baselines",)  # packages with a registry of their own, loaded when asked
+
+
+class Registry(Mapping[str, StrategySpec]):
+    """disttrain's strategies, then the baselines' (PyTorch's and DeepSpeed's own
+    implementations, in disttrain/baselines/), found by name: the baselines' package is
+    imported the first time a name is not disttrain's or the whole registry is listed, so
+    that disttrain's own modules never import it."""
+
+    def __init__(self, own: dict[str, StrategySpec], plugins: tuple[str, ...]) -> None:
+        self._own, self._plugins = own, plugins
+        self._loaded: dict[str, StrategySpec] | None = None
+
+    def _all(self) -> dict[str, StrategySpec]:
+        if self._loaded is None:
+            merged = dict(self._own)
+            for module in self._plugins:
+                merged.update(importlib.import_module(module).BASELINES)
+            self._loaded = merged
+        return self._loaded
+
+    def __getitem__(self, name: str) -> StrategySpec:
+        if name in self._own:
+            return self._own[name]
+        return self._all()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._own or name in self._all()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+STRATEGIES: Mapping[str, StrategySpec] = Registry(PRESETS, PLUGINS)
+"""Every strategy by name: disttrain's (:data:`PRESETS`), then the baselines'."""
 
 PLANNED: dict[str, str] = {}
 """Names the benchmark issue reserves whose implementation is not in the registry yet."""
@@ -358,6 +349,7 @@ __all__ = [
     "LAYOUTS",
     "OPTION_FLAGS",
     "PLANNED",
+    "PRESETS",
     "STRATEGIES",
     "Batch",
     "BuildContext",
