@@ -1,10 +1,20 @@
-"""The device mesh: each rank's place in a data × pipeline × tensor grid, and one
-sub-communicator per dimension.
+"""The device mesh: each rank's place on a grid of named dimensions, and a sub-communicator
+per dimension (and per combination asked for).
 
-Ranks are laid out row-major with the tensor dimension innermost (Megatron-LM's and
-torchtitan's choice)::
+The dimensions, outermost first (:data:`DIMS`; the last one varies fastest)::
 
-    rank = (dp_rank · pp + pp_rank) · tp + tp_rank
+    dp_replicate   data-parallel replicas that all-reduce (DDP; hybrid sharding's copies)
+    dp_shard       data-parallel ranks that shard the model state (ZeRO; within a replica)
+    pp             pipeline stages
+    cp             context parallelism (a sequence split over ranks)
+    ep             expert parallelism (mixture-of-experts experts spread over ranks)
+    tp             tensor parallelism (innermost: on the fastest links)
+
+``dp`` names the data-parallel dimensions together (dp_replicate × dp_shard: every rank
+that reads another shard of the batch). Ranks are laid out row-major with tp innermost
+(Megatron-LM's and torchtitan's choice)::
+
+    rank = ((((dp_replicate · S + dp_shard) · PP + pp) · CP + cp) · EP + ep) · TP + tp
 
 so the ranks of one tensor-parallel group are consecutive (one node, where the links are
 fast: TP communicates on every layer, on the critical path), a pipeline's stages come next,
@@ -16,189 +26,298 @@ tp = 2 on 8 ranks::
     dp_rank 1      [ 4  5 ]  ──▶    [ 6  7 ]        ──▶ pp groups: (0, 2), (1, 3), ...
                                                     dp groups: (0, 4), (1, 5), ...
 
-With tp = 1 this is the pipeline's own order, rank r = stage r % pp of replica r // pp.
 :class:`MeshShape` is pure data (coordinates, group membership) and is tested without
 processes; :func:`build_mesh` makes the sub-communicators. ``Communicator.new_group`` is a
 collective among a group's members, so every rank walks the same list in the same order:
-every tp group, then every pp group, then every dp group. A dimension of size 1 has no
-communicator (None); one that spans every rank reuses the world communicator.
+every dimension innermost first (tp, ep, cp, pp, dp_shard, dp_replicate), then the
+combination ``dp``. A dimension of size 1 has no communicator (None); one that spans every
+rank reuses the world communicator. Adding a dimension is one word in :data:`DIMS`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from disttrain.comm import Communicator
 
-DIMS = ("dp", "pp", "tp")  # outermost first; the last one varies fastest
+DIMS = ("dp_replicate", "dp_shard", "pp", "cp", "ep", "tp")  # outermost first; tp fastest
+COMBINED = {"dp": ("dp_replicate", "dp_shard")}  # names for dimensions taken together
+Dims = str | tuple[str, ...]
 
 
-@dataclass(frozen=True)
+def _dims(dims: Dims) -> tuple[str, ...]:
+    """``dims`` as a tuple of mesh dimensions in mesh order (``"dp"`` expanded)."""
+    names = (dims,) if isinstance(dims, str) else tuple(dims)
+    out: list[str] = []
+    for name in names:
+        for dim in COMBINED.get(name, (name,)):
+            if dim not in DIMS:
+                raise ValueError(f"unknown mesh dimension {name!r}; choose one of "
+                                 f"{', '.join((*DIMS, *COMBINED))}")
+            out.append(dim)
+    return tuple(d for d in DIMS if d in out)
+
+
 class MeshCoords:
-    """One rank's coordinates in the mesh."""
+    """One rank's coordinates: ``coords["pp"]``, ``coords.pp_rank``; ``dp_rank`` is the
+    rank among the data-parallel ranks (dp_replicate × dp_shard)."""
 
-    dp_rank: int
-    pp_rank: int
-    tp_rank: int
+    def __init__(self, at: dict[str, int], shape: MeshShape) -> None:
+        self.at, self._shape = dict(at), shape
+
+    def __getitem__(self, dims: Dims) -> int:
+        """The coordinate along ``dims`` taken together (row-major in mesh order)."""
+        index = 0
+        for dim in _dims(dims):
+            index = index * self._shape.size(dim) + self.at[dim]
+        return index
+
+    def __getattr__(self, name: str) -> int:
+        if name.endswith("_rank") and name[:-5] in (*DIMS, *COMBINED):
+            return self[name[:-5]]
+        raise AttributeError(name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MeshCoords) and self.at == other.at
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.at.items()))
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{d} {v}" for d, v in self.at.items() if self._shape.size(d) > 1)
+        return f"MeshCoords({shown or 'a world of one'})"
 
 
-@dataclass(frozen=True)
 class MeshShape:
-    """How many ranks each dimension has; ``dp · pp · tp`` is the world size."""
+    """How many ranks each dimension has; their product is the world size. Built by name
+    (``MeshShape(dp=2, pp=2, tp=2)``, ``MeshShape(dp_shard=4, dp_replicate=2)``); ``dp``
+    alone means dp_replicate (the data-parallel ranks taken together, unsplit)."""
 
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
+    __slots__ = ("sizes",)
+    sizes: tuple[int, ...]  # one per DIMS entry
 
-    def __post_init__(self) -> None:
-        for dim in DIMS:
-            value = getattr(self, dim)
+    def __init__(self, dp: int | None = None, pp: int = 1, tp: int = 1, **sizes: int) -> None:
+        unknown = sorted(set(sizes) - set(DIMS))
+        if unknown:
+            raise ValueError(f"unknown mesh dimension(s) {unknown}; choose from "
+                             f"{', '.join(DIMS)}")
+        given = {"pp": pp, "tp": tp, **sizes}
+        if dp is not None:
+            if "dp_replicate" in sizes:
+                raise ValueError("give dp or dp_replicate (× dp_shard), not both")
+            given["dp_replicate"] = dp
+        for dim, value in given.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"mesh size {dim}={value!r} must be an int ≥ 1 (--{dim})")
+                flag = "dp" if dim == "dp_replicate" and dp is not None else dim
+                raise ValueError(f"mesh size {flag}={value!r} must be an int ≥ 1 "
+                                 f"(--{flag.replace('_', '-')})")
+        object.__setattr__(self, "sizes", tuple(given.get(d, 1) for d in DIMS))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("MeshShape is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MeshShape) and self.sizes == other.sizes
+
+    def __hash__(self) -> int:
+        return hash(self.sizes)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{d}={n}" for d, n in zip(DIMS, self.sizes) if n > 1)
+        return f"MeshShape({shown})"
 
     @classmethod
     def infer(cls, world_size: int, dp: int | None = None, pp: int | None = None,
-              tp: int | None = None) -> MeshShape:
-        """The shape for ``world_size`` ranks: missing sizes are 1 for pp and tp, and dp
-        takes the rest (Megatron's rule); raises with the fix when they do not multiply to
-        the world size."""
-        pp_, tp_ = 1 if pp is None else pp, 1 if tp is None else tp
-        for name, value in (("pp", pp_), ("tp", tp_), ("dp", 1 if dp is None else dp)):
+              tp: int | None = None, **sizes: int | None) -> MeshShape:
+        """The shape for ``world_size`` ranks: missing sizes are 1, and dp takes the rest
+        (Megatron's rule); raises with the fix when they do not multiply to the world
+        size."""
+        fixed = {"pp": 1 if pp is None else pp, "tp": 1 if tp is None else tp,
+                 **{k: 1 if v is None else v for k, v in sizes.items()}}
+        for name, value in (*fixed.items(), ("dp", 1 if dp is None else dp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name} must be an int ≥ 1, got {value!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be an int ≥ 1, got "
+                                 f"{value!r}")
+        product = 1
+        for value in fixed.values():
+            product *= value
+        named = " × ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items()
+                           if v > 1 or k in ("pp", "tp"))
         if dp is None:
-            if world_size % (pp_ * tp_):
-                raise ValueError(f"--tp {tp_} × --pp {pp_} = {tp_ * pp_} does not divide the "
-                                 f"world size {world_size}; choose sizes whose product "
-                                 f"divides it (dp takes the rest)")
-            dp = world_size // (pp_ * tp_)
-        if dp * pp_ * tp_ != world_size:
-            raise ValueError(f"--dp {dp} × --pp {pp_} × --tp {tp_} = {dp * pp_ * tp_} ranks, "
-                             f"but the world has {world_size}; make the product equal the "
-                             f"world size (or leave --dp out to infer it)")
-        return cls(dp, pp_, tp_)
+            if world_size % product:
+                raise ValueError(f"{named} = {product} does not divide the world size "
+                                 f"{world_size}; choose sizes whose product divides it (dp "
+                                 f"takes the rest)")
+            dp = world_size // product
+        if dp * product != world_size:
+            raise ValueError(f"--dp {dp} × {named} = {dp * product} ranks, but the world has "
+                             f"{world_size}; make the product equal the world size (or "
+                             f"leave --dp out to infer it)")
+        return cls(dp, **fixed)  # type: ignore[arg-type]
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return math.prod(self.sizes)
 
-    def size(self, dim: str) -> int:
-        if dim not in DIMS:
-            raise ValueError(f"unknown mesh dimension {dim!r}; choose one of {', '.join(DIMS)}")
-        return int(getattr(self, dim))
+    def size(self, dims: Dims) -> int:
+        """How many ranks ``dims`` have together (``"dp"``: dp_replicate × dp_shard)."""
+        return math.prod(self.sizes[DIMS.index(d)] for d in _dims(dims))
+
+    @property
+    def dp(self) -> int:
+        return self.size("dp")
+
+    @property
+    def pp(self) -> int:
+        return self.size("pp")
+
+    @property
+    def tp(self) -> int:
+        return self.size("tp")
 
     def coords(self, rank: int) -> MeshCoords:
-        """``rank``'s (dp_rank, pp_rank, tp_rank)."""
+        """``rank``'s coordinate along every dimension."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not in 0..{self.world_size - 1}")
-        rest, tp_rank = divmod(rank, self.tp)
-        dp_rank, pp_rank = divmod(rest, self.pp)
-        return MeshCoords(dp_rank, pp_rank, tp_rank)
+        at: dict[str, int] = {}
+        for dim, size in reversed(list(zip(DIMS, self.sizes))):
+            rank, at[dim] = divmod(rank, size)
+        return MeshCoords({d: at[d] for d in DIMS}, self)
+
+    def rank_at(self, at: dict[str, int]) -> int:
+        """The rank whose coordinates are ``at`` (every dimension; missing ones: 0)."""
+        rank = 0
+        for dim, size in zip(DIMS, self.sizes):
+            value = at.get(dim, 0)
+            if not 0 <= value < size:
+                raise ValueError(f"{dim}_rank={value} is not in 0..{size - 1}")
+            rank = rank * size + value
+        return rank
 
     def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        for name, value, size in (("dp_rank", dp_rank, self.dp), ("pp_rank", pp_rank, self.pp),
-                                  ("tp_rank", tp_rank, self.tp)):
-            if not 0 <= value < size:
-                raise ValueError(f"{name}={value} is not in 0..{size - 1}")
-        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+        """The rank at (dp, pp, tp) on a mesh without cp and ep."""
+        shard = self.size("dp_shard")
+        if not 0 <= dp_rank < self.dp:
+            raise ValueError(f"dp_rank={dp_rank} is not in 0..{self.dp - 1}")
+        return self.rank_at({"dp_replicate": dp_rank // shard, "dp_shard": dp_rank % shard,
+                             "pp": pp_rank, "tp": tp_rank})
 
-    def groups(self, dim: str) -> list[tuple[int, ...]]:
-        """Every group of dimension ``dim``: the ranks that differ only in that coordinate,
-        ordered by it (so group rank i has coordinate i), groups in increasing rank order."""
-        size = self.size(dim)
+    def groups(self, dims: Dims) -> list[tuple[int, ...]]:
+        """Every group along ``dims``: the ranks that differ only in those coordinates,
+        ordered by their coordinate along ``dims`` taken together (group rank i has
+        coordinate i), groups in increasing rank order."""
+        along = _dims(dims)
         seen: dict[tuple[int, ...], None] = {}
         for rank in range(self.world_size):
-            c = self.coords(rank)
-            members = []
-            for i in range(size):
-                at = {"dp_rank": c.dp_rank, "pp_rank": c.pp_rank, "tp_rank": c.tp_rank}
-                at[f"{dim}_rank"] = i
-                members.append(self.rank_of(**at))
-            seen.setdefault(tuple(members), None)
+            seen.setdefault(self._group(rank, along), None)
         return list(seen)
 
-    def group_of(self, rank: int, dim: str) -> tuple[int, ...]:
-        """The ranks of ``rank``'s group along ``dim``."""
-        return next(g for g in self.groups(dim) if rank in g)
+    def _group(self, rank: int, along: tuple[str, ...]) -> tuple[int, ...]:
+        base = self.coords(rank).at
+        members = [base]
+        for dim in along:  # row-major over the dimensions taken, in mesh order
+            members = [{**m, dim: i} for m in members for i in range(self.size(dim))]
+        return tuple(self.rank_at(m) for m in members)
+
+    def group_of(self, rank: int, dims: Dims) -> tuple[int, ...]:
+        """The ranks of ``rank``'s group along ``dims``."""
+        return self._group(rank, _dims(dims))
 
 
 @dataclass(frozen=True)
 class DeviceMesh:
-    """This rank's view of the mesh: its coordinates and its sub-communicators (None for a
-    dimension of size 1)."""
+    """This rank's view of the mesh: its coordinates and its sub-communicators by
+    dimension (None for a size of 1): ``mesh.group("pp")``, ``mesh.group("dp")`` (the data-
+    parallel ranks together), ``mesh.tp``, ``mesh.dp_rank``, ``mesh.size("cp")``."""
 
     shape: MeshShape
     rank: int
     world: Communicator
-    dp: Communicator | None
-    pp: Communicator | None
-    tp: Communicator | None
+    subs: dict[tuple[str, ...], Communicator | None]
+
+    def group(self, dims: Dims) -> Communicator | None:
+        """The sub-communicator along ``dims`` (made by :func:`build_mesh` for every
+        dimension and for ``dp``; others with :meth:`make_group`)."""
+        key = _dims(dims)
+        if key not in self.subs:
+            raise ValueError(f"no group along {key} was made; call mesh.make_group({key}) "
+                             f"on every rank first")
+        return self.subs[key]
+
+    def make_group(self, dims: Dims) -> Communicator | None:
+        """Make (collectively: every rank, in the same order) the group along ``dims``."""
+        key = _dims(dims)
+        if key not in self.subs:
+            self.subs[key] = _make(self.world, self.shape, key)
+        return self.subs[key]
 
     @property
     def coords(self) -> MeshCoords:
         return self.shape.coords(self.rank)
 
-    @property
-    def dp_rank(self) -> int:
-        return self.coords.dp_rank
+    def size(self, dims: Dims) -> int:
+        return self.shape.size(dims)
 
-    @property
-    def pp_rank(self) -> int:
-        return self.coords.pp_rank
+    def coord(self, dims: Dims) -> int:
+        """This rank's coordinate along ``dims`` taken together."""
+        return self.coords[dims]
 
-    @property
-    def tp_rank(self) -> int:
-        return self.coords.tp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.shape.dp
-
-    @property
-    def pp_size(self) -> int:
-        return self.shape.pp
-
-    @property
-    def tp_size(self) -> int:
-        return self.shape.tp
+    def __getattr__(self, name: str) -> Any:
+        if name.endswith("_rank") and name[:-5] in (*DIMS, *COMBINED):
+            return self.coord(name[:-5])
+        if name.endswith("_size") and name[:-5] in (*DIMS, *COMBINED):
+            return self.size(name[:-5])
+        if name in (*DIMS, *COMBINED):
+            return self.group(name)
+        raise AttributeError(name)
 
     def communicators(self) -> list[Communicator]:
         """The world and every sub-communicator, each once (their traffic adds up)."""
-        unique: dict[int, Communicator] = {}
-        for c in (self.world, self.tp, self.pp, self.dp):
+        unique: dict[int, Communicator] = {id(self.world): self.world}
+        for c in self.subs.values():
             if c is not None:
                 unique.setdefault(id(c), c)
         return list(unique.values())
 
     def __repr__(self) -> str:
-        c = self.coords
-        return (f"DeviceMesh(rank={self.rank}, dp={self.dp_size}, pp={self.pp_size}, "
-                f"tp={self.tp_size}, coords=(dp {c.dp_rank}, pp {c.pp_rank}, tp {c.tp_rank}))")
+        return f"DeviceMesh(rank={self.rank}, {self.shape!r}, {self.coords!r})"
+
+
+def _make(comm: Communicator, shape: MeshShape, dims: tuple[str, ...]) -> Communicator | None:
+    """This rank's communicator along ``dims`` (collective over ``comm``)."""
+    size = shape.size(dims)
+    if size == 1:
+        return None
+    if size == comm.world_size:
+        return comm
+    mine: Communicator | None = None
+    for members in shape.groups(dims):
+        group = comm.new_group(list(members))
+        mine = group if group is not None else mine
+    return mine
 
 
 def build_mesh(comm: Communicator, shape: MeshShape) -> DeviceMesh:
     """Split ``comm``'s ranks into the mesh ``shape``. Collective: every rank calls it with
     the same shape (checked first: groups built from different shapes would hang)."""
     if shape.world_size != comm.world_size:
-        raise ValueError(f"mesh dp {shape.dp} × pp {shape.pp} × tp {shape.tp} = "
-                         f"{shape.world_size} ranks, but the communicator has "
-                         f"{comm.world_size}; make the product equal the world size")
-    check_agreement(comm, [shape.dp, shape.pp, shape.tp], "the mesh shape (dp, pp, tp)")
-    subs: dict[str, Communicator | None] = {}
-    for dim in ("tp", "pp", "dp"):  # the creation order every rank follows
-        size = shape.size(dim)
-        mine: Communicator | None = None
-        if size == comm.world_size and size > 1:
-            mine = comm
-        elif size > 1:
-            for members in shape.groups(dim):
-                group = comm.new_group(list(members))
-                mine = group if group is not None else mine
-        subs[dim] = mine
-    return DeviceMesh(shape, comm.rank, comm, subs["dp"], subs["pp"], subs["tp"])
+        product = " × ".join(f"{d} {n}" for d, n in zip(DIMS, shape.sizes) if n > 1) or "1"
+        raise ValueError(f"mesh {product} = {shape.world_size} ranks, but the communicator "
+                         f"has {comm.world_size}; make the product equal the world size")
+    check_agreement(comm, list(shape.sizes), f"the mesh shape ({', '.join(DIMS)})")
+    subs: dict[tuple[str, ...], Communicator | None] = {}
+    for dim in reversed(DIMS):  # the creation order every rank follows: innermost first
+        subs[(dim,)] = _make(comm, shape, (dim,))
+    dp = _dims("dp")
+    split = [d for d in dp if shape.size(d) > 1]
+    subs[dp] = (_make(comm, shape, dp) if len(split) == 2 else  # both: a group of its own
+                subs[(split[0],)] if split else None)  # else the one that is there, or none
+    return DeviceMesh(shape, comm.rank, comm, subs)
 
 
 def check_agreement(comm: Communicator, values: Sequence[int], what: str, *,
