@@ -165,35 +165,3 @@ def test_stage3_units_default_custom_and_tied():
     with pytest.raises(ValueError, match="tied weights"):
         assign_units(tied, trainable(tied), None)
     assign_units(tied, trainable(tied), [tied])  # one unit holding both users is fine
-
-
-def test_buckets_launch_in_bucket_order_whatever_order_they_become_ready():
-    from disttrain.parallel.zero.stage2 import InOrderLauncher
-
-    launched: list[int] = []
-    launcher = InOrderLauncher(4, launched.append)
-    for index in (2, 1, 3):
-        launcher.mark_ready(index)
-    assert launched == [] and not launcher.launched(0)  # nothing may go before bucket 0
-    launcher.mark_ready(0)
-    assert launched == [0, 1, 2, 3] and launcher.launched(3)
-    launcher.finish()  # end of backward: nothing left, start over
-    assert launched == [0, 1, 2, 3] and not launcher.launched(0)
-
-
-def test_end_of_backward_launches_the_rest_in_order_once():
-    """A bucket that never completes (a parameter without gradient on this rank) holds
-    back its successors; the end of backward launches them all, in order, exactly once,
-    and the next backward starts over (gradient accumulation)."""
-    from disttrain.parallel.zero.stage2 import InOrderLauncher
-
-    launched: list[int] = []
-    launcher = InOrderLauncher(4, launched.append)
-    for index in (0, 2, 3):  # bucket 1 is incomplete here
-        launcher.mark_ready(index)
-    assert launched == [0]
-    launcher.finish()
-    assert launched == [0, 1, 2, 3]
-    launcher.mark_ready(1)  # the next backward: bucket 0 first again
-    launcher.finish()
-    assert launched == [0, 1, 2, 3, 0, 1, 2, 3]

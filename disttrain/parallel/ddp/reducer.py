@@ -11,9 +11,10 @@ One synced backward, on every rank::
                              unused parameters: error, or zero-fill + launch
                              wait for every bucket, in order ─▶ .grad = the mean over ranks
 
-Buckets are launched strictly in bucket-index order (bucket i only after buckets < i): the
-Communicator runs collectives in call order, so every rank must issue them in the same
-order even when hooks fire in a rank-dependent order. After the first synced backward each
+Buckets are launched strictly in bucket-index order (bucket i only after buckets < i), and
+the end of backward is a callback queued by the first hook: both come from
+:mod:`disttrain.parallel.backward`, which says why every rank must issue its collectives in
+one order even when hooks fire in a rank-dependent order. After the first synced backward each
 ``param.grad`` *is* a view into its bucket, so later steps accumulate in place and need no
 copy (unless the optimizer's ``zero_grad`` sets grads to ``None``, the torch default: then
 the first hook of each step copies the fresh gradient into the bucket and re-points
@@ -33,6 +34,7 @@ import torch
 from disttrain.comm import Communicator
 from disttrain.comm.transports import ShmUnavailableError
 from disttrain.comm.work import CompletedWork
+from disttrain.parallel.backward import EndOfBackward, InOrderLauncher
 from disttrain.parallel.ddp.buckets import Bucket, Zeros, build_buckets, plain_zeros
 from disttrain.parallel.ddp.compression import Compressor, NoCompression, PendingReduction
 
@@ -102,10 +104,10 @@ class GradReducer:
                 self._slots[i] = (bucket.index, view)
         self._sizes = [len(b.param_indices) for b in self.buckets]
         self._armed = False
-        self._callback_queued = False
         self._ready = bytearray(len(self.params))
         self._remaining = list(self._sizes)
-        self._next = 0  # the next bucket to launch
+        self._launcher = InOrderLauncher(len(self.buckets), self._launch)
+        self._end = EndOfBackward(self._finalize)
         self._pending: list[PendingReduction] = []
         self.timing = SyncTiming()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
@@ -116,9 +118,9 @@ class GradReducer:
         """Expect one synced backward: called by the forward pass outside ``no_sync``."""
         self._ready = bytearray(len(self.params))
         self._remaining = list(self._sizes)
-        self._next = 0
+        self._launcher.reset()
+        self._end.reset()
         self._pending = []
-        self._callback_queued = False
         self._armed = True
         self.timing = SyncTiming(armed_at=time.time())
 
@@ -128,7 +130,7 @@ class GradReducer:
     @property
     def launched(self) -> int:
         """How many buckets of the current (or last) backward have been launched."""
-        return self._next
+        return len(self.timing.launched_at)
 
     def _hook_for(self, index: int):  # type: ignore[no-untyped-def]
         def hook(param: torch.Tensor) -> None:
@@ -137,9 +139,7 @@ class GradReducer:
         return hook
 
     def _mark_ready(self, index: int, param: torch.Tensor) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        self._end.arm()
         if self._ready[index]:
             raise RuntimeError(
                 f"DataParallel: parameter {self.names[index]!r} received a gradient twice in "
@@ -154,16 +154,12 @@ class GradReducer:
             view.copy_(grad)
             param.grad = view
         self._remaining[bucket_index] -= 1
-        if self._remaining[bucket_index] == 0 and bucket_index == self._next:
-            self._launch_ready()
+        if self._remaining[bucket_index] == 0:
+            self._launcher.mark_ready(bucket_index)  # launched once the ones before it are
 
-    def _launch_ready(self) -> None:
-        """Launch every ready bucket not yet launched, in index order, stopping at a gap."""
-        while self._next < len(self.buckets) and self._remaining[self._next] == 0:
-            bucket = self.buckets[self._next]
-            self._pending.append(self._start(bucket))
-            self.timing.launched_at.append(time.time())
-            self._next += 1
+    def _launch(self, index: int) -> None:
+        self._pending.append(self._start(self.buckets[index]))
+        self.timing.launched_at.append(time.time())
 
     def _start(self, bucket: Bucket) -> PendingReduction:
         """Launch one bucket. The last one of a plain (uncompressed) all-reduce is a
@@ -181,12 +177,12 @@ class GradReducer:
         """Runs once at the end of a synced backward (autograd's queued callback)."""
         self._armed = False
         self.timing.backward_end = time.time()
-        all_launched = self._next == len(self.buckets)  # then every parameter was ready
+        all_launched = self._launcher.all_launched  # then every parameter was ready
         unused = [] if all_launched else [i for i, ok in enumerate(self._ready) if not ok]
         had_no_grad = [i for i in unused if self.params[i].grad is None]
         for i in unused:  # zero-fill so the buckets complete and every rank issues the same
             self._fill_unused(i)
-        self._launch_ready()
+        self._launcher.finish()  # every bucket is complete now: launch the rest, in order
         used_map = self._launch_used_map(had_no_grad) if self.find_unused_parameters else None
         for pending in self._pending:
             pending.wait()

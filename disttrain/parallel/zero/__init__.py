@@ -13,8 +13,9 @@ module):
   interface, the pure shard map of the flattened parameters (and how N shards map onto M),
   and the flat buffers whose views are the parameters;
 * :mod:`.stage1`: optimizer state sharded; gradients all-reduced by reduce-scatter at step;
-* :mod:`.stage2`: gradients sharded too, reduce-scattered bucket by bucket during backward,
-  with the rank-independent reduction order stage 3 reuses;
+* :mod:`.stage2`: gradients sharded too, reduce-scattered bucket by bucket during backward
+  (in one order on every rank: :mod:`disttrain.parallel.backward`, shared with DDP), with
+  the staged reductions stage 3 reuses;
 * :mod:`.stage3`: parameters sharded too, each unit gathered just before it runs;
 * :mod:`.checkpoint`: sharded checkpoints that resume on any world size and any stage;
 * :mod:`.memory`: model-state bytes per rank, measured and by the paper's formula (pure

@@ -15,9 +15,10 @@ Buckets are launched in bucket order on every rank (a bucket that is ready early
 the ones before it), so collectives match across ranks whatever order hooks fire in. A
 bucket still incomplete when backward ends (a parameter without gradient on this rank) is
 launched by the end-of-backward callback, in bucket order, with zeros for the missing
-gradients (:class:`Reductions`, below): every rank reduces every bucket
-exactly once per backward, so micro-batches accumulate without ``no_sync``. Each rank
-keeps only its gradient shards (GΨ/N): 2Ψ + (2 + K)Ψ/N bytes with bf16 and Adam.
+gradients (both rules: :mod:`disttrain.parallel.backward`; the reductions:
+:class:`Reductions`, below): every rank reduces every bucket exactly once per backward, so
+micro-batches accumulate without ``no_sync``. Each rank keeps only its gradient shards
+(GΨ/N): 2Ψ + (2 + K)Ψ/N bytes with bf16 and Adam.
 Communication is stage 1's: (N−1)/N·Ψ reduce-scatter + (N−1)/N·Ψ all-gather.
 """
 
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator, Work
+from disttrain.parallel.backward import EndOfBackward, InOrderLauncher
 from disttrain.parallel.zero.memory import optimizer_tensors
 from disttrain.parallel.zero.sharding import (
     OptimizerFactory,
@@ -218,81 +220,9 @@ class ZeRO2:
 
 
 # ----------------------------------------------------------------------
-# Backward-pass plumbing shared by stages 2 and 3: rank-independent reduction order.
-#
-# The communicator pairs collectives across ranks by call order, so during backward every
-# rank must issue the same reductions in the same order, even when a parameter gets a
-# gradient on some ranks only (a branch or gate used by some ranks). Two rules give that:
-#
-# * which gradients a rank has never changes its sequence of collectives, and a missing
-#   gradient counts as zeros. Stage 2 launches buckets in a fixed order (one complete early
-#   waits for its predecessors): the *moment* of a launch depends on the rank, which is
-#   harmless because stage 2 issues no other collective during backward. Stage 3 also
-#   all-gathers during backward, so a reduction's moment must be rank-independent too: it
-#   launches a unit at a point of the autograd graph (its inputs' gradient is complete);
-# * one callback runs at the end of every backward (queued on autograd's engine by the
-#   first hook that fires, as torch DDP does) and launches, in a fixed order, every group
-#   not launched yet, so every rank issues one reduction per group per backward::
-#
-#       backward ─▶ hooks: launch in order what is ready ─▶ end of backward (callback):
-#                   launch the rest in order, zeros for missing gradients ─▶ reset
-
-class EndOfBackward:
-    """Runs ``callback`` once at the end of each backward in which :meth:`arm` was called."""
-
-    def __init__(self, callback: Callable[[], None]) -> None:
-        self._callback = callback
-        self.armed = False
-
-    def arm(self) -> None:
-        """Call from any hook that fires during backward; the first call queues the callback
-        on the running backward (the autograd engine runs it after the last node)."""
-        if not self.armed:
-            self.armed = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._run)
-
-    def _run(self) -> None:
-        self.armed = False  # first: the next backward must arm again even if this raises
-        self._callback()
-
-    def reset(self) -> None:
-        """Forget a callback that will never run (its backward raised)."""
-        self.armed = False
-
-
-class InOrderLauncher:
-    """Launch items 0, 1, …, n−1 in that order as they become ready, within one backward.
-
-    An item that is ready before its predecessors waits for them, so the order of launches
-    is the same on every rank even if readiness is observed in different orders.
-    :meth:`finish` (at the end of backward) launches whatever is left, still in order, and
-    starts over for the next backward: every item is launched exactly once per backward.
-    """
-
-    def __init__(self, count: int, launch: Callable[[int], None]) -> None:
-        self._ready = [False] * count
-        self._launch = launch
-        self.next = 0  # items < next were launched in this backward
-
-    def launched(self, index: int) -> bool:
-        return index < self.next
-
-    def mark_ready(self, index: int) -> None:
-        self._ready[index] = True
-        while self.next < len(self._ready) and self._ready[self.next]:
-            self.next += 1  # first: a launch that raises must not be retried
-            self._launch(self.next - 1)
-
-    def finish(self) -> None:
-        """Launch every item not launched yet, in order; then start over."""
-        while self.next < len(self._ready):
-            self.next += 1
-            self._launch(self.next - 1)
-        self.reset()
-
-    def reset(self) -> None:
-        self._ready = [False] * len(self._ready)
-        self.next = 0
+# What stages 2 and 3 share besides the launch order (:mod:`disttrain.parallel.backward`):
+# a reduction moves a group's gradients to a staging buffer and reduce-scatters it
+# asynchronously, at most ``inflight_buckets`` at once.
 
 
 def stage_grads(params: Sequence[nn.Parameter], layout: ShardLayout, dtype: torch.dtype,

@@ -19,7 +19,7 @@ parameter has a gradient on some ranks only (it counts as zeros where it has non
 Waiting for all of a unit's parameter gradients instead would make the point of the
 reduction depend on the rank. Units whose inputs need no gradient (the first layer) are
 reduced by the end-of-backward callback, last, in reverse unit order
-(:mod:`~disttrain.parallel.zero.stage2`).
+(:mod:`disttrain.parallel.backward` explains both rules).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator, Work
+from disttrain.parallel.backward import EndOfBackward
 from disttrain.parallel.zero.memory import optimizer_tensors
 from disttrain.parallel.zero.sharding import (
     OptimizerFactory,
@@ -49,7 +50,7 @@ from disttrain.parallel.zero.sharding import (
     to_dtype,
     trainable,
 )
-from disttrain.parallel.zero.stage2 import EndOfBackward, Reductions, stage_grads
+from disttrain.parallel.zero.stage2 import Reductions, stage_grads
 
 log = logging.getLogger(__name__)
 
