@@ -22,7 +22,8 @@ The package, in reading order:
 * :mod:`.buckets`: which parameters share a flat gradient buffer (a pure plan, reverse
   registration order, small first bucket), and the :class:`Bucket` that owns the buffer;
 * :mod:`.reducer`: the autograd hooks that fill buckets during backward and launch their
-  all-reduce in bucket order, overlapped with the rest of backward;
+  all-reduce in bucket order, overlapped with the rest of backward (the order and the end of
+  backward come from :mod:`disttrain.parallel.backward`, shared with ZeRO);
 * :mod:`.compression`: how one bucket is averaged over ranks (plain, fp16/bf16, top-k,
   PowerSGD), one interface in the shape of torch's DDP communication hooks.
 """
