@@ -22,15 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent / "disttrain"
 KNOWN_CIRCLES: set[tuple[str, str]] = set()  # none left
 
 # What the simulator's model (disttrain/simulate/ but its command line, cli.py) may import
-# from the rest of disttrain: the calibrated cost model, and the engines' own pure plans
-# (buckets, stage cuts, schedules as data, ZeRO's memory formula, tensor parallelism's
-# sizes), so that it simulates exactly what the engines run. Nothing that starts processes
+# from the rest of disttrain: the calibrated cost model, the presets (names as degrees and
+# options), and the engines' own pure plans (buckets, stage cuts, schedules as data, ZeRO's
+# memory formula, tensor parallelism's sizes), so that it simulates exactly what the engines run. Nothing that starts processes
 # or measures: no bench/, train/, launch/ or probe/, no other part of parallel/ or comm/.
 MODEL_MAY_IMPORT = {
     "disttrain.comm.cost_model",
     "disttrain.parallel.ddp.buckets",
     "disttrain.parallel.pipeline.partition",
     "disttrain.parallel.pipeline.schedules",
+    "disttrain.parallel.presets",
     "disttrain.parallel.tensor.theory",
     "disttrain.parallel.zero.memory",
 }

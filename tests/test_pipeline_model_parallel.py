@@ -76,4 +76,4 @@ def test_model_parallel_eval_failure_reaches_the_other_rank(pools):
     assert first.startswith("RuntimeError") and "(4x5 and 6x16)" in first
     assert second.startswith("StageFailedError") and "stage 0 (rank 0) failed" in second
     for again in (first_again, second_again):
-        assert again.startswith("PipelineError: this model-parallel module failed earlier")
+        assert again.startswith("PipelineError: this pipeline failed in an earlier step")

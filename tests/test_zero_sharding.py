@@ -112,7 +112,7 @@ def test_formula_matches_the_paper():
     fp32 = dict(param_bytes=4, grad_bytes=4, optimizer_bytes=8)
     assert formula("zero1", psi, n, **fp32).total == 8 * psi + 8 * psi // n
     assert formula("zero2", psi, n, **fp32).total == 4 * psi + 12 * psi // n
-    with pytest.raises(ValueError, match="strategy"):
+    with pytest.raises(ValueError, match="stage must be 0-3"):
         formula("zero4", psi, n, **fp32)
 
 

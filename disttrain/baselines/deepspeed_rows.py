@@ -124,7 +124,7 @@ class DeepSpeedStrategy(Strategy):
             engine, ds_optimizer = self._initialize(deepspeed, ctx, optimizer, micro, stage)
         super().__init__(ctx.module, None, comm, engine)
         self.engine, self.ds_optimizer, self.stage = engine, ds_optimizer, stage
-        self.memory_formula = "ddp" if stage == 0 else f"zero{stage}"
+        self.zero_stage = stage
         self.collective_eval = stage == 3  # forward gathers the partitioned parameters
         p = comm.world_size
         self.theory_bytes_per_step = (ring_all_reduce_bytes(p, psi) if stage < 3

@@ -114,7 +114,7 @@ class TorchZeroStrategy(TorchDDPStrategy):
         p, psi = group.size(), param_bytes(ctx.module)
         self.theory_bytes_per_step = ring_all_reduce_bytes(p, psi) + (p - 1) / p * psi
 
-    memory_formula = "zero1"
+    zero_stage = 1
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The module's parameters and gradients, and the local optimizer over the
@@ -160,7 +160,7 @@ class TorchFSDPStrategy(Strategy):
     (two gathers, one reduce-scatter; FSDP pads each parameter to a multiple of p)."""
 
     counts_bytes = False
-    memory_formula = "zero3"
+    zero_stage = 3
     collective_eval = True  # forward gathers every unit
 
     def __init__(self, ctx: BuildContext) -> None:

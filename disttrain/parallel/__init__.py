@@ -37,7 +37,7 @@ from disttrain.parallel.pipeline import (
     one_f_one_b,
     simulate,
 )
-from disttrain.parallel.pipeline.model_parallel import ModelParallel, build_model_parallel
+from disttrain.parallel.pipeline.model_parallel import build_model_parallel
 from disttrain.parallel.zero import STAGES as ZERO_STAGES
 from disttrain.parallel.zero import ZeRO1, ZeRO2, ZeRO3, ZeroConfig
 
@@ -55,7 +55,6 @@ __all__ = [
     "LossScalerConfig",
     "MeshCoords",
     "MeshShape",
-    "ModelParallel",
     "NoCompression",
     "OverlapReport",
     "PSConfig",
@@ -85,3 +84,11 @@ __all__ = [
     "run_parameter_server",
     "simulate",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "ModelParallel":  # deprecated: the pipeline engine with one micro-batch
+        from disttrain.parallel.pipeline import model_parallel
+
+        return getattr(model_parallel, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -128,13 +128,22 @@ def _result(case: Case, name: str, sim: Simulation, states: float, extra_memory:
                        "events": len(sim)})
 
 
-def _states(case: Case, strategy: str) -> float:
+def _states(case: Case, stage: int) -> float:
     wl = case.workload
-    return memory.model_states(strategy, case.profile.params, case.workers, wl.element_bytes,
+    return memory.model_states(stage, case.profile.params, case.workers, wl.element_bytes,
                                wl.k_bytes).total
 
 
-def simulate_ddp(case: Case) -> StepResult:
+def simulate_data_parallel(case: Case, name: str, zero: int) -> StepResult:
+    """The data-parallel step of preset ``name``: DDP (``zero`` 0) or ZeRO stage 1-3."""
+    if zero == 0:
+        return simulate_ddp(case, name)
+    if zero == 3:
+        return simulate_zero3(case, name)
+    return simulate_zero12(case, zero, name)
+
+
+def simulate_ddp(case: Case, name: str = "ddp") -> StepResult:
     factor = case.workload.speeds.slowest(case.workers)
     batch = case.global_batch / case.workers
     sim = case.simulation()
@@ -143,11 +152,10 @@ def simulate_ddp(case: Case) -> StepResult:
     reduces, sent, algorithms = _bucketed(sim, case, "all_reduce", bwd)
     opt_s = case.optimizer(case.profile.params, case.profile.tensors)
     sim.add("opt", "compute", opt_s, tuple(reduces), "optimizer")
-    return _result(case, "ddp", sim, _states(case, "ddp"), 0.0, sent, algorithms, factor,
-                   opt_s)
+    return _result(case, name, sim, _states(case, 0), 0.0, sent, algorithms, factor, opt_s)
 
 
-def simulate_zero12(case: Case, stage: int) -> StepResult:
+def simulate_zero12(case: Case, stage: int, name: str | None = None) -> StepResult:
     factor = case.workload.speeds.slowest(case.workers)
     batch = case.global_batch / case.workers
     group = case.group(case.workers)
@@ -171,11 +179,11 @@ def simulate_zero12(case: Case, stage: int) -> StepResult:
     work = case.overheads.zero_s.get(stage, 0.0)  # flatten, shard, copy back (measured)
     if work:
         sim.add("zero-work", "compute", work, (ag,), "overhead")
-    return _result(case, f"zero{stage}", sim, _states(case, f"zero{stage}"), 0.0,
+    return _result(case, name or f"zero{stage}", sim, _states(case, stage), 0.0,
                    sent + ag_bytes, algorithms | {algorithm}, factor, opt_s)
 
 
-def simulate_zero3(case: Case) -> StepResult:
+def simulate_zero3(case: Case, name: str | None = None) -> StepResult:
     """Per unit (a layer with parameters; the wrapper has none for the others): gathered
     before forward and again before backward, one unit ahead, reduce-scattered after."""
     factor = case.workload.speeds.slowest(case.workers)
@@ -224,8 +232,8 @@ def simulate_zero3(case: Case) -> StepResult:
     sim.add("opt", "compute", opt_s, (len(sim) - 1,), "optimizer")
     largest = sorted((lay.params for lay in case.profile.layers), reverse=True)[:2]
     gathered = sum(largest) * case.workload.element_bytes
-    return _result(case, "zero3", sim, _states(case, "zero3"), gathered, sent, algorithms,
-                   factor, opt_s)
+    return _result(case, name or "zero3", sim, _states(case, 3), gathered, sent,
+                   algorithms, factor, opt_s)
 
 
 def _only(tasks: dict[int, int], layer: int) -> tuple[int, ...]:

@@ -19,23 +19,26 @@ Temporary buffers are added where a strategy keeps them: ZeRO-3 holds two gather
 
 from __future__ import annotations
 
+from disttrain.parallel.presets import PRESETS
 from disttrain.parallel.zero.memory import ModelStateBytes, formula
 
 GB = 1e9
 
 
-def model_states(strategy: str, params: int, devices: int, element_bytes: int,
+def model_states(stage: int, params: int, devices: int, element_bytes: int,
                  k_bytes: int) -> ModelStateBytes:
-    """Model-state bytes per device; ``strategy`` is ddp, zero1, zero2 or zero3."""
-    return formula(strategy, params, devices, param_bytes=element_bytes,
+    """Model-state bytes per device at ZeRO ``stage`` (0: replicated, as DDP keeps them)."""
+    return formula(stage, params, devices, param_bytes=element_bytes,
                    grad_bytes=element_bytes, optimizer_bytes=k_bytes)
 
 
 def zero_paper_table(psi: int = 7_500_000_000, devices: int = 64,
                      k_bytes: int = 12) -> dict[str, float]:
-    """GB per device for DDP and ZeRO 1-3 (fp16/bf16 parameters and gradients)."""
-    return {s: model_states(s, psi, devices, 2, k_bytes).total / GB
-            for s in ("ddp", "zero1", "zero2", "zero3")}
+    """GB per device for DDP and ZeRO 1-3 (fp16/bf16 parameters and gradients), by the
+    data-parallel preset of each stage."""
+    stages = {p.zero: n for n, p in PRESETS.items() if p.kind == "data"}
+    return {stages[s]: model_states(s, psi, devices, 2, k_bytes).total / GB
+            for s in sorted(stages)}
 
 
 def activations(saved_bytes_per_sample: float, samples: float, element_bytes: int) -> float:

@@ -219,10 +219,18 @@ def default_pp(case: Case) -> int:
 
 
 def simulate_pipeline(case: Case, name: str, pp: int | None = None,
-                      microbatches: int | None = None) -> StepResult:
-    """GPipe or 1F1B on a pp × dp grid (``name`` "gpipe"/"1f1b"), or "model-parallel"."""
-    pp = pp or (case.workers if name == "model-parallel" else default_pp(case))
-    m = 1 if name == "model-parallel" else (microbatches or case.workload.microbatches)
+                      microbatches: int | None = None, *, schedule: str | None = None,
+                      every_rank: bool | None = None) -> StepResult:
+    """Preset ``name`` as a pipeline: ``schedule`` ("gpipe", "1f1b"; default: the name) on
+    a pp × dp grid; ``microbatches`` fixed by the preset (model parallelism: 1) or the
+    workload's; ``every_rank``: one stage per worker (model parallelism) rather than the
+    workload's pp. Called with the name alone, "model-parallel" means GPipe with m = 1
+    over every worker."""
+    split = name == "model-parallel" if every_rank is None else every_rank
+    fixed = 1 if name == "model-parallel" and schedule is None else None
+    schedule = schedule or ("gpipe" if name == "model-parallel" else name)
+    pp = pp or (case.workers if split else default_pp(case))
+    m = fixed or microbatches or case.workload.microbatches
     if pp > case.layers:
         return not_applicable(case, name, f"{pp} stages need ≥ {pp} layers; the model has "
                               f"{case.layers} (use --pp ≤ {case.layers})")
@@ -238,9 +246,9 @@ def simulate_pipeline(case: Case, name: str, pp: int | None = None,
         if case.workload.partition == "params" else \
         [lay.forward(1) + lay.backward(1) for lay in case.profile.layers]
     bounds = boundaries(balance_by_cost(costs, pp))
-    schedule = get_schedule("gpipe" if name == "model-parallel" else name, pp, m)
+    plan = get_schedule(schedule, pp, m)
     factor = case.workload.speeds.slowest(case.workers)
-    rep = _Replica(case, schedule, bounds, replica_batch / m, factor, dp)
+    rep = _Replica(case, plan, bounds, replica_batch / m, factor, dp)
     rep.build()
     sent_dp = _finish(case, rep, pp, dp)
     step = rep.sim.run()
@@ -275,8 +283,8 @@ def _result(case: Case, name: str, rep: _Replica, step: float, sent_dp: list[flo
         params = sum(case.profile.layers[i].params for i in range(lo, hi))
         tensors = sum(case.profile.layers[i].tensors for i in range(lo, hi))
         optimizer_s = max(optimizer_s, case.optimizer(params, tensors))  # as _finish charges
-        states = memory.model_states("ddp", params, 1, wl.element_bytes, wl.k_bytes).total
-        in_flight = m if name != "1f1b" else min(pp - s, m)
+        states = memory.model_states(0, params, 1, wl.element_bytes, wl.k_bytes).total
+        in_flight = m if rep.schedule.name != "1f1b" else min(pp - s, m)
         saved = sum(case.profile.layers[i].saved_bytes_per_sample for i in range(lo, hi))
         mems.append(states + memory.activations(saved, rep.micro * in_flight,
                                                 wl.element_bytes))

@@ -1,18 +1,22 @@
 """The simulated strategies by name, and the sweep over worker counts.
 
-Names follow ``disttrain run --strategy`` (and the reserved ``ps-*`` names of the
-parameter-server strategies). A strategy that cannot run a case at all (more stages than
-layers, a pp size that does not divide the workers) returns a row with ``error`` set;
-one that runs but does not fit in memory is simulated anyway and marked by ``fits``.
+Each preset of :mod:`disttrain.parallel.presets` (the names of ``disttrain run --strategy``)
+is simulated from its dimensions and options, not its name: data parallelism with its ZeRO
+stage, a pipeline with its schedule and micro-batches, tensor parallelism over every
+worker or inside a node, the parameter servers in their mode. A strategy that cannot run a
+case at all (more stages than layers, a pp size that does not divide the workers) returns
+a row with ``error`` set; one that runs but does not fit in memory is simulated anyway and
+marked by ``fits``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from disttrain.parallel.presets import ALL, PRESETS, Preset
 from disttrain.simulate.base import Case, StepResult, explain_efficiency
 from disttrain.simulate.cluster import Cluster
-from disttrain.simulate.data_parallel import simulate_ddp, simulate_zero3, simulate_zero12
+from disttrain.simulate.data_parallel import simulate_data_parallel
 from disttrain.simulate.parameter_server import simulate_ps
 from disttrain.simulate.pipeline import simulate_pipeline
 from disttrain.simulate.profile import ModelProfile
@@ -21,21 +25,29 @@ from disttrain.simulate.workload import Workload
 
 Simulator = Callable[[Case], StepResult]
 
+
+def simulator_for(name: str, preset: Preset) -> Simulator | None:
+    """The model of preset ``name``'s step, chosen by its dimensions and options; None for
+    the one-process reference (nothing to simulate)."""
+    if preset.reference:
+        return None
+    if preset.parameter_server is not None:
+        mode = preset.parameter_server
+        return lambda case: simulate_ps(case, mode)
+    rules = dict(preset.dims)
+    if preset.kind == "mesh":
+        return lambda case: simulate_tp(case, name, sequence_parallel=preset.sequence_parallel,
+                                        tp_everywhere=rules.get("tp") == ALL)
+    if preset.kind in ("pipeline", "model"):
+        return lambda case: simulate_pipeline(case, name, schedule=preset.schedule,
+                                              microbatches=preset.microbatches,
+                                              every_rank=rules.get("pp") == ALL)
+    return lambda case: simulate_data_parallel(case, name, preset.zero)
+
+
 STRATEGIES: dict[str, Simulator] = {
-    "ddp": simulate_ddp,
-    "zero1": lambda case: simulate_zero12(case, 1),
-    "zero2": lambda case: simulate_zero12(case, 2),
-    "zero3": simulate_zero3,
-    "ps-sync": lambda case: simulate_ps(case, "sync"),
-    "ps-async": lambda case: simulate_ps(case, "async"),
-    "ps-ssp": lambda case: simulate_ps(case, "ssp"),
-    "model-parallel": lambda case: simulate_pipeline(case, "model-parallel"),
-    "gpipe": lambda case: simulate_pipeline(case, "gpipe"),
-    "1f1b": lambda case: simulate_pipeline(case, "1f1b"),
-    "tp": lambda case: simulate_tp(case, "tp"),
-    "tp-sp": lambda case: simulate_tp(case, "tp-sp"),
-    "3d": lambda case: simulate_tp(case, "3d"),
-}
+    name: sim for name, preset in PRESETS.items()
+    if (sim := simulator_for(name, preset)) is not None}
 
 
 def check_names(names: tuple[str, ...]) -> None:

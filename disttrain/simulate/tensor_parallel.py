@@ -82,17 +82,20 @@ def activation_ratio(shape: LMShape, t: int, sequence_parallel: bool) -> float:
             / block_activation_elements(s, 1, h, a, 1, False))
 
 
-def simulate_tp(case: Case, strategy: str) -> StepResult:
-    """``tp``, ``tp-sp`` (every worker in one tp group) or ``3d`` (tp inside a node, dp
-    across)."""
+def simulate_tp(case: Case, strategy: str, *, sequence_parallel: bool | None = None,
+                tp_everywhere: bool | None = None) -> StepResult:
+    """Preset ``strategy`` with tensor parallelism: over every worker (``tp_everywhere``:
+    ``tp``, ``tp-sp``) or inside a node with dp across (``3d``), with or without
+    ``sequence_parallel``. Called with the name alone, the name says which."""
     shape = case.profile.transformer
     if shape is None or case.layers != shape.n_layers + 3:
         return not_applicable(case, strategy, f"tensor parallelism splits a transformer's "
                               f"heads; model {case.profile.name!r} is not one (use "
                               f"--model transformer, gpt-1.3b or gpt-13b)")
-    sp = strategy == "tp-sp"
+    sp = strategy == "tp-sp" if sequence_parallel is None else sequence_parallel
+    everywhere = strategy != "3d" if tp_everywhere is None else tp_everywhere
     per_node = case.cluster.devices_per_node
-    t = tp_size_for(shape, case.workers, per_node, sp) if strategy == "3d" else case.workers
+    t = case.workers if everywhere else tp_size_for(shape, case.workers, per_node, sp)
     why = split_error(shape, t, sp)
     if why is not None:
         return not_applicable(case, strategy, f"{why} (tp = workers; '3d' picks a size "
@@ -161,7 +164,7 @@ def _result(case: Case, strategy: str, sim: Simulation, shape: LMShape, t: int, 
     ratio = activation_ratio(shape, t, sp)
     saved = sum(lay.saved_bytes_per_sample * (ratio if 0 < i <= shape.n_layers else 1 / t)
                 for i, lay in enumerate(case.profile.layers))
-    states = memory.model_states("ddp", case.profile.params // t, 1, wl.element_bytes,
+    states = memory.model_states(0, case.profile.params // t, 1, wl.element_bytes,
                                  wl.k_bytes).total
     mem = states + memory.activations(saved, batch, wl.element_bytes)
     exposed = max(0.0, step - compute_s)

@@ -35,7 +35,7 @@ import torch
 from disttrain.parallel.zero import memory as zero_memory
 from disttrain.parallel.zero.memory import ModelStateBytes, formula
 
-FORMULAS = ("ddp", "zero1", "zero2", "zero3")  # the names parallel.zero.memory.formula knows
+STAGES = zero_memory.STAGES  # what parallel.zero.memory.formula shards (0: replicated)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -105,13 +105,14 @@ def state_bytes_per_param(optimizer: str, momentum: float) -> int:
     return 4 if momentum > 0 else 0
 
 
-def formula_bytes(name: str | None, numel: int, world_size: int,
+def formula_bytes(stage: int | None, numel: int, world_size: int,
                   optimizer_bytes: int) -> ModelStateBytes | None:
-    """The paper's model-state bytes per rank for formula ``name`` (fp32 parameters and
-    gradients), or None when the strategy has no such formula (pipelines, servers)."""
-    if name is None:
+    """The paper's model-state bytes per rank at ZeRO ``stage`` (0: replicated; fp32
+    parameters and gradients), or None when the strategy has no such formula (pipelines,
+    servers)."""
+    if stage is None:
         return None
-    return formula(name, numel, world_size, param_bytes=4, grad_bytes=4,
+    return formula(stage, numel, world_size, param_bytes=4, grad_bytes=4,
                    optimizer_bytes=optimizer_bytes)
 
 
@@ -184,5 +185,5 @@ class ActivationTracker:
         self._hooks = None
 
 
-__all__ = ["FORMULAS", "ActivationTracker", "ModelStateBytes", "formula_bytes",
+__all__ = ["STAGES", "ActivationTracker", "ModelStateBytes", "formula_bytes",
            "local_tensor", "measure_state", "optimizer_tensors", "state_bytes_per_param"]

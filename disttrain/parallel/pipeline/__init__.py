@@ -11,13 +11,13 @@ micro-batches that flow through the stages under a schedule (GPipe or 1F1B).
   the messages between neighbouring stages and their header; :mod:`.collectives`: what the
   stages agree on and average over the mesh (pipelines × data-parallel replicas:
   :mod:`disttrain.parallel.mesh`);
-* :mod:`.model_parallel`: the plain split (no micro-batches) built from the same pieces.
+* :mod:`.model_parallel`: the plain split (no micro-batches): a pipeline of one micro-batch.
 
 See docs/pipeline.md.
 """
 
 from disttrain.parallel.pipeline.link import PipelineError, StageFailedError
-from disttrain.parallel.pipeline.model_parallel import ModelParallel, build_model_parallel
+from disttrain.parallel.pipeline.model_parallel import build_model_parallel
 from disttrain.parallel.pipeline.partition import (
     PartitionError,
     balance_by_cost,
@@ -64,7 +64,6 @@ __all__ = [
     "Forward",
     "InterleavedSchedule",
     "InterleavedScheduleError",
-    "ModelParallel",
     "PartitionError",
     "PipelineConfig",
     "PipelineError",
@@ -93,3 +92,11 @@ __all__ = [
     "simulate_interleaved",
     "time_costs",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "ModelParallel":  # deprecated: the pipeline engine with one micro-batch
+        from disttrain.parallel.pipeline import model_parallel
+
+        return getattr(model_parallel, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -339,7 +339,8 @@ class PipelineParallel:
 def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
                    microbatches: int = 8, partition: str | Sequence[int] = "params",
                    pp_size: int | None = None, sample: torch.Tensor | None = None,
-                   mesh: DeviceMesh | None = None) -> PipelineParallel:
+                   mesh: DeviceMesh | None = None, warn_bubble: bool = True
+                   ) -> PipelineParallel:
     """Split ``model`` (an ``nn.Sequential``, or a model with a ``layers()`` method) over
     the ranks of ``comm`` and return this rank's stage, ready for ``train_step``.
 
@@ -349,7 +350,9 @@ def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
     parallel replicas of the pipeline. ``mesh``: a mesh built over ``comm`` instead (its
     ``pp`` groups run the stages, its ``dp`` groups average their gradients; with tp > 1
     ``model`` is this rank's tensor-parallel shard). Every rank must build the same model
-    (same seed): each keeps only its own stage's layers.
+    (same seed): each keeps only its own stage's layers. ``warn_bubble``: warn when fewer
+    micro-batches than stages leave stages idle (not for model parallelism: m = 1 on
+    purpose).
     """
     config = PipelineConfig(schedule, microbatches,
                             partition if isinstance(partition, str) else tuple(partition),
@@ -361,7 +364,7 @@ def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
     settings = [pp, config.microbatches, sorted(SCHEDULES).index(config.schedule)]
     balance = agreed_balance(comm, layers, pp, config.partition, sample, settings,
                              "the pipeline")
-    if config.microbatches < pp and comm.rank == 0:
+    if warn_bubble and config.microbatches < pp and comm.rank == 0:
         log.warning("pipeline with %d micro-batches on %d stages: stages idle %.0f%% of each "
                     "step; use at least as many micro-batches as stages",
                     config.microbatches, pp, 100 * (pp - 1) / (config.microbatches + pp - 1))

@@ -32,7 +32,7 @@ import torch
 if TYPE_CHECKING:
     from disttrain.parallel.zero.sharding import ZeroWrapper
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+STAGES = (0, 1, 2, 3)  # 0: replicated model state (DDP); 1-3: ZeRO's stages
 
 
 @dataclass(frozen=True)
@@ -82,22 +82,36 @@ def measure_module(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return measure({"params": params, "grads": grads, "optimizer": optimizer_tensors(optimizer)})
 
 
-def formula(strategy: str, numel: int, world_size: int, *, param_bytes: int, grad_bytes: int,
-            optimizer_bytes: int) -> ModelStateBytes:
-    """The paper's model-state bytes per rank for ``numel`` (Ψ) parameters on N ranks.
+def formula(stage: int | str, numel: int, world_size: int, *, param_bytes: int,
+            grad_bytes: int, optimizer_bytes: int) -> ModelStateBytes:
+    """The paper's model-state bytes per rank for ``numel`` (Ψ) parameters on N ranks,
+    sharded to ZeRO ``stage`` (0: replicated, as DDP keeps them; ``"ddp"`` and
+    ``"zeroS"`` are accepted too).
 
     ``optimizer_bytes`` is K per parameter (master copy + optimizer state); ``grad_bytes``
     the bytes of one (kept) gradient element.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    s = _stage(stage)
     if world_size < 1 or numel < 0:
         raise ValueError(f"need world_size ≥ 1 and numel ≥ 0, got {world_size}, {numel}")
     psi, n = numel, world_size
-    params = param_bytes * psi // (n if strategy == "zero3" else 1)
-    grads = grad_bytes * psi // (n if strategy in ("zero2", "zero3") else 1)
-    opt = optimizer_bytes * psi // (1 if strategy == "ddp" else n)
+    params = param_bytes * psi // (n if s >= 3 else 1)
+    grads = grad_bytes * psi // (n if s >= 2 else 1)
+    opt = optimizer_bytes * psi // (n if s >= 1 else 1)
     return ModelStateBytes(params, grads, opt)
+
+
+def _stage(stage: int | str) -> int:
+    """``stage`` as 0-3 (a preset's name, ``ddp`` or ``zeroS``, is read as its stage)."""
+    if isinstance(stage, str):
+        name = stage
+        stage = 0 if name == "ddp" else int(name[4:]) if (
+            name.startswith("zero") and name[4:].isdigit()) else -1
+        if stage not in STAGES:
+            raise ValueError(f"stage must be 0-3 (or ddp, zero1..zero3), got {name!r}")
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 0-3 (0: replicated, as DDP), got {stage!r}")
+    return stage
 
 
 _STATE_SLOTS: dict[str, Any] = {
@@ -136,7 +150,7 @@ def zero_formula(zero: ZeroWrapper) -> ModelStateBytes:
     sharded_grads = zero.stage >= 2
     grad_dtype = zero.reduce_dtype if sharded_grads else zero.param_dtype
     k = optimizer_state_bytes(zero.optimizer, zero.config.master_dtype, zero.param_dtype)
-    return formula(f"zero{zero.stage}", zero.numel, zero.comm.world_size,
+    return formula(zero.stage, zero.numel, zero.comm.world_size,
                    param_bytes=size(zero.param_dtype), grad_bytes=size(grad_dtype),
                    optimizer_bytes=k)
 

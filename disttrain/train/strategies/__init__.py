@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from disttrain.comm.transport import check_workload
+from disttrain.parallel import presets
+from disttrain.parallel.presets import Preset
 from disttrain.train.config import ParallelOptions, TrainConfig
 from disttrain.train.strategies.base import (
     Batch,
@@ -46,20 +48,15 @@ from disttrain.train.strategies.base import (
     optimizer_class,
     optimizer_factory,
 )
-from disttrain.train.strategies.data_parallel import build_ddp, build_single
+from disttrain.train.strategies.compose import compose
+from disttrain.train.strategies.data_parallel import build_single
 from disttrain.train.strategies.mesh import check_mesh, mesh_settings, mesh_workload
 from disttrain.train.strategies.parameter_server import (
     build_parameter_server_strategy,
     losable_ranks,
     num_servers,
 )
-from disttrain.train.strategies.pipeline import (
-    DEFAULT_MICROBATCHES,
-    build_model_parallel_strategy,
-    build_pipeline_strategy,
-)
-from disttrain.train.strategies.tensor import build_mesh_strategy
-from disttrain.train.strategies.zero import build_zero1, build_zero2, build_zero3
+from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
 
 Builder = Callable[[BuildContext], Strategy]
 Check = Callable[[TrainConfig, int, int], None]  # (config, world_size, dp_size)
@@ -74,11 +71,7 @@ OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
     "staleness": "--staleness", "staleness_lr": "--staleness-lr", "straggler": "--straggler",
     "straggler_every": "--straggler RANK:FACTOR:EVERY",
 }
-TORCH_DP = frozenset({"bucket_cap_mb", "find_unused_parameters", "broadcast_buffers"})
-PIPELINE = frozenset({"schedule", "microbatches", "partition", "pp_size"})
-PS = frozenset({"servers", "straggler", "straggler_every"})
-MESH = frozenset({"tp_size", "dp_size", "pp_size", "sequence_parallel", "zero", "algorithm",
-                  "schedule", "microbatches", "partition"})
+TORCH_DP = presets.DATA_PARALLEL
 LAYOUTS = ("data", "pipeline", "model", "ps", "mesh")
 
 
@@ -248,48 +241,30 @@ def ranks_needed(config: TrainConfig, workers: int) -> int:
         workers)
 
 
-PRESETS: dict[str, StrategySpec] = {
-    "single": StrategySpec(build_single, "one process, the reference", max_world_size=1,
-                           needs_comm=False),
-    "ddp": StrategySpec(build_ddp, "disttrain DataParallel: bucketed all-reduce overlapping "
-                        "backward", TORCH_DP | {"compression", "algorithm"},
-                        workload="collectives"),
-    "zero1": StrategySpec(build_zero1, "ZeRO stage 1: optimizer state sharded",
-                          frozenset({"algorithm"}), workload="collectives"),
-    "zero2": StrategySpec(build_zero2, "ZeRO stage 2: optimizer state and gradients sharded",
-                          frozenset({"algorithm"}), workload="collectives"),
-    "zero3": StrategySpec(build_zero3, "ZeRO stage 3: optimizer state, gradients and "
-                          "parameters sharded", frozenset({"algorithm"}),
-                          workload="collectives"),
-    "model-parallel": StrategySpec(build_model_parallel_strategy, "layers split over the "
-                                   "ranks, one batch at a time", frozenset({"partition"}),
-                                   layout="model"),
-    "gpipe": StrategySpec(build_pipeline_strategy, "pipeline, GPipe schedule (all forwards, "
-                          "then all backwards)", PIPELINE, "pipeline", check=check_pipeline),
-    "1f1b": StrategySpec(build_pipeline_strategy, "pipeline, 1F1B schedule (PipeDream-Flush)",
-                         PIPELINE, "pipeline", check=check_pipeline),
-    "ps-sync": StrategySpec(build_parameter_server_strategy, "parameter server, synchronous "
-                            "SGD (workers + --servers ranks)", PS, "ps", check=_check_ps,
-                            loss_scaling=False),
-    "ps-async": StrategySpec(build_parameter_server_strategy, "parameter server, asynchronous "
-                             "SGD (updates applied on arrival)", PS | {"staleness_lr"}, "ps",
-                             check=_check_ps, loss_scaling=False, losable=losable_ranks),
-    "ps-ssp": StrategySpec(build_parameter_server_strategy, "parameter server, stale-"
-                           "synchronous SGD (at most --staleness steps ahead)",
-                           PS | {"staleness", "staleness_lr"}, "ps", check=_check_ps,
-                           loss_scaling=False, losable=losable_ranks),
-    "tp": StrategySpec(build_mesh_strategy, "tensor parallel over every rank: attention by "
-                       "heads, MLP column-then-row, vocabulary-parallel embedding and loss",
-                       frozenset({"algorithm", "sequence_parallel"}), "mesh", check=check_mesh,
-                       workload=mesh_workload),
-    "tp-sp": StrategySpec(build_mesh_strategy, "tensor parallel with sequence parallelism "
-                          "(LayerNorm regions split along the sequence)",
-                          frozenset({"algorithm", "sequence_parallel"}), "mesh",
-                          check=check_mesh, workload=mesh_workload),
-    "3d": StrategySpec(build_mesh_strategy, "data × pipeline × tensor parallel on one mesh "
-                       "(--dp, --pp, --tp; --zero 1/2 over dp)", MESH, "mesh",
-                       check=check_mesh, workload=mesh_workload),
-}
+def spec_for(preset: Preset) -> StrategySpec:
+    """How the loop builds and checks a preset: the composer for every composition, the
+    servers' builder for the parameter servers; its layout, checks and workload follow
+    from its dimensions and options."""
+    kind, options = preset.kind, preset.options
+    if preset.reference:
+        return StrategySpec(build_single, preset.description, max_world_size=1,
+                            needs_comm=False)
+    if kind == "ps":
+        return StrategySpec(build_parameter_server_strategy, preset.description, options, "ps",
+                            check=_check_ps, loss_scaling=False,
+                            losable=losable_ranks if preset.parameter_server != "sync" else None)
+    if kind == "mesh":
+        return StrategySpec(compose, preset.description, options, "mesh", check=check_mesh,
+                            workload=mesh_workload)
+    if kind == "data":
+        return StrategySpec(compose, preset.description, options, workload="collectives")
+    return StrategySpec(compose, preset.description, options, kind,
+                        check=check_pipeline if preset.microbatches is None else None)
+
+
+PRESETS: dict[str, StrategySpec] = {name: spec_for(preset)
+                                    for name, preset in presets.PRESETS.items()}
+"""disttrain's own strategies: every preset of :mod:`disttrain.parallel.presets`."""
 
 PLUGINS = ("disttrain.baselines",)  # packages with a registry of their own, loaded when asked
 

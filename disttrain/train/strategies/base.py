@@ -277,7 +277,9 @@ class Strategy:
         """Strategy-specific measurements for the benchmark (JSON-friendly values)."""
         return {}
 
-    memory_formula: str | None = None  # "ddp", "zero1", "zero2", "zero3": the ZeRO paper's
+    # the ZeRO paper's model-state formula that applies: 0 (replicated, DDP) or stage 1-3;
+    # None: none does (pipelines, servers, tensor parallelism)
+    zero_stage: int | None = None
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every tensor this rank keeps for the model's state, by category (``params``,

@@ -26,7 +26,7 @@ from disttrain.train.strategies.base import (
 
 def build_single(ctx: BuildContext) -> Strategy:
     strategy = Strategy(ctx.module, ctx.make_optimizer(ctx.module.parameters()), ctx.comm)
-    strategy.memory_formula = "ddp"  # one replica: the replicated formula with N = 1
+    strategy.zero_stage = 0  # one replica: the replicated formula with N = 1
     return strategy
 
 
@@ -36,10 +36,11 @@ class DataParallelStrategy(Strategy):
     rank with a bandwidth-optimal algorithm (ring; halving-doubling on a power of two), 4Ψ
     with ``shm`` (each rank writes its gradients once)."""
 
-    memory_formula = "ddp"
+    zero_stage = 0
 
-    def __init__(self, ctx: BuildContext, model: Any, optimizer: Stepper | None = None) -> None:
-        comm = ctx.require_comm(ctx.config.strategy)
+    def __init__(self, ctx: BuildContext, model: Any, optimizer: Stepper | None = None, *,
+                 comm: Communicator | None = None) -> None:
+        comm = comm if comm is not None else ctx.require_comm(ctx.config.strategy)
         if optimizer is None:
             optimizer = ctx.make_optimizer(ctx.module.parameters())
         super().__init__(ctx.module, optimizer, comm, model)
@@ -96,15 +97,14 @@ class DataParallelStrategy(Strategy):
                 "overlap_fraction": mean(t[2] for t in timed)}
 
 
-def build_ddp(ctx: BuildContext) -> Strategy:
-    try:
-        from disttrain.parallel import DataParallel
-    except ImportError as exc:
-        raise RuntimeError(f"strategy 'ddp' needs disttrain.parallel.DataParallel, which "
-                           f"cannot be imported here ({exc})") from exc
+def build_ddp(ctx: BuildContext, comm: Communicator | None = None) -> Strategy:
+    """DDP of the whole module over ``comm`` (the data-parallel ranks; default: all)."""
+    from disttrain.parallel import DataParallel
+
     opts = ctx.config.parallel
-    model = DataParallel(ctx.module, ctx.require_comm("ddp"), bucket_cap_mb=opts.bucket_cap_mb,
+    comm = comm if comm is not None else ctx.require_comm(ctx.config.strategy)
+    model = DataParallel(ctx.module, comm, bucket_cap_mb=opts.bucket_cap_mb,
                          find_unused_parameters=opts.find_unused_parameters,
                          broadcast_buffers=opts.broadcast_buffers, compression=opts.compression,
                          algorithm=opts.algorithm)
-    return DataParallelStrategy(ctx, model)
+    return DataParallelStrategy(ctx, model, comm=comm)

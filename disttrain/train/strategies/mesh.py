@@ -1,9 +1,9 @@
-"""The settings of a mesh run (``tp``, ``tp-sp``, ``3d``), read from the config and the world
+"""The settings of a composed run (every preset but ``single`` and the parameter servers),
+read from its preset (:mod:`disttrain.parallel.presets`), the config's flags and the world
 size, and the checks that can refuse a bad mesh before any rank starts.
 
-Both mesh strategies read these settings: :mod:`.tensor` (pp = 1) and :mod:`.tensor_pipeline`
-(pp > 1); keeping them here lets the one build the other without either importing the
-other back.
+The composer (:mod:`.compose`) and the strategies it builds read these settings; keeping
+them here lets them build each other without either importing the other back.
 """
 
 from __future__ import annotations
@@ -11,31 +11,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrain.parallel.mesh import MeshShape
+from disttrain.parallel.presets import PRESETS, degrees, get_preset
 from disttrain.parallel.tensor.transformer import lm_shape
 from disttrain.train.config import TrainConfig
 from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
 
-TP_ONLY = ("tp", "tp-sp")
-
 
 @dataclass(frozen=True)
 class MeshSettings:
-    """How a mesh strategy runs, read from the config and the world size."""
+    """How a composed strategy runs, read from its preset, the flags and the world size."""
 
     shape: MeshShape
     sequence_parallel: bool
-    zero: int | None
+    zero: int | None  # ZeRO stage over dp (None or 0: DDP)
     algorithm: str | None
+    schedule: str | None = None  # the pipeline's, when pp > 1
+    microbatches: int = DEFAULT_MICROBATCHES
+    model_parallel: bool = False  # a pipeline of one micro-batch, by design
 
 
 def mesh_settings(config: TrainConfig, world_size: int) -> MeshSettings:
-    opts = config.parallel
-    if config.strategy in TP_ONLY or config.strategy.startswith("torch-tp"):
-        shape = MeshShape(tp=world_size)
-    else:
-        shape = MeshShape.infer(world_size, opts.dp_size, opts.pp_size, opts.tp_size)
-    sp = opts.sequence_parallel or config.strategy.endswith("-sp")
-    return MeshSettings(shape, sp, opts.zero, opts.algorithm)
+    """The settings of ``config.strategy`` (a preset; the tensor-parallel baselines read
+    the tp preset of the same name) on ``world_size`` ranks."""
+    opts, name = config.parallel, config.strategy
+    preset = get_preset(name if name in PRESETS else name.removeprefix("torch-"))
+    sizes = degrees(preset, world_size, dp=opts.dp_size, pp=opts.pp_size, tp=opts.tp_size)
+    shape = MeshShape(dp=sizes["dp"], pp=sizes["pp"], tp=sizes["tp"])
+    sp = opts.sequence_parallel or preset.sequence_parallel
+    zero = opts.zero if opts.zero is not None else (preset.zero or None)
+    schedule = opts.schedule or preset.schedule
+    m = preset.microbatches or opts.microbatches or DEFAULT_MICROBATCHES
+    return MeshSettings(shape, sp, zero, opts.algorithm, schedule, m,
+                        model_parallel=preset.microbatches == 1)
 
 
 def mesh_workload(config: TrainConfig, world_size: int) -> str | None:

@@ -87,7 +87,7 @@ def pipeline_theory(sizes: Sequence[int], layers: tuple[int, int], stage: int, p
 
 @dataclass(frozen=True)
 class PipelineSettings:
-    schedule: str | None  # None: model parallel (no micro-batches)
+    schedule: str | None  # None: model parallel (a pipeline of one micro-batch)
     microbatches: int
     stage: int
     pp_size: int
@@ -96,8 +96,8 @@ class PipelineSettings:
 
 
 class PipelineStrategy(Strategy):
-    """This rank's stage of a pipeline (``PipelineParallel``) or model split
-    (``ModelParallel``), trained by the shared loop."""
+    """This rank's stage of a pipeline (``PipelineParallel``; model parallelism is one of
+    a single micro-batch), trained by the shared loop."""
 
     def __init__(self, ctx: BuildContext, pipe: Any, settings: PipelineSettings) -> None:
         params = list(pipe.parameters())
@@ -216,35 +216,3 @@ class PipelineStrategy(Strategy):
             "peak_activation_bytes": max((t.peak_activation_bytes for t in self.steps),
                                          default=0),
         }
-
-
-def _partition(ctx: BuildContext) -> str | tuple[int, ...]:
-    partition = ctx.config.parallel.partition
-    return "params" if partition is None else partition
-
-
-def build_pipeline_strategy(ctx: BuildContext) -> Strategy:
-    from disttrain.parallel.pipeline import build_pipeline
-
-    config = ctx.config
-    comm = ctx.require_comm(config.strategy)
-    m = config.parallel.microbatches or DEFAULT_MICROBATCHES
-    inputs = ctx.sample[0]
-    sample = inputs[:max(1, len(inputs) // m)]  # one micro-batch, for partition="time"
-    pipe = build_pipeline(ctx.module, comm, schedule=config.strategy, microbatches=m,
-                          partition=_partition(ctx), pp_size=config.parallel.pp_size,
-                          sample=sample)
-    mesh = pipe.mesh
-    settings = PipelineSettings(config.strategy, m, mesh.pp_rank, mesh.pp_size, mesh.dp_rank,
-                                mesh.dp_size)
-    return PipelineStrategy(ctx, pipe, settings)
-
-
-def build_model_parallel_strategy(ctx: BuildContext) -> Strategy:
-    from disttrain.parallel.pipeline.model_parallel import build_model_parallel
-
-    comm = ctx.require_comm("model-parallel")
-    pipe = build_model_parallel(ctx.module, comm, partition=_partition(ctx),
-                                sample=ctx.sample[0])
-    settings = PipelineSettings(None, 1, comm.rank, comm.world_size, 0, 1)
-    return PipelineStrategy(ctx, pipe, settings)

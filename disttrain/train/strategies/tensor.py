@@ -39,12 +39,13 @@ from torch import nn
 
 from disttrain.comm import Communicator
 from disttrain.parallel import DataParallel, ZeRO1, ZeRO2, ZeroConfig
-from disttrain.parallel.mesh import DeviceMesh, build_mesh
+from disttrain.parallel.mesh import DeviceMesh
 from disttrain.parallel.mixed_precision import accumulate, at_least_fp32
-from disttrain.parallel.tensor import apply_tensor_parallel, full_state_dict
+from disttrain.parallel.tensor import full_state_dict
 from disttrain.parallel.tensor import theory as tp_theory
 from disttrain.parallel.tensor.transformer import (
     ParallelBlock,
+    TensorParallelLM,
     lm_shape,
     reduce_sequence_parallel_grads,
     sequence_parallel_parameters,
@@ -63,9 +64,7 @@ from disttrain.train.strategies.base import (
     ring_all_reduce_bytes,
     safe_load,
 )
-from disttrain.train.strategies.mesh import MeshSettings, mesh_settings
-from disttrain.train.strategies.pipeline import DEFAULT_MICROBATCHES
-from disttrain.train.strategies.tensor_pipeline import TensorPipelineStrategy
+from disttrain.train.strategies.mesh import MeshSettings
 from disttrain.train.transformer import TransformerLM
 
 
@@ -139,10 +138,9 @@ class TensorParallelStrategy(Strategy):
 
     collective_eval = True  # forward runs TP collectives: every rank scores alike
 
-    def __init__(self, ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings) -> None:
+    def __init__(self, ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings,
+                 shard: TensorParallelLM | None) -> None:
         self.mesh, self.settings = mesh, settings
-        shard = None if mesh.tp is None else apply_tensor_parallel(
-            ctx.module, mesh.tp, settings.sequence_parallel, settings.algorithm)
         module: nn.Module = shard if shard is not None else ctx.module
         self.shard, self.zero = shard, None
         model, optimizer = module, None
@@ -287,16 +285,3 @@ class TensorParallelStrategy(Strategy):
         remove = getattr(self.zero, "remove_hooks", None)
         if remove is not None:
             remove()
-
-
-def build_mesh_strategy(ctx: BuildContext) -> Strategy:
-    """``tp``, ``tp-sp`` and ``3d``: the mesh, then the shard trained by pp = 1 or a
-    pipeline."""
-    config = ctx.config
-    comm = ctx.require_comm(config.strategy)
-    settings = mesh_settings(config, comm.world_size)
-    mesh = build_mesh(comm, settings.shape)
-    if mesh.pp_size == 1:
-        return TensorParallelStrategy(ctx, mesh, settings)
-    m = config.parallel.microbatches or DEFAULT_MICROBATCHES
-    return TensorPipelineStrategy(ctx, mesh, settings, m, config.parallel.schedule or "1f1b")

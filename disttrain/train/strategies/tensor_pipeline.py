@@ -30,10 +30,11 @@ from torch import nn
 
 from disttrain.parallel.mesh import DeviceMesh
 from disttrain.parallel.mixed_precision import at_least_fp32
-from disttrain.parallel.tensor import apply_tensor_parallel, full_state_dict
+from disttrain.parallel.tensor import full_state_dict
 from disttrain.parallel.tensor import theory as tp_theory
 from disttrain.parallel.tensor.ops import gather_vocab
 from disttrain.parallel.tensor.transformer import (
+    TensorParallelLM,
     lm_shape,
     reduce_sequence_parallel_grads,
     sequence_parallel_parameters,
@@ -61,13 +62,12 @@ class TensorPipelineStrategy(PipelineStrategy):
     """``3d`` with pp > 1: the pipeline engine on this rank's TP shard (its stage)."""
 
     def __init__(self, ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings,
-                 microbatches: int, schedule: str) -> None:
+                 shard: TensorParallelLM) -> None:
         from disttrain.parallel.pipeline import build_pipeline
 
         self.mesh, self.mesh_settings = mesh, settings
-        shard = None if mesh.tp is None else apply_tensor_parallel(
-            ctx.module, mesh.tp, settings.sequence_parallel, settings.algorithm)
         self.shard = shard
+        microbatches, schedule = settings.microbatches, settings.schedule or "1f1b"
         partition = ctx.config.parallel.partition or "params"
         pipe = build_pipeline(shard if shard is not None else ctx.module, mesh.world,
                               schedule=schedule, microbatches=microbatches,

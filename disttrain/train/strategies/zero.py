@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from disttrain.comm import Communicator
 from disttrain.train.strategies.base import BuildContext, Strategy, missing_state
 
 ZERO_DIR = "zero"  # inside a loop checkpoint: zero.json + one shard file per rank
@@ -36,10 +37,11 @@ def _element(dtype: torch.dtype) -> int:
 class ZeroStrategy(Strategy):
     """One ZeRO stage; ``zero`` is the wrapper (also the loop's optimizer)."""
 
-    def __init__(self, ctx: BuildContext, stage: int) -> None:
+    def __init__(self, ctx: BuildContext, stage: int, comm: Communicator | None = None
+                 ) -> None:
         from disttrain.parallel.zero import ZeRO1, ZeRO2, ZeRO3, ZeroConfig
 
-        comm = ctx.require_comm(f"zero{stage}")
+        comm = comm if comm is not None else ctx.require_comm(ctx.config.strategy)
         algorithm = ctx.config.parallel.algorithm
         if algorithm is not None and comm.world_size > 1:
             # ZeroConfig.algorithm applies to every call, including the initial broadcast,
@@ -60,7 +62,7 @@ class ZeroStrategy(Strategy):
         self.zero = wrapper
         self.stage = stage
         self.collective_eval = stage == 3  # forward gathers parameters: a collective
-        self.memory_formula = f"zero{stage}"
+        self.zero_stage = stage
         self.theory_bytes_per_step = self._theory(ctx.config.accumulate)
 
     def _theory(self, accumulate: int) -> float:
@@ -145,15 +147,3 @@ class ZeroStrategy(Strategy):
         remove = getattr(self.zero, "remove_hooks", None)
         if remove is not None:
             remove()
-
-
-def build_zero1(ctx: BuildContext) -> Strategy:
-    return ZeroStrategy(ctx, 1)
-
-
-def build_zero2(ctx: BuildContext) -> Strategy:
-    return ZeroStrategy(ctx, 2)
-
-
-def build_zero3(ctx: BuildContext) -> Strategy:
-    return ZeroStrategy(ctx, 3)

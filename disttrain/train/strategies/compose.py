@@ -1,0 +1,89 @@
+"""The composer: every preset of :mod:`disttrain.parallel.presets` (``ddp``, ``zero1-3``,
+``model-parallel``, ``gpipe``, ``1f1b``, ``tp``, ``tp-sp``, ``3d``) built the same way, its
+dimensions applied in one order a reader can follow (as torchtitan's ``parallelize``
+functions read)::
+
+    mesh    = build_mesh(comm, the preset's degrees)        dp × pp × tp, tp innermost
+    model   = tensor/sequence parallel shard over mesh.tp     1. tp > 1
+    stages  = pipeline of the (sharded) model over mesh.pp    2. a schedule: stages average
+                                                                 their gradients over dp
+    replica = DDP, or ZeRO-1/2/3, over mesh.dp                3. otherwise
+
+Each result is a :class:`~disttrain.train.strategies.base.Strategy` the shared loop drives:
+:class:`~.data_parallel.DataParallelStrategy`, :class:`~.zero.ZeroStrategy`,
+:class:`~.pipeline.PipelineStrategy`, :class:`~.tensor.TensorParallelStrategy` or
+:class:`~.tensor_pipeline.TensorPipelineStrategy`, by the dimensions it spans. Adding a
+dimension is a step here (see docs/extending.md).
+"""
+
+from __future__ import annotations
+
+from disttrain.parallel.mesh import DeviceMesh, build_mesh
+from disttrain.parallel.presets import get_preset
+from disttrain.parallel.tensor import apply_tensor_parallel
+from disttrain.parallel.tensor.transformer import TensorParallelLM
+from disttrain.train.strategies.base import BuildContext, Strategy
+from disttrain.train.strategies.mesh import MeshSettings, mesh_settings
+
+
+def compose(ctx: BuildContext) -> Strategy:
+    """The strategy ``ctx.config.strategy`` names, on one mesh over ``ctx.comm``."""
+    config = ctx.config
+    comm = ctx.require_comm(config.strategy)
+    settings = mesh_settings(config, comm.world_size)
+    mesh = build_mesh(comm, settings.shape)
+    shard = tensor_parallel(ctx, mesh, settings)  # 1.
+    if settings.schedule is not None and mesh.pp_size > 1:  # 2.
+        return pipeline(ctx, mesh, settings, shard)
+    if shard is not None:
+        from disttrain.train.strategies.tensor import TensorParallelStrategy
+
+        return TensorParallelStrategy(ctx, mesh, settings, shard)  # 3., on the shard
+    return data_parallel(ctx, mesh, settings)  # 3.
+
+
+def tensor_parallel(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings
+                    ) -> TensorParallelLM | None:
+    """1. This rank's tensor-parallel shard of the model (None when tp = 1)."""
+    if mesh.tp is None:
+        return None
+    return apply_tensor_parallel(ctx.module, mesh.tp, settings.sequence_parallel,
+                                 settings.algorithm)
+
+
+def pipeline(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings,
+             shard: TensorParallelLM | None) -> Strategy:
+    """2. This rank's stage of the (sharded) model; the stages of one pp position average
+    their gradients over dp (the pipeline engine's own all-reduce)."""
+    from disttrain.parallel.pipeline import build_pipeline
+    from disttrain.train.strategies.pipeline import PipelineSettings, PipelineStrategy
+    from disttrain.train.strategies.tensor_pipeline import TensorPipelineStrategy
+
+    assert settings.schedule is not None
+    if shard is not None:
+        return TensorPipelineStrategy(ctx, mesh, settings, shard)
+    partition = ctx.config.parallel.partition or "params"
+    m, inputs = settings.microbatches, ctx.sample[0]
+    pipe = build_pipeline(ctx.module, mesh.world, schedule=settings.schedule,
+                          microbatches=m, partition=partition, mesh=mesh,
+                          sample=inputs[:max(1, len(inputs) // m)],  # one micro-batch
+                          warn_bubble=not settings.model_parallel)
+    label = None if settings.model_parallel else settings.schedule
+    return PipelineStrategy(ctx, pipe, PipelineSettings(label, m, mesh.pp_rank, mesh.pp_size,
+                                                        mesh.dp_rank, mesh.dp_size))
+
+
+def data_parallel(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings) -> Strategy:
+    """3. DDP (replicated model state) or ZeRO stage 1-3 (sharded) over the dp ranks."""
+    from disttrain.train.strategies.data_parallel import build_ddp
+    from disttrain.train.strategies.zero import ZeroStrategy
+
+    comm = mesh.dp if mesh.dp is not None else mesh.world
+    if settings.zero:
+        return ZeroStrategy(ctx, settings.zero, comm)
+    return build_ddp(ctx, comm)
+
+
+def preset_kind(name: str) -> str:
+    """How a preset's ranks divide the data (its layout): data, pipeline, model, mesh."""
+    return get_preset(name).kind
