@@ -20,6 +20,7 @@ Exit codes: 0 every row ran, 1 some row failed (named in the table), 2 bad argum
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
@@ -31,7 +32,9 @@ from disttrain.bench.presets import DEFAULT_PRESET, PRESETS
 from disttrain.bench.transports import TRANSPORTS
 from disttrain.comm.transports import gloo_threads
 from disttrain.flags import add_alias, add_json_argument
+from disttrain.train.cli import add_token_arguments
 from disttrain.train.config import OPTIMIZERS, STALENESS_LR
+from disttrain.train.data import DataOptions
 
 Row = dict[str, Any]
 
@@ -68,7 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--world-sizes", type=_csv_ints, default=d.world_sizes,
                         help="comma-separated numbers of ranks (default: 2)")
     parser.add_argument("--model", default=None, help="model (default: the preset's)")
-    parser.add_argument("--dataset", default=None, help="dataset (default: the preset's)")
+    parser.add_argument("--dataset", default=None,
+                        help="dataset (default: the preset's): a registered name, "
+                        "tokens:PATH (a file of token ids), text:PATH, or "
+                        "package.module:factory")
     parser.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                         help="optimizer of every row (default: the preset's)")
     parser.add_argument("--lr", type=float, default=None,
@@ -113,6 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "preset's; 0: only at the end, so nothing makes parameter-server "
                         "workers wait for each other)")
     _ps_arguments(parser, d)
+    add_token_arguments(parser.add_argument_group(
+        "language-model data (synthetic-lm, tokens:PATH, text:PATH; default: the preset's)"))
     mesh = parser.add_argument_group("tensor-parallel rows (tp, tp-sp, 3d, torch-tp, "
                                      "torch-tp-sp: --model transformer --dataset synthetic-lm)")
     mesh.add_argument("--tp", type=int, default=d.tp_size, dest="tp_size",
@@ -163,7 +171,7 @@ def list_experiments() -> str:
 def make_config(args: argparse.Namespace) -> BenchConfig:
     from disttrain.bench.strategy_bench import backend_of
     from disttrain.bench.transports import check_transport
-    from disttrain.train.cli import straggler_options
+    from disttrain.train.cli import straggler_options, token_options
     from disttrain.train.device import require_available
 
     check_transport(args.transport)
@@ -177,12 +185,19 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
         eval_every=args.eval_every, servers=args.servers, staleness=args.staleness,
         staleness_lr=args.staleness_lr, bind_cores=args.bind_cores, tp_size=args.tp_size,
         pp_size=args.pp_size, device=args.device, backend=args.backend,
+        data=_data_options(PRESETS[args.preset].data, token_options(args)),
         **straggler_options(args.straggler))
     require_available(config.device)
     _check_workload(config)
     for planned in plan(config):  # every run's backend can run here (NCCL: a GPU per rank)
         backend_of(config, planned)
     return config
+
+
+def _data_options(preset: DataOptions, given: dict[str, Any]) -> DataOptions | None:
+    """The preset's DataOptions with the --seq-len, --vocab-size, --token-dtype given
+    (None, the preset's, when none is)."""
+    return dataclasses.replace(preset, **given) if given else None
 
 
 def _check_workload(config: BenchConfig) -> None:

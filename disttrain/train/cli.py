@@ -9,6 +9,9 @@
     disttrain run --strategy 3d -n 4 --dp 2 --tp 2 --pp 1 --model transformer \
         --dataset synthetic-lm --optimizer adam --lr 1e-3 --zero 1
     disttrain run --strategy ps-ssp -n 4 --servers 1 --staleness 2 --straggler 1:2
+    disttrain run --strategy ddp -n 2 --model transformer --dataset tokens:data/train.bin \
+        --vocab-size 50304 --seq-len 256 --optimizer adam --lr 1e-3 --steps 1000
+    disttrain run --model transformer --dataset text:corpus.txt --seq-len 128 --steps 200
 
 With ``-n N > 1`` it starts N local ranks itself (the parameter-server strategies start N
 workers and --servers more ranks); inside a launched job (torchrun, ``disttrain launch``,
@@ -37,12 +40,13 @@ from disttrain.train.config import (
     ParallelOptions,
     TrainConfig,
 )
-from disttrain.train.data import DATASETS, DataOptions
+from disttrain.train.data import DATASETS, DataOptions, check_dataset
 from disttrain.train.device import local_backend, require_available, select_local_gpu
 from disttrain.train.models import MODELS
 from disttrain.train.registry import resolve
 from disttrain.train.result import TrainResult
 from disttrain.train.strategies import STRATEGIES, get_strategy, ranks_needed
+from disttrain.train.token_files import TOKEN_DTYPES
 
 RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"  # torchrun's; disttrain launch sets it too
 
@@ -61,7 +65,8 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--model", default="lenet",
                    help=f"one of: {', '.join(MODELS)}, or package.module:factory")
     p.add_argument("--dataset", default="digits",
-                   help=f"one of: {', '.join(DATASETS)}, or package.module:factory")
+                   help=f"one of: {', '.join(DATASETS)}; tokens:PATH (a file of token ids, "
+                        f"--token-dtype), text:PATH (bytes); or package.module:factory")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, help="passes over the training split (default 1)")
     length.add_argument("--steps", type=int, help="optimizer steps in total")
@@ -117,13 +122,18 @@ def _loop_arguments(p: argparse.ArgumentParser) -> None:
 
 def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
     data = DataOptions()
-    group = p.add_argument_group("synthetic data")
+    group = p.add_argument_group("data")
     group.add_argument("--samples", type=int, default=data.num_samples)
     group.add_argument("--input-shape", default="1,8,8", help="e.g. 3,32,32 or 20")
     group.add_argument("--num-classes", type=int, default=data.num_classes)
-    group.add_argument("--seq-len", type=int, default=data.seq_len)
-    group.add_argument("--vocab-size", type=int, default=data.vocab_size)
     group.add_argument("--data-seed", type=int, default=data.seed)
+    add_token_arguments(group)
+    group.add_argument("--loader-workers", type=int, default=data.loader_workers,
+                       help="threads reading batches ahead of the step (0: in the step; "
+                            "default %(default)s)")
+    group.add_argument("--prefetch", type=int, default=data.prefetch,
+                       help="steps' batches read ahead of the running step (default "
+                            "%(default)s)")
     ddp = p.add_argument_group("data parallel")
     ddp.add_argument("--bucket-cap-mb", type=float, default=ParallelOptions().bucket_cap_mb)
     ddp.add_argument("--compression", default=None, help="gradient compression ('ddp' only)")
@@ -176,6 +186,27 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
                          "EVERY steps (e.g. 1:2:5)")
 
 
+def add_token_arguments(group: argparse._ActionsContainer) -> None:
+    """The flags of the language-model data (synthetic-lm, tokens:PATH, text:PATH), shared
+    with ``disttrain bench``."""
+    data = DataOptions()
+    group.add_argument("--seq-len", type=int, default=None,
+                       help=f"tokens per sample (default {data.seq_len})")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help=f"synthetic-lm's vocabulary; a tokens:PATH file's ids must be "
+                            f"below it (default {data.vocab_size}; text:PATH: 256)")
+    group.add_argument("--token-dtype", choices=TOKEN_DTYPES, default=None,
+                       help=f"how a tokens:PATH file stores each id (default "
+                            f"{data.token_dtype}, nanoGPT's)")
+
+
+def token_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The DataOptions fields ``add_token_arguments``'s flags set (those given)."""
+    given = {"seq_len": args.seq_len, "vocab_size": args.vocab_size,
+             "token_dtype": args.token_dtype}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Map the flags onto TrainConfig (raises ValueError with the fix on bad values)."""
     try:
@@ -184,7 +215,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ValueError(f"--input-shape must be comma-separated ints like 1,8,8, got "
                          f"{args.input_shape!r}") from None
     data = DataOptions(num_samples=args.samples, input_shape=shape, num_classes=args.num_classes,
-                       seq_len=args.seq_len, vocab_size=args.vocab_size, seed=args.data_seed)
+                       seed=args.data_seed, loader_workers=args.loader_workers,
+                       prefetch=args.prefetch, **token_options(args))
     parallel = ParallelOptions(bucket_cap_mb=args.bucket_cap_mb, compression=args.compression,
                                find_unused_parameters=args.find_unused_parameters,
                                algorithm=args.algorithm, schedule=args.schedule,
@@ -282,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         checked_setup(config, world_size)
         require_available(config.device)  # a one-line error, before any rank starts
         resolve(MODELS, config.model, "model")
-        resolve(DATASETS, config.dataset, "dataset")
+        check_dataset(config.dataset, config.data)
         comm_config = CommConfig(timeout_s=_comm_timeout(args.comm_timeout))
         if in_job:
             result: TrainResult | None = spawn.run_in_job(config, comm_config, args.backend,

@@ -9,13 +9,17 @@
   (``label = argmax(W·x)``), a rule a model can learn to high accuracy.
 * ``synthetic-lm``: token sequences that follow a fixed random successor table with
   probability ``1 - noise`` (else a uniform token): next-token prediction is learnable.
+* ``tokens:PATH`` and ``text:PATH``: a user's corpus, a memory-mapped file of token ids or
+  plain text as bytes, cut into ``seq_len`` windows (:mod:`.token_files`).
 
 A dataset factory takes :class:`DataOptions` and returns :class:`DatasetSplits`; users plug
-in their own as ``"package.module:factory"`` (see docs/training.md).
+in their own as ``"package.module:factory"`` (see docs/training.md). The loop reads each
+step's batch with :func:`fetch`, on loader threads ahead of the step (:mod:`.loader`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,23 +28,30 @@ import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from disttrain.train.registry import call_factory, resolve
+from disttrain.train.token_files import TOKEN_DTYPES, file_spec, open_token_file, token_splits
 
 DIGITS_SPLIT_SEED = 1797  # fixed: the held-out digits never depend on the training seed
 TASKS = ("classification", "lm")
+LOADER_FIELDS = ("loader_workers", "prefetch")  # how the data is read, not which data
 
 
 @dataclass(frozen=True)
 class DataOptions:
-    """Sizes of the synthetic datasets (``digits`` ignores all but ``test_fraction``)."""
+    """Sizes of the synthetic datasets (``digits`` ignores all but ``test_fraction``), the
+    token files' layout, and how the loop reads batches: ``loader_workers`` threads fetch up
+    to ``prefetch`` steps' batches ahead of the step (0 workers: in the step itself)."""
 
     num_samples: int = 2048  # train + test
     input_shape: tuple[int, ...] = (1, 8, 8)  # one sample, for "synthetic"
     num_classes: int = 10
-    seq_len: int = 32  # tokens per sample, for "synthetic-lm"
-    vocab_size: int = 64
+    seq_len: int = 32  # tokens per sample, for "synthetic-lm", "tokens:" and "text:"
+    vocab_size: int = 64  # "synthetic-lm"; "tokens:" ids must be below it ("text:": 256)
     noise: float = 0.1  # fraction of random tokens in "synthetic-lm"
     test_fraction: float = 0.2
     seed: int = 0  # generates the synthetic data (not the training order)
+    token_dtype: str = "uint16"  # "tokens:" files: uint16 (nanoGPT's) or uint32 ids
+    loader_workers: int = 1  # threads reading batches ahead of the step (0: in the step)
+    prefetch: int = 2  # steps' batches read ahead of the step running
 
     def __post_init__(self) -> None:
         if self.num_samples < 2:
@@ -59,6 +70,22 @@ class DataOptions:
             raise ValueError(f"noise must be in [0, 1], got {self.noise}")
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
+        if self.token_dtype not in TOKEN_DTYPES:
+            raise ValueError(f"token_dtype must be one of {', '.join(TOKEN_DTYPES)} (how the "
+                             f"token file was written), got {self.token_dtype!r}")
+        for name, low in (("loader_workers", 0), ("prefetch", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int ≥ {low}, got {value!r}")
+
+    def identity(self) -> dict[str, object]:
+        """The fields that decide the data (what a checkpoint must agree with): all but how
+        it is read, and ``token_dtype`` only when it is not the default (checkpoints written
+        before it existed still resume)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in LOADER_FIELDS}
+        if fields["token_dtype"] == DataOptions.token_dtype:
+            del fields["token_dtype"]
+        return fields
 
 
 @dataclass(frozen=True)
@@ -98,7 +125,12 @@ def size(dataset: Dataset[Any]) -> int:
 
 
 def fetch(dataset: Dataset[Any], indices: Sequence[int] | torch.Tensor) -> tuple[Any, Any]:
-    """One batch ``(inputs, targets)``: a tensor gather for TensorDatasets, else collated items."""
+    """One batch ``(inputs, targets)``: a tensor gather for TensorDatasets, one read for a
+    dataset with ``get_batch(indices)`` (a token file's), else collated items."""
+    get_batch = getattr(dataset, "get_batch", None)
+    if callable(get_batch):
+        inputs, targets = get_batch(indices)
+        return inputs, targets
     if isinstance(dataset, TensorDataset):
         index = torch.as_tensor(indices, dtype=torch.long)
         inputs, targets = dataset.tensors[0], dataset.tensors[1]
@@ -190,8 +222,31 @@ DATASETS: dict[str, Callable[[DataOptions], DatasetSplits]] = {
 }
 
 
+def file_dataset(kind: str, path: str, options: DataOptions) -> DatasetSplits:
+    """``tokens:PATH`` or ``text:PATH``: the file's ``seq_len`` windows, the tail held out."""
+    source = open_token_file(kind, path, options.token_dtype, options.vocab_size,
+                             options.seq_len)
+    train, test = token_splits(source, options.seq_len, options.test_fraction)
+    return DatasetSplits(train, test, DataInfo((options.seq_len,), source.vocab, task="lm"))
+
+
+def check_dataset(name: str, options: DataOptions | None = None) -> None:
+    """Fail now, in one line, on a dataset that cannot be built: an unknown name, a factory
+    that does not import, a token or text file that cannot be used (opened and checked,
+    not read)."""
+    spec = file_spec(name)
+    if spec is not None:
+        file_dataset(*spec, options or DataOptions())
+    else:
+        resolve(DATASETS, name, "dataset")
+
+
 def build_dataset(name: str, options: DataOptions | None = None) -> DatasetSplits:
-    """The dataset registered as ``name``, or the one a ``"pkg.mod:factory"`` returns."""
+    """The dataset registered as ``name``, the file named by ``"tokens:PATH"`` or
+    ``"text:PATH"``, or the one a ``"pkg.mod:factory"`` returns."""
+    spec = file_spec(name)
+    if spec is not None:
+        return file_dataset(*spec, options or DataOptions())
     factory = resolve(DATASETS, name, "dataset")
     splits = call_factory(factory, options or DataOptions(), "dataset")
     if not isinstance(splits, DatasetSplits):

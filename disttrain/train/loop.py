@@ -44,6 +44,7 @@ from disttrain.train.config import TrainConfig
 from disttrain.train.data import DatasetSplits, build_dataset, fetch, size
 from disttrain.train.device import resolve_device, to_device
 from disttrain.train.evaluate import evaluate
+from disttrain.train.loader import Prefetcher
 from disttrain.train.memory import (
     ActivationTracker,
     formula_bytes,
@@ -104,7 +105,7 @@ def single_steps(config: TrainConfig) -> Iterator[Callable[[], StepRecord]]:
             nonlocal taken
             k = taken % batches
             taken += 1
-            return run._one_step(0, indices[k * per_step:(k + 1) * per_step])
+            return run._one_step(0, run._fetch_step(indices[k * per_step:(k + 1) * per_step]))
         yield step
     finally:
         run.close()
@@ -170,7 +171,7 @@ class _Run:
         self.total_steps = config.steps or (config.epochs or 1) * self.steps_per_epoch
         self.autocast = autocast_factory(config.precision, self.device.type)
         self.meta = {"model": config.model, "dataset": config.dataset,
-                     "data": dataclasses.asdict(config.data), "global_batch": config.global_batch,
+                     "data": config.data.identity(), "global_batch": config.global_batch,
                      "seed": config.seed, "world_size": self.world_size}
         self.step, self.start_step = 0, 0
         self.step_times: list[float] = []
@@ -209,16 +210,13 @@ class _Run:
     def execute(self, hooks: Sequence[Hook]) -> TrainResult:
         log.debug("training steps %d..%d, %d per epoch, micro-batch %d on rank %d",
                   self.step + 1, self.total_steps, self.steps_per_epoch, self.micro, self.rank)
-        while self.step < self.total_steps:
-            position = self._position()
-            if self.sampler.state_dict() != position:
-                self.sampler.load_state_dict(position)
-            indices = self.sampler.indices()
-            for k in range(len(indices) // self.per_step):
-                if self.step >= self.total_steps:
-                    break
-                record = self._one_step(position["epoch"],
-                                        indices[k * self.per_step:(k + 1) * self.per_step])
+        self.sampler.load_state_dict(self._position())
+        # loader threads read the next steps' batches while this one computes (.loader)
+        jobs = self.sampler.batches(self.per_step, self.total_steps - self.step)
+        with Prefetcher(jobs, lambda job: (job[0], self._fetch_step(job[1])),
+                        self.config.data.loader_workers, self.config.data.prefetch) as batches:
+            for epoch, micro in batches:
+                record = self._one_step(epoch, micro, waited_s=batches.waited_s)
                 for hook in hooks:
                     hook(record)
                 self.sampler.load_state_dict(self._position())
@@ -229,12 +227,18 @@ class _Run:
         self.progress.close()
         return self._result()
 
-    def _one_step(self, epoch: int, indices: torch.Tensor) -> StepRecord:
-        start_time = time.perf_counter()
+    def _fetch_step(self, indices: torch.Tensor) -> list[tuple[Any, Any]]:
+        """One step's micro-batches, read on the host (on a loader thread)."""
+        return [fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro])
+                for m in range(self.config.accumulate)]
+
+    def _one_step(self, epoch: int, batches: list[tuple[Any, Any]],
+                  waited_s: float = 0.0) -> StepRecord:
+        """One step on ``batches``; its time counts ``waited_s``, the wait for them."""
+        start_time = time.perf_counter() - waited_s
         sent_before = self._bytes_sent()
         hidden_before = self._bytes_unobserved()
-        micro = [to_device(fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro]),
-                           self.device, self.dtype) for m in range(self.config.accumulate)]
+        micro = [to_device(batch, self.device, self.dtype) for batch in batches]
         tracking = len(self.step_times) < self.tracked_steps
         with self.activations if tracking else contextlib.nullcontext():
             if self.whole_step and self.phases is not None:
@@ -339,7 +343,7 @@ class _Run:
         # peak must never exceed the maximum reported over all ranks
         peak = peak_memory_bytes(self.device)
         state = measure_state(self.strategy.model_state_tensors())  # before trained_module
-        formula = formula_bytes(self.strategy.zero_stage, self.numel, self.strategy.dp_size,
+        formula = formula_bytes(self.strategy.memory_formula, self.numel, self.strategy.dp_size,
                                 state_bytes_per_param(self.config.optimizer,
                                                       self.config.momentum))
         final_loss, (peak_max, sent_max, theory_max, state_max, act_max) = self._gathered(

@@ -19,6 +19,7 @@ evaluation, where a repeated sample would be counted twice).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sized
 
 import torch
@@ -96,6 +97,22 @@ class DistributedSampler:
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
+
+    def batches(self, batch_size: int, count: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(epoch, indices)`` of the next ``count`` batches of ``batch_size`` indices of
+        this rank's shard, from the current position (``epoch``, ``start``) on and through
+        the later epochs; an epoch's last indices that do not fill a batch are skipped. It
+        walks a copy: this sampler's own position does not move."""
+        if batch_size < 1 or len(self) < batch_size:
+            raise ValueError(f"batch_size must be in [1, {len(self)}] (this rank's shard), "
+                             f"got {batch_size}")
+        walker = copy.copy(self)
+        while count > 0:
+            shard = walker.indices()
+            for k in range(min(len(shard) // batch_size, count)):
+                yield walker.epoch, shard[k * batch_size:(k + 1) * batch_size]
+                count -= 1
+            walker.set_epoch(walker.epoch + 1)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "start": self.start}
