@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disttrain.parallel.presets import zero_presets
 from disttrain.train.data import DataOptions
 
 
@@ -63,9 +64,9 @@ PRESETS: dict[str, Preset] = {
         "110 steps; ~10 min on 2 cores",
         model="resnet50-w8", dataset="digits-28", optimizer="adam", lr=1e-3, global_batch=64,
         epochs=5, eval_every=22,
-        strategies=("ddp", "torch-ddp", "model-parallel", "gpipe", "torch-zero1", "zero1",
-                    "zero2", "zero3", "deepspeed-ddp", "deepspeed-zero1", "deepspeed-zero2",
-                    "deepspeed-zero3", "deepspeed-pipe")),
+        strategies=("ddp", "torch-ddp", "model-parallel", "gpipe", "torch-zero1",
+                    *zero_presets(), "deepspeed-ddp",
+                    *(f"deepspeed-{name}" for name in zero_presets()), "deepspeed-pipe")),
 }
 DEFAULT_PRESET = "transformer"
 
