@@ -2,7 +2,8 @@
 
 Read from the source with ``ast``, so every import counts, the ones inside functions too: a
 function-level import that closes a circle only hides it (the circle is still there when
-the function runs). Imports under ``if TYPE_CHECKING:`` never run and do not count.
+the function runs). Imports under ``if TYPE_CHECKING:`` count as well: they never run, but a
+circle the type checker follows is still two modules that need each other.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ KNOWN_CIRCLES: set[tuple[str, str]] = set()  # none left
 # What the simulator's model (disttrain/simulate/ but its command line, cli.py) may import
 # from the rest of disttrain: the calibrated cost model, the presets (names as degrees and
 # options), and the engines' own pure plans (buckets, stage cuts, schedules as data, ZeRO's
-# memory formula, tensor parallelism's sizes), so that it simulates exactly what the engines run. Nothing that starts processes
-# or measures: no bench/, train/, launch/ or probe/, no other part of parallel/ or comm/.
+# memory formula, tensor parallelism's sizes), so that it simulates exactly what the engines
+# run. Nothing that starts processes or measures: no bench/, train/, launch/ or probe/, no
+# other part of parallel/ or comm/.
 MODEL_MAY_IMPORT = {
     "disttrain.comm.cost_model",
     "disttrain.parallel.ddp.buckets",
@@ -46,12 +48,6 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imported_names(module: str) -> set[str]:
     """Every module name ``module`` imports, anywhere in the file (relative imports
     resolved; ``from package import name`` is ``package.name`` when that is a module)."""
@@ -60,10 +56,6 @@ def imported_names(module: str) -> set[str]:
     names: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -147,8 +139,8 @@ def test_the_circle_finder_finds_a_function_level_circle(
                       "if TYPE_CHECKING:\n    from disttrain.comm import stats\n"
                       "def f():\n    from disttrain.comm import communicator\n")
     monkeypatch.setitem(MODULES, "disttrain.hidden", hidden)
-    assert imported_names("disttrain.hidden") == {  # counted; TYPE_CHECKING's is not
-        "typing", "disttrain.comm.communicator"}
+    assert imported_names("disttrain.hidden") == {  # both counted, TYPE_CHECKING's too
+        "typing", "disttrain.comm.stats", "disttrain.comm.communicator"}
 
 
 def _model_modules() -> list[str]:

@@ -26,7 +26,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,12 +34,19 @@ from disttrain.comm import Communicator
 from disttrain.parallel import checkpoint_files
 from disttrain.parallel.checkpoint_files import CheckpointError, atomic_save, atomic_write_text
 
-if TYPE_CHECKING:  # the strategies import this module (the parameter server's resume)
-    from disttrain.train.strategies import Strategy
-
 log = logging.getLogger(__name__)
 LATEST = "latest"
 _STEP = re.compile(r"step-\d+")
+
+
+class Strategy(Protocol):
+    """What a checkpoint needs of a strategy: its own files, written and read per rank.
+    (A protocol, not the class: the strategies import this module, for the parameter
+    server's resume, so importing theirs back would close a circle.)"""
+
+    def save_state(self, path: str, rank: int) -> None: ...
+
+    def load_state(self, path: str, rank: int) -> None: ...
 
 
 @dataclass(frozen=True)
