@@ -1,10 +1,13 @@
 """disttrain: distributed deep-learning training for PyTorch, every strategy measured."""
 
+from disttrain import deprecated
 from disttrain.comm import CommConfig, Communicator, ReduceOp
 from disttrain.comm.monitored_barrier import monitored_barrier
 from disttrain.launch import init, shutdown
 
 __version__ = "0.1.0"
+
+deprecated.install()  # moved modules answer to their old names (disttrain.deprecated)
 
 __all__ = [
     "CommConfig",

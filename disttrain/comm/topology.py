@@ -24,6 +24,10 @@ context, and closes it with itself. This module never imports the Communicator (
 imports it): :func:`build` receives the factory that makes the sub-communicators, and a
 :class:`Hierarchy` holds them by what its legs call (:class:`LegCommunicator`). See
 docs/hierarchical.md.
+
+The functions that took the communicator, ``build_hierarchy(comm, config)``,
+``close_hierarchy(comm)`` and ``hierarchy_of(comm)``, still work and warn once: they are
+``comm.build_hierarchy(config)``, ``comm.close_hierarchy()`` and ``comm.hierarchy``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from disttrain.comm.transport import Transport
 from disttrain.comm.transports import TRANSPORTS, SharedMemoryTransport, make_transport
 from disttrain.comm.transports.shm.segment import host_key
 from disttrain.comm.transports.torch_p2p import TorchTransport, translate_error
+from disttrain.deprecated import warn_once
 
 NODE_ID_ENV = "DISTTRAIN_NODE_ID"
 KEY_BYTES = 32  # sha256 digests: every rank's key has the same size for the all-gather
@@ -302,3 +307,34 @@ def _torch_base(transport: Transport, timeout_s: float) -> TorchTransport:
                          f"group in the group's rank order; {transport.name!r} has none here. "
                          f"Build the communicator over make_transport('torch') or 'auto'")
     return TorchTransport(group, timeout_s)
+
+
+# ---------------------------------------------------------------------------- old spellings
+class HierarchyOwner(Protocol):
+    """What owns a hierarchy: a :class:`~disttrain.comm.communicator.Communicator`."""
+
+    @property
+    def hierarchy(self) -> Hierarchy | None: ...
+
+    def build_hierarchy(self, config: HierarchyConfig | None = ...) -> Hierarchy: ...
+
+    def close_hierarchy(self) -> None: ...
+
+
+def build_hierarchy(comm: HierarchyOwner, config: HierarchyConfig | None = None) -> Hierarchy:
+    """Deprecated spelling of ``comm.build_hierarchy(config)`` (collective)."""
+    warn_once("disttrain.comm.topology.build_hierarchy(comm, config)",
+              "comm.build_hierarchy(config)")
+    return comm.build_hierarchy(config)
+
+
+def close_hierarchy(comm: HierarchyOwner) -> None:
+    """Deprecated spelling of ``comm.close_hierarchy()``."""
+    warn_once("disttrain.comm.topology.close_hierarchy(comm)", "comm.close_hierarchy()")
+    comm.close_hierarchy()
+
+
+def hierarchy_of(comm: HierarchyOwner) -> Hierarchy | None:
+    """Deprecated spelling of ``comm.hierarchy``."""
+    warn_once("disttrain.comm.topology.hierarchy_of(comm)", "comm.hierarchy")
+    return comm.hierarchy
