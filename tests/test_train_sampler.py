@@ -108,3 +108,22 @@ def test_bad_arguments(kwargs, match):
 def test_accepts_a_dataset():
     data = torch.utils.data.TensorDataset(torch.zeros(9, 2))
     assert len(DistributedSampler(data, 2, 1)) == 5
+
+
+def test_batches_walk_from_the_position_through_later_epochs():
+    """What the loop's loader reads: the rest of this epoch's batches, then the next
+    epoch's, each a slice of ``indices()``; the sampler's own position stays."""
+    sampler = DistributedSampler(23, world_size=2, rank=1, seed=5, drop_last=True)
+    sampler.load_state_dict({"epoch": 1, "start": 4})  # 11 indices per epoch, batches of 2
+    walked = list(sampler.batches(2, 7))
+    assert sampler.state_dict() == {"epoch": 1, "start": 4}
+    epoch1 = sampler.indices()
+    sampler.set_epoch(2)
+    epoch2 = sampler.indices()
+    want = [(1, epoch1[k:k + 2]) for k in (0, 2, 4)] + [(2, epoch2[k:k + 2]) for k in
+                                                         (0, 2, 4, 6)]
+    assert [e for e, _ in walked] == [e for e, _ in want]
+    assert all(torch.equal(got, expected) for (_, got), (_, expected) in zip(walked, want))
+    assert list(sampler.batches(2, 0)) == []
+    with pytest.raises(ValueError, match=r"batch_size must be in \[1, 11\]"):
+        next(sampler.batches(12, 1))
