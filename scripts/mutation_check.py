@@ -122,7 +122,7 @@ FAULTS = (
           "return ctx.group.reduce_scatter(grad) / ctx.group.size, None",
           (TP64,),
           "sequence all-gather's backward averages instead of summing (1/tp)"),
-    Fault("tp-sp-layernorm", "tp-sp", "disttrain/parallel/tensor/transformer.py",
+    Fault("tp-sp-layernorm", "tp-sp", "disttrain/parallel/tensor/ops.py",
           "    group.all_reduce(flat)\n",
           "    group.all_reduce(flat)\n    flat /= group.size\n",
           (TP64, f"{MESH64}[tp-sp-3]"),

@@ -141,17 +141,105 @@ def reduce_from_tp(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     return out
 
 
-def all_gather_sequence(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    """ḡ: ``(T/t, B, H)`` → ``(T, B, H)``; backward reduce-scatters."""
+def all_gather_sequence(x: torch.Tensor, group: TPGroup, dim: int = 0) -> torch.Tensor:
+    """ḡ: ``(T/t, B, H)`` → ``(T, B, H)``; backward reduce-scatters. ``dim``: the sequence
+    dimension (1 for batch-first activations: moved to the front around the collective)."""
+    if dim:
+        return all_gather_sequence(x.movedim(dim, 0), group).movedim(0, dim)
     out: torch.Tensor = _GatherSequence.apply(x, group)
     return out
 
 
-def reduce_scatter_sequence(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group: TPGroup, dim: int = 0) -> torch.Tensor:
     """ḡ*: partial sums ``(T, B, H)`` → this rank's reduced ``(T/t, B, H)``; backward
-    all-gathers."""
+    all-gathers. ``dim``: the sequence dimension."""
+    if dim:
+        return reduce_scatter_sequence(x.movedim(dim, 0), group).movedim(0, dim)
     out: torch.Tensor = _ScatterSequence.apply(x, group)
     return out
+
+
+# ------------------------------------------ entering and leaving the sequence-parallel region
+class _SplitSequence(torch.autograd.Function):
+    """Whole and replicated → this rank's block: forward keeps the block (no
+    communication), backward all-gathers the blocks' gradients (replicated again)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+        ctx.group = group
+        check_sequence(x.shape[0], group.size)
+        per = x.shape[0] // group.size
+        return x[group.rank * per:(group.rank + 1) * per].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.group.all_gather(grad), None
+
+
+class _JoinSequence(torch.autograd.Function):
+    """This rank's block → whole and replicated: forward all-gathers, backward keeps this
+    rank's block of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+        ctx.group = group
+        return group.all_gather(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        per = grad.shape[0] // ctx.group.size
+        return grad[ctx.group.rank * per:(ctx.group.rank + 1) * per].contiguous(), None
+
+
+def split_sequence(x: torch.Tensor, group: TPGroup, dim: int = 0) -> torch.Tensor:
+    """Enter the sequence-parallel region from a whole, replicated tensor (the same on
+    every rank): this rank's block of the sequence; backward all-gathers, so the gradient
+    leaving is whole and replicated too. A model whose own code needs the whole sequence
+    first (positions, masks: Hugging Face's) enters the region here, at its first block."""
+    if dim:
+        return split_sequence(x.movedim(dim, 0), group).movedim(0, dim)
+    out: torch.Tensor = _SplitSequence.apply(x, group)
+    return out
+
+
+def join_sequence(x: torch.Tensor, group: TPGroup, dim: int = 0) -> torch.Tensor:
+    """Leave the sequence-parallel region to whole, replicated activations (for code that
+    reshapes with the whole length, such as GPT-2's after its last norm): forward
+    all-gathers, backward keeps this rank's block, so whatever consumes the result must
+    hand back a replicated gradient (a column-parallel layer's f does)."""
+    if dim:
+        return join_sequence(x.movedim(dim, 0), group).movedim(0, dim)
+    out: torch.Tensor = _JoinSequence.apply(x, group)
+    return out
+
+
+def check_sequence(length: int, tp: int) -> None:
+    """One-line ValueError when a sequence of ``length`` does not split over ``tp``."""
+    if length % tp:
+        raise ValueError(f"sequence parallelism splits each sequence over {tp} ranks, but it "
+                         f"has {length} tokens; use a sequence length divisible by {tp} "
+                         f"(--seq-len)")
+
+
+# ------------------------------------------------------------- sequence-parallel gradients
+def reduce_sequence_parallel_grads(params: list[torch.nn.Parameter], group: TPGroup) -> None:
+    """Sum the gradients of ``params`` (replicated parameters that saw this rank's part of
+    the sequence only: their gradients are partial sums) over ``group`` in one flat
+    all-reduce (a missing gradient counts as zeros; every rank of the group passes the same
+    parameters)."""
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else
+                      torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in params])
+    group.all_reduce(flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+        else:  # in place: ZeRO's gradients are views of its flat buffer
+            p.grad.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
 
 
 # ---------------------------------------------------------------------------- the loss
@@ -209,6 +297,20 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     on every rank of ``group``."""
     out: torch.Tensor = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)
     return out
+
+
+def vocab_parallel_loss(logits: torch.Tensor, target: torch.Tensor, group: TPGroup,
+                        vocab_start: int, ignore_index: int = -100,
+                        num_items: torch.Tensor | int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the tokens whose target is not ``ignore_index`` (as
+    ``F.cross_entropy`` takes it), from this rank's logits ``(..., V/t)``; with
+    ``num_items``, the sum divided by it (Hugging Face's ``num_items_in_batch``)."""
+    valid = target != ignore_index
+    per_token = vocab_parallel_cross_entropy(logits, target, group, vocab_start)
+    total = per_token.masked_fill(~valid, 0.0).sum()
+    if num_items is None:
+        return total / valid.sum()
+    return total / num_items
 
 
 def gather_vocab(logits: torch.Tensor, group: TPGroup) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""disttrain's TransformerLM split over a tensor-parallel group: :func:`apply_tensor_parallel`.
+"""disttrain's TransformerLM split over a tensor-parallel group: its plan,
+:func:`transformer_lm_plan`, and the modules it puts in place
+(:func:`~.api.apply_tensor_parallel` is :func:`~.api.parallelize` with it).
 
 The model is recognised by its structure (:func:`lm_parts`), not imported: ``parallel``
 sits below ``train`` and does not reach up into it.
@@ -13,6 +15,11 @@ parameter names (so the full model's state dict can be gathered back)::
     LayerNorm     replicated
     Linear head   column-parallel over the vocabulary (f): logits stay split, and the loss
                   is the vocabulary-parallel cross-entropy (:meth:`TensorParallelLM.loss`)
+
+The generic styles (:mod:`.plan`) split the linear layers and mark the norms; the four
+styles here know the TransformerLM's own modules: its embedding (positions, and the switch
+to sequence-first), its block and attention (sequence-first, on this rank's heads) and its
+head (batch-first logits again), and the model itself becomes a :class:`TensorParallelLM`.
 
 Inside, activations are sequence-first ``(T, B, H)``: sequence parallelism shards them along
 the sequence, and rank r's slice of dim 0 is one contiguous block for the collectives. The
@@ -34,21 +41,43 @@ regions (Megatron's RNG tracker).
 
 from __future__ import annotations
 
-import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disttrain.comm import Communicator
 from disttrain.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    unshard,
+    full_state_dict,
 )
-from disttrain.parallel.tensor.ops import TPGroup, gather_vocab, vocab_parallel_cross_entropy
+from disttrain.parallel.tensor.ops import (
+    TPGroup,
+    check_sequence,
+    gather_vocab,
+    reduce_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
+from disttrain.parallel.tensor.plan import (
+    ColumnWise,
+    Plan,
+    RowWise,
+    SequenceParallel,
+    ShardContext,
+    Style,
+    Styles,
+    record_vocab,
+)
+
+__all__ = [
+    "ParallelAttention", "ParallelBlock", "ParallelEmbeddings", "ParallelHead",
+    "TensorParallelLM", "check_divisible", "check_sequence",
+    "full_state_dict", "lm_parts", "lm_shape", "reduce_sequence_parallel_grads",
+    "sequence_parallel_parameters", "transformer_lm_plan",
+]
 
 
 class ParallelEmbeddings(nn.Module):
@@ -60,7 +89,7 @@ class ParallelEmbeddings(nn.Module):
         self.max_len = full.max_len
         self.tokens = VocabParallelEmbedding.from_embedding(full.tokens, group,
                                                             sequence_parallel)
-        self.positions = copy.deepcopy(full.positions)  # its device and dtype, too
+        self.positions = full.positions  # the model's copy: its device and dtype
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -77,14 +106,13 @@ class ParallelEmbeddings(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention on this rank's ``n_heads / t`` heads."""
+    """Causal self-attention, sequence-first, on this rank's ``n_heads / t`` heads; its
+    ``qkv`` and ``out`` are split by the plan (column-wise by heads, row-wise)."""
 
-    def __init__(self, full: Any, group: TPGroup,
-                 sequence_parallel: bool) -> None:
+    def __init__(self, full: Any, tp: int) -> None:
         super().__init__()
-        self.n_heads = full.n_heads // group.size
-        self.qkv = ColumnParallelLinear.from_linear(full.qkv, group, sequence_parallel, "qkv")
-        self.out = RowParallelLinear.from_linear(full.out, group, sequence_parallel)
+        self.n_heads = full.n_heads // tp
+        self.qkv, self.out = full.qkv, full.out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (T, B, 3·H/t), all T positions
@@ -96,15 +124,12 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    """A pre-norm block with attention and MLP split over the group."""
+    """A pre-norm block (the original's modules, split by the plan)."""
 
-    def __init__(self, full: Any, group: TPGroup, sequence_parallel: bool) -> None:
+    def __init__(self, full: Any) -> None:
         super().__init__()
-        self.norm1, self.norm2 = _copy_norm(full.norm1), _copy_norm(full.norm2)
-        self.attention = ParallelAttention(full.attention, group, sequence_parallel)
-        fc1, act, fc2 = full.mlp
-        self.mlp = nn.Sequential(ColumnParallelLinear.from_linear(fc1, group, sequence_parallel),
-                                 act, RowParallelLinear.from_linear(fc2, group, sequence_parallel))
+        self.norm1, self.attention = full.norm1, full.attention
+        self.norm2, self.mlp = full.norm2, full.mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x))
@@ -120,7 +145,8 @@ class ParallelHead(ColumnParallelLinear):
 
 
 class TensorParallelLM(nn.Sequential):
-    """This rank's shard of a TransformerLM (build it with :func:`apply_tensor_parallel`).
+    """This rank's shard of a TransformerLM (build it with
+    :func:`~.api.apply_tensor_parallel`).
 
     Train with ``model.loss(model(tokens), targets)``: the logits never leave their rank.
     """
@@ -153,9 +179,10 @@ class TensorParallelLM(nn.Sequential):
 
 
 def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The replicated parameters of ``module`` (a sequence-parallel shard, or a pipeline
-    stage of one) that work on this rank's positions only: LayerNorms, row-parallel
-    biases, the position embedding."""
+    """The replicated parameters of ``module`` (a sequence-parallel TransformerLM shard, or
+    a pipeline stage of one) that work on this rank's positions only: LayerNorms,
+    row-parallel biases, the position embedding (any model:
+    :meth:`~.api.Parallelized.sequence_parallel_parameters`)."""
     found: list[nn.Parameter] = []
     for sub in module.modules():
         if isinstance(sub, nn.LayerNorm):
@@ -167,34 +194,76 @@ def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
     return found
 
 
-def reduce_sequence_parallel_grads(params: list[nn.Parameter], group: TPGroup) -> None:
-    """Sum the gradients of ``params`` over ``group`` in one flat all-reduce (a missing
-    gradient counts as zeros; every rank of the group passes the same parameters)."""
-    if not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else
-                      torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in params])
-    group.all_reduce(flat)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        if p.grad is None:
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-        else:  # in place: ZeRO's gradients are views of its flat buffer
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
-        offset += n
+# ---------------------------------------------------------------- the TransformerLM's styles
+@dataclass(frozen=True)
+class LMModel(Style):
+    """The model (``""``): a :class:`TensorParallelLM` of the same layers."""
+
+    def apply(self, module: nn.Module, name: str, ctx: ShardContext) -> nn.Module:
+        head = lm_parts(module)[3]
+        return TensorParallelLM(list(module.children()), ctx.group, ctx.sequence_parallel,
+                                head.out_features)
 
 
-def _copy_norm(norm: nn.LayerNorm) -> nn.LayerNorm:
-    """A replica of ``norm`` on its device, in its dtype (never a fresh default one)."""
-    return copy.deepcopy(norm)
+@dataclass(frozen=True)
+class LMEmbeddings(Style):
+    """Its ``Embeddings``: vocabulary-parallel tokens, this rank's positions with SP."""
+
+    def apply(self, module: nn.Module, name: str, ctx: ShardContext) -> nn.Module:
+        layer = ParallelEmbeddings(module, ctx.group, ctx.sequence_parallel)
+        tokens: Any = module.tokens
+        ctx.adopt(f"{name}.tokens.weight", tokens.weight, "rows", layer.tokens, "weight")
+        ctx.mark_sequence_parallel(*layer.positions.parameters())
+        return layer
 
 
-def check_sequence(length: int, tp: int) -> None:
-    if length % tp:
-        raise ValueError(f"sequence parallelism splits each sequence over {tp} ranks, but it "
-                         f"has {length} tokens; use a sequence length divisible by {tp} "
-                         f"(--seq-len)")
+@dataclass(frozen=True)
+class LMBlock(Style):
+    """A ``Block``, sequence-first (its modules are split by the other entries)."""
+
+    def apply(self, module: nn.Module, name: str, ctx: ShardContext) -> nn.Module:
+        return ParallelBlock(module)
+
+
+@dataclass(frozen=True)
+class LMAttention(Style):
+    """Its attention, on this rank's heads (the original reads the width from its input)."""
+
+    def apply(self, module: nn.Module, name: str, ctx: ShardContext) -> nn.Module:
+        return ParallelAttention(module, ctx.group.size)
+
+
+@dataclass(frozen=True)
+class LMHead(Style):
+    """Its vocabulary projection: column-parallel, batch-first logits ``(B, T, V/t)``."""
+
+    def apply(self, module: nn.Module, name: str, ctx: ShardContext) -> nn.Module:
+        assert isinstance(module, nn.Linear)
+        layer = ParallelHead.from_linear(module, ctx.group, ctx.sequence_parallel)
+        ctx.adopt(f"{name}.weight", module.weight, "rows", layer, "weight")
+        record_vocab(layer, ctx)
+        return layer
+
+
+def transformer_lm_plan(model: nn.Module) -> Plan:
+    """The plan of a TransformerLM of ``model``'s shape (sequence-first inside)."""
+    embeddings, blocks, _, _ = lm_parts(model)
+    head_dim = embeddings.tokens.embedding_dim // blocks[0].attention.n_heads
+    layers = len(blocks)
+    styles: dict[str, Styles] = {"": LMModel(), "0": LMEmbeddings()}
+    styles.update({str(i): LMBlock() for i in range(1, layers + 1)})
+    styles.update({
+        "*.attention": LMAttention(),
+        "*.attention.qkv": ColumnWise(parts=3, unit=head_dim),
+        "*.attention.out": RowWise(unit=head_dim),
+        "*.mlp.0": ColumnWise(),
+        "*.mlp.2": RowWise(),
+        "*.norm1": SequenceParallel(),
+        "*.norm2": SequenceParallel(),
+        str(layers + 1): SequenceParallel(),
+        str(layers + 2): LMHead(),
+    })
+    return Plan(styles, sequence_dim=0)
 
 
 def lm_parts(model: nn.Module) -> tuple[Any, list[Any], nn.LayerNorm, nn.Linear]:
@@ -235,38 +304,6 @@ def check_divisible(model: nn.Module, tp: int) -> None:
             raise ValueError(f"tensor parallelism over {tp} ranks splits {name}={value}, "
                              f"which does not divide by {tp}; use a TP size that divides "
                              f"it or change the model")
-
-
-def apply_tensor_parallel(model: nn.Module, tp_comm: Communicator, sequence_parallel: bool = False,
-                          algorithm: str | None = None) -> TensorParallelLM:
-    """This rank's tensor-parallel shard of ``model`` (a TransformerLM, left unchanged): a
-    new module whose parameters are slices of ``model``'s. Every rank of ``tp_comm`` calls
-    it with the same model (same seed). ``algorithm``: the collectives' algorithm (None:
-    the communicator's default)."""
-    embeddings, blocks, norm, head = lm_parts(model)
-    check_divisible(model, tp_comm.world_size)
-    group = TPGroup(tp_comm, algorithm)
-    layers: list[nn.Module] = [ParallelEmbeddings(embeddings, group, sequence_parallel)]
-    layers += [ParallelBlock(b, group, sequence_parallel) for b in blocks]
-    layers.append(_copy_norm(norm))
-    layers.append(ParallelHead.from_linear(head, group, sequence_parallel))
-    return TensorParallelLM(layers, group, sequence_parallel, head.out_features)
-
-
-def full_state_dict(model: nn.Module, group: TPGroup) -> dict[str, torch.Tensor]:
-    """The unsplit model's state dict (keys as in TransformerLM) on every rank of
-    ``group``: each split parameter is all-gathered and joined (a collective)."""
-    state: dict[str, torch.Tensor] = {}
-    for prefix, module in model.named_modules():
-        split: dict[str, str] = getattr(module, "tp_split", {})
-        for name, param in module.named_parameters(recurse=False):
-            key = f"{prefix}.{name}" if prefix else name
-            how = split.get(name)
-            if how is None:
-                state[key] = param.detach().clone()
-            else:
-                state[key] = unshard(group.all_gather(param.detach().unsqueeze(0)), how)
-    return state
 
 
 def lm_shape(model: nn.Module) -> dict[str, int]:
