@@ -4,13 +4,18 @@ Every built-in model is an ``nn.Sequential``: its layers are listed in the order
 through them, so the pipeline strategy can cut it into stages (``model[:k]``, ``model[k:]``).
 A model factory takes the dataset's :class:`~disttrain.train.data.DataInfo` (input shape,
 number of classes, task) and returns an ``nn.Module``; users plug in their own factory as
-``"package.module:factory"``.
+``"package.module:factory"``. Hugging Face models (``hf:gpt2``, ``hf:llama``, the extra
+``hf``) are built from their transformers config (``--model-config FILE.json``), never
+downloaded: :func:`hf_model`.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -203,8 +208,92 @@ MODELS: dict[str, Callable[[DataInfo], nn.Module]] = {
 }
 
 
-def build_model(name: str, info: DataInfo) -> nn.Module:
-    """The model registered as ``name`` (or returned by ``"pkg.mod:factory"``) for ``info``."""
+HF_MODELS = ("hf:gpt2", "hf:llama")  # transformers causal LMs, built from --model-config
+
+
+def is_hf_model(name: str) -> bool:
+    """``"hf:..."`` names a Hugging Face model (not an import path, despite the colon)."""
+    return name.startswith("hf:")
+
+
+def _hf_settings(name: str, config_file: str) -> dict[str, Any]:
+    """The JSON object in ``config_file``; a one-line ValueError for anything else."""
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            settings = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"model {name!r}: cannot read --model-config {config_file} "
+                         f"({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model {name!r}: --model-config {config_file} is not JSON "
+                         f"({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"model {name!r}: --model-config {config_file} must hold a JSON "
+                         f"object of config fields, got {type(settings).__name__}")
+    return settings
+
+
+def hf_model(name: str, info: DataInfo, config_file: str | None) -> nn.Module:
+    """A Hugging Face causal LM (``hf:gpt2``: GPT2LMHeadModel, ``hf:llama``:
+    LlamaForCausalLM) built from its transformers config, given as JSON in
+    ``config_file``, never downloaded. A missing ``vocab_size`` is the dataset's; token ids
+    default inside the vocabulary; ``use_cache`` defaults to off (training). A config that
+    transformers rejects, a field it does not know, or one too small for the data is a
+    one-line ValueError."""
+    if name not in HF_MODELS:
+        raise ValueError(f"unknown model {name!r}; the Hugging Face models are "
+                         f"{', '.join(HF_MODELS)}")
+    if config_file is None:
+        raise ValueError(f"model {name!r} is built from its transformers config: give "
+                         f"--model-config FILE.json")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"model {name!r} needs Hugging Face transformers: pip install "
+                         f"'disttrain[hf]'") from None
+    vocab, length = _lm_shape(info, name)
+    model_type = name.removeprefix("hf:")
+    settings = _hf_settings(name, config_file)
+    if settings.pop("model_type", model_type) != model_type:
+        raise ValueError(f"model {name!r}: --model-config {config_file} is for another "
+                         f"model_type; write {model_type!r} or leave it out")
+    default = transformers.AutoConfig.for_model(model_type)
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"model {name!r}: --model-config {config_file} sets {unknown[0]!r}, "
+                         f"which a {model_type} config does not have{hint}")
+    settings.setdefault("vocab_size", vocab)
+    settings.setdefault("use_cache", False)
+    for token in ("bos_token_id", "eos_token_id"):
+        given = getattr(default, token, None)
+        if isinstance(given, int) and given >= settings["vocab_size"]:
+            settings.setdefault(token, settings["vocab_size"] - 1)
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **settings)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers raises many kinds: say which, on one line
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ValueError(f"model {name!r}: transformers rejects --model-config "
+                         f"{config_file}: {reason}") from None
+    if config.vocab_size < vocab or config.max_position_embeddings < length:
+        raise ValueError(f"model {name!r}: --model-config {config_file} has vocab_size="
+                         f"{config.vocab_size} and {config.max_position_embeddings} "
+                         f"positions; the dataset needs {vocab} and {length}")
+    assert isinstance(model, nn.Module)
+    return model
+
+
+def build_model(name: str, info: DataInfo, model_config: str | None = None) -> nn.Module:
+    """The model registered as ``name`` (or returned by ``"pkg.mod:factory"``, or a Hugging
+    Face model built from ``model_config``, :func:`hf_model`) for ``info``."""
+    if is_hf_model(name):
+        return hf_model(name, info, model_config)
+    if model_config is not None:
+        raise ValueError(f"--model-config is for the Hugging Face models "
+                         f"({', '.join(HF_MODELS)}); model {name!r} takes none")
     factory = resolve(MODELS, name, "model")
     model = call_factory(factory, info, "model")
     if not isinstance(model, nn.Module):
