@@ -22,6 +22,7 @@ from tests.tensor_parallel_cases import (
     batches,
     make_model,
     reference,
+    user_model_by_plan,
     without_key_bias,
     worst_relative_error,
 )
@@ -128,6 +129,14 @@ def test_tensor_parallel_gradients_and_sgd_equal_single_process_in_float64(
         assert grad_err[worst] < 1e-10, (worst, grad_err[worst])
         worst = max(param_err, key=param_err.__getitem__)
         assert param_err[worst] < 1e-10, (worst, param_err[worst])
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_a_users_model_by_plan_equals_one_process(pools, tp):
+    """Any model, by a plan of module names (docs/tensor_parallel.md's example): a
+    residual MLP's blocks split column then row, its head left whole."""
+    for err in pools(tp).run(user_model_by_plan):
+        assert err < 1e-12, err
 
 
 # ---------------------------------------------------------------- pure pieces
