@@ -138,7 +138,7 @@ def test_user_factories_by_import_path():
 
 @pytest.mark.parametrize("name,match", [
     ("nosuch", "unknown model 'nosuch'; choose one of: lenet, mlp, resnet, resnet50-w8, "
-     "transformer, transformer-d128"),
+     "transformer, transformer-d128, transformer-moe"),
     ("nosuch.module:f", "cannot import module"),
     (f"{__name__}:missing", "has no attribute"),
     (f"{__name__}:NOT_CALLABLE", "not a callable factory"),
@@ -155,7 +155,7 @@ def test_bad_dataset_names_and_results():
     with pytest.raises(ValueError, match=r"must return disttrain\.train\.DatasetSplits"):
         build_dataset(f"{__name__}:tiny_model")  # returns a model, not splits
     assert set(MODELS) == {"lenet", "resnet", "resnet50-w8", "mlp", "transformer",
-                           "transformer-d128"}
+                           "transformer-d128", "transformer-moe"}
 
 
 def test_resnet50_shape_and_upsampled_digits():

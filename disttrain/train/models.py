@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from disttrain.train.data import DataInfo
+from disttrain.train.moe import TransformerMoE
 from disttrain.train.registry import call_factory, resolve
 from disttrain.train.transformer import TransformerLM
 
@@ -197,6 +198,13 @@ def transformer_d128(info: DataInfo) -> nn.Module:
     return TransformerLM(vocab_size=vocab, max_len=length, d_model=128, n_heads=4, n_layers=2)
 
 
+def transformer_moe(info: DataInfo) -> nn.Module:
+    """The transformer with mixture-of-experts feed-forward blocks: 4 experts, top-2,
+    capacity factor 1.25 (disttrain/train/moe.py; spread over ranks by --ep)."""
+    vocab, length = _lm_shape(info, "transformer-moe")
+    return TransformerMoE(vocab_size=vocab, max_len=length)
+
+
 TRANSFORMER_MODELS = ("transformer", "transformer-d128")  # TransformerLMs: tp can split them
 MODELS: dict[str, Callable[[DataInfo], nn.Module]] = {
     "lenet": lenet,
@@ -205,6 +213,7 @@ MODELS: dict[str, Callable[[DataInfo], nn.Module]] = {
     "mlp": mlp,
     "transformer": transformer,
     "transformer-d128": transformer_d128,
+    "transformer-moe": transformer_moe,
 }
 
 
