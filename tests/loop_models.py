@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 from disttrain.train.data import DataInfo
@@ -24,3 +25,62 @@ def lm_6_heads(info: DataInfo) -> nn.Module:
     """The loop's TransformerLM with 6 heads of 4: tp = 2 and tp = 3 both split it."""
     vocab, length = info.num_classes, info.input_shape[0]
     return TransformerLM(vocab, length, d_model=24, n_heads=6, n_layers=2)
+
+
+class _Embed(nn.Module):
+    """Input → (hidden, skip): the residual stream starts as a tuple."""
+
+    def __init__(self, inputs: int, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(inputs, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x.flatten(1))
+        return h, h
+
+
+class _Block(nn.Module):
+    """(hidden, skip) → (hidden', skip'): a residual block whose output is a tuple."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, state: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, skip = state
+        out = torch.tanh(self.fc(h)) + skip
+        return out, h
+
+
+class _Head(nn.Module):
+    def __init__(self, width: int, classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.fc(torch.cat(state, dim=-1))
+
+
+class ResidualMLP(nn.Module):
+    """Not an nn.Sequential: its blocks pass a (hidden, skip) tuple along. ``layers()`` is
+    its chain, the stage function a pipeline cuts (docs/pipeline.md)."""
+
+    def __init__(self, inputs: int, classes: int, width: int = 16, blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = _Embed(inputs, width)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(blocks))
+        self.head = _Head(width, classes)
+
+    def layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self.embed(x)
+        for block in self.blocks:
+            state = block(state)
+        return self.head(state)
+
+
+def residual_mlp(info: DataInfo) -> nn.Module:
+    return ResidualMLP(math.prod(info.input_shape), info.num_classes)

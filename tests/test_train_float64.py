@@ -123,3 +123,12 @@ def test_tensor_parallel_meshes_in_the_loop_equal_one_process(pools, strategy, w
     config = dataclasses.replace(MESH, strategy=strategy,
                                  parallel=ParallelOptions(algorithm="ring", **options))
     check(pools(world).run(rank_train, config), config, split=split)
+
+
+@pytest.mark.parametrize("strategy", ["1f1b", "gpipe"])
+def test_a_model_that_is_not_a_sequential_pipelines_by_its_layers(pools, strategy):
+    """A residual MLP whose blocks pass a (hidden, skip) tuple: its ``layers()`` are the
+    chain, the tuples travel between the stages, the names are the model's own."""
+    config = dataclasses.replace(PIPELINE, model="tests.loop_models:residual_mlp",
+                                 strategy=strategy, parallel=ParallelOptions(microbatches=4))
+    check(pools(2).run(rank_train, config), config, split=True)

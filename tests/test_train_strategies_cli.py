@@ -55,8 +55,8 @@ def test_run_never_shows_zero_bytes_for_collectives_that_ran(transport, algorith
 
 @pytest.mark.parametrize("args,message", [
     (["--strategy", "ddp", "-n", "2", "--microbatches", "4"],
-     "--microbatches does not apply to strategy 'ddp'; it applies to: gpipe, 1f1b, "
-     "torch-gpipe, deepspeed-pipe, 3d (for gradient accumulation use --accumulate)"),
+     "--microbatches does not apply to strategy 'ddp'; it applies to: gpipe, 1f1b, 3d, "
+     "torch-gpipe, deepspeed-pipe (for gradient accumulation use --accumulate)"),
     (["--strategy", "pipeline", "--schedule", "interleaved", "-n", "2"],
      "schedule must be one of gpipe, 1f1b, got 'interleaved'"),
     (["--strategy", "gpipe", "--schedule", "1f1b", "-n", "2"],

@@ -54,9 +54,15 @@ class TorchGPipeStrategy(Strategy):
                              f"stage: on {device.type} it needs a backend that moves "
                              f"{device.type} tensors (--backend nccl for --device cuda)")
         self.microbatches = ctx.config.parallel.microbatches or DEFAULT_MICROBATCHES
-        partition = ctx.config.parallel.partition or "params"
+        from disttrain.parallel.pipeline.partition import balance_at, layer_names
+
+        given = ctx.config.parallel.partition or "params"
         inputs = ctx.sample[0]
         self.layers = layers_of(ctx.module)
+        partition: str | tuple[int, ...] = given if isinstance(given, str) else (
+            balance_at(layer_names(ctx.module, self.layers), [str(p) for p in given],
+                       comm.world_size) if any(isinstance(p, str) for p in given) else
+            tuple(int(p) for p in given))
         self.balance = agreed_balance(comm, self.layers, comm.world_size, partition,
                                       inputs[:max(1, len(inputs) // self.microbatches)],
                                       [comm.world_size, self.microbatches], "the torch-gpipe split")

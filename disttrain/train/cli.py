@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -239,15 +240,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume, tensorboard_dir=args.tensorboard, progress=args.progress)
 
 
-def parse_partition(text: str | None) -> str | tuple[int, ...] | None:
-    """``--partition``: ``params``, ``time`` or layer counts per stage like ``3,2,2``."""
+def parse_partition(text: str | None) -> str | tuple[int, ...] | tuple[str, ...] | None:
+    """``--partition``: ``params``, ``time``, layer counts per stage like ``3,2,2``, or the
+    names of the layers where stages 1, 2, … start, like ``blocks.2,head``."""
     if text is None or text in ("params", "time"):
         return text
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"--partition must be 'params', 'time' or layer counts per stage like "
-                         f"3,2,2, got {text!r}") from None
+    parts = tuple(part.strip() for part in text.split(","))
+    if all(part.isdigit() for part in parts):
+        return tuple(int(part) for part in parts)
+    if not all(re.fullmatch(r"[A-Za-z_]\w*(\.\w+)*", part) for part in parts):
+        raise ValueError(f"--partition must be 'params', 'time', layer counts per stage like "
+                         f"3,2,2, or layer names where stages start like blocks.2,head; got "
+                         f"{text!r}")
+    return parts
 
 
 def straggler_options(text: str | None) -> dict[str, Any]:

@@ -39,7 +39,9 @@ class ParallelOptions:
     # pipeline ("gpipe", "1f1b", "torch-gpipe") and model parallel ("model-parallel")
     schedule: str | None = None  # "gpipe" or "1f1b": must agree with the strategy's name
     microbatches: int | None = None  # micro-batches per step (None: 8)
-    partition: str | tuple[int, ...] | None = None  # "params", "time" or layers per stage
+    # "params", "time", layers per stage (3, 2, 2) or the layer names where stages 1, 2, …
+    # start ("blocks.2", "head")
+    partition: str | tuple[int, ...] | tuple[str, ...] | None = None
     pp_size: int | None = None  # stages per pipeline (None: every rank is a stage; "3d": 1)
     # tensor parallel and the dp × pp × tp mesh ("tp", "tp-sp", "3d", "torch-tp")
     tp_size: int | None = None  # "3d": ranks per tensor-parallel group (None: 1)
@@ -87,10 +89,13 @@ class ParallelOptions:
                                  f"stage like (3, 2, 2), got {partition!r}")
         elif partition is not None:
             balance = tuple(partition)
-            for count in balance:
-                _positive("each entry of partition (layers per stage)", count)
             if not balance:
                 raise ValueError("partition needs one layer count per stage, got ()")
+            if all(isinstance(entry, str) for entry in balance):  # split points, by name
+                object.__setattr__(self, "partition", balance)
+                return
+            for count in balance:
+                _positive("each entry of partition (layers per stage)", count)
             object.__setattr__(self, "partition", balance)
 
 

@@ -343,7 +343,7 @@ class _Run:
         # peak must never exceed the maximum reported over all ranks
         peak = peak_memory_bytes(self.device)
         state = measure_state(self.strategy.model_state_tensors())  # before trained_module
-        formula = formula_bytes(self.strategy.memory_formula, self.numel, self.strategy.dp_size,
+        formula = formula_bytes(self.strategy.zero_stage, self.numel, self.strategy.dp_size,
                                 state_bytes_per_param(self.config.optimizer,
                                                       self.config.momentum))
         final_loss, (peak_max, sent_max, theory_max, state_max, act_max) = self._gathered(

@@ -146,6 +146,7 @@ class Message:
     tensor: torch.Tensor
     rows: int
     value: float
+    bundle: bool = False  # ``tensor`` is a bundle of tensors to unpack (.bundle)
 
 
 @dataclass
@@ -247,8 +248,9 @@ class StageLink:
         self.pending.append((work, peer, what, tensor))
 
     def send(self, direction: Direction, tensor: torch.Tensor, *, call: int, mode: int,
-             microbatch: int, rows: int, value: float = 0.0) -> None:
-        """Post ``tensor`` with its header to the neighbour in ``direction``."""
+             microbatch: int, rows: int, value: float = 0.0, bundle: bool = False) -> None:
+        """Post ``tensor`` with its header to the neighbour in ``direction`` (``bundle``:
+        it holds a packed tuple, list or dict of tensors)."""
         if not isinstance(tensor, torch.Tensor):
             raise PipelineError(f"{self.describe(self.stage)} must send one tensor as its "
                                 f"{direction.noun}, got {type(tensor).__name__}; pipeline "
@@ -261,7 +263,7 @@ class StageLink:
         peer = self._peer(direction, sending=True)
         what = _what(direction, microbatch, mode, call)
         header = Header(OK, call, mode, microbatch, rows, value, tensor.dtype,
-                        tuple(tensor.shape))
+                        tuple(tensor.shape), bundle)
         key = (channel.mode, channel.position)
         expected = channel.expected(channel.position)
         chan = self._channel(direction, channel.mode, peer)
@@ -300,7 +302,7 @@ class StageLink:
         if channel.position < channel.count and not channel.posted:  # the next one lands
             self._post_recv(direction, channel.position)  # while this one is computed on
         tensor = wire.view_payload(buffer, offset, header).to(self.device)
-        return Message(tensor, header.rows, header.value)
+        return Message(tensor, header.rows, header.value, header.bundle)
 
     def _check(self, header: Header, peer: int, what: str,
                expected: tuple[int, int, int]) -> Header:

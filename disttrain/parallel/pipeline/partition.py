@@ -16,6 +16,7 @@ programming in O(p·n²) for n layers: n is a layer count, small).
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -201,14 +202,50 @@ def stage_module(layers: Sequence[nn.Module], balance: Sequence[int], stage: int
     return nn.Sequential(OrderedDict((str(i), layers[i]) for i in range(start, end)))
 
 
+def layer_names(model: Any, layers: Sequence[nn.Module]) -> list[str]:
+    """Each layer's name in ``model`` (``"3"`` in an ``nn.Sequential``, ``"blocks.2"`` for a
+    model whose ``layers()`` returns its submodules): the names of its parameters in the
+    whole model's ``state_dict``."""
+    if isinstance(model, (nn.Sequential, nn.ModuleList)):
+        return [str(i) for i in range(len(layers))]
+    by_id = {id(module): name for name, module in model.named_modules() if name}
+    return [by_id.get(id(layer), f"layer{i}") for i, layer in enumerate(layers)]
+
+
+def balance_at(names: Sequence[str], starts: Sequence[str], num_stages: int
+               ) -> tuple[int, ...]:
+    """The balance that starts stages 1, 2, … at the layers named ``starts`` (split points
+    by module name); a one-line error for a name that is no layer, or out of order."""
+    if len(starts) != num_stages - 1:
+        raise PartitionError(f"split points {list(starts)}: {num_stages} stages start at "
+                             f"{num_stages - 1} layer name(s) (stage 0 at the first layer)")
+    indices = []
+    for name in starts:
+        if name not in names:
+            raise PartitionError(f"split point {name!r} is not one of the model's layers "
+                                 f"({', '.join(names)})")
+        indices.append(names.index(name))
+    edges = [0, *indices, len(names)]
+    balance = tuple(b - a for a, b in itertools.pairwise(edges))
+    if any(b < 1 for b in balance):
+        raise PartitionError(f"split points {list(starts)} must name layers in model order, "
+                             f"after the first layer, each once")
+    return balance
+
+
 def choose_balance(layers: Sequence[nn.Module], num_stages: int,
-                   partition: str | Sequence[int], sample: torch.Tensor | None = None,
+                   partition: str | Sequence[int] | Sequence[str],
+                   sample: torch.Tensor | None = None,
                    agree: Callable[[list[float]], list[float]] | None = None,
-                   ) -> tuple[int, ...]:
-    """The balance for ``partition``: ``"params"``, ``"time"`` (needs ``sample``), or an
-    explicit sequence of layer counts. Timings differ from rank to rank, so ranks that must
-    agree on the split pass ``agree`` (e.g. an average over ranks) to combine them."""
+                   names: Sequence[str] | None = None) -> tuple[int, ...]:
+    """The balance for ``partition``: ``"params"``, ``"time"`` (needs ``sample``), an
+    explicit sequence of layer counts, or the layer names where stages 1, 2, … start
+    (``names``: every layer's, :func:`layer_names`). Timings differ from rank to rank, so
+    ranks that must agree on the split pass ``agree`` (e.g. an average over ranks)."""
     check_stages(len(layers), num_stages)
+    if not isinstance(partition, str) and any(isinstance(p, str) for p in partition):
+        return balance_at(names or [str(i) for i in range(len(layers))],
+                          [str(p) for p in partition], num_stages)
     if isinstance(partition, str):
         if partition == "params":
             return balance_by_cost(param_costs(layers), num_stages)
@@ -218,6 +255,7 @@ def choose_balance(layers: Sequence[nn.Module], num_stages: int,
                                      "pass sample=<an input batch>")
             costs = time_costs(layers, sample)
             return balance_by_cost(agree(costs) if agree else costs, num_stages)
-        raise PartitionError(f"unknown partition {partition!r}; choose 'params', 'time' or a "
-                             f"list of layer counts per stage")
-    return check_balance(partition, len(layers), num_stages)
+        raise PartitionError(f"unknown partition {partition!r}; choose 'params', 'time', a "
+                             f"list of layer counts per stage or the layer names where "
+                             f"stages start")
+    return check_balance([int(p) for p in partition], len(layers), num_stages)

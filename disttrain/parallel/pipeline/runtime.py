@@ -35,6 +35,7 @@ from torch import nn
 
 from disttrain.comm import Communicator
 from disttrain.parallel.mesh import DeviceMesh, MeshShape, build_mesh
+from disttrain.parallel.pipeline import bundle
 from disttrain.parallel.pipeline import partition as part
 from disttrain.parallel.pipeline.collectives import agreed_balance, all_reduce_gradients
 from disttrain.parallel.pipeline.link import (
@@ -45,7 +46,14 @@ from disttrain.parallel.pipeline.link import (
     StageLink,
 )
 from disttrain.parallel.pipeline.schedules import SCHEDULES, get_schedule
-from disttrain.parallel.pipeline.stage import Stage, StepRun, begin_step, device_of
+from disttrain.parallel.pipeline.stage import (
+    Stage,
+    StepRun,
+    begin_step,
+    device_of,
+    received,
+    send_value,
+)
 
 # ----------------------------------------------------------------------
 # What a pipeline is asked to do (:class:`PipelineConfig`) and what one step measured
@@ -129,17 +137,20 @@ class PipelineTotals:
         return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def split_batch(batch: torch.Tensor | None, microbatches: int, what: str) -> list[torch.Tensor]:
-    """Cut ``batch`` into ``microbatches`` pieces along dim 0. Sizes differ by at most one
-    row when the batch does not divide evenly (the loss weights each piece by its rows)."""
+def split_batch(batch: Any, microbatches: int, what: str) -> list[Any]:
+    """Cut ``batch`` (a tensor, or a tuple, list or dict of tensors of equal rows) into
+    ``microbatches`` pieces along dim 0. Sizes differ by at most one row when the batch does
+    not divide evenly (the loss weights each piece by its rows)."""
+    if batch is None:
+        raise ValueError(f"this stage needs the {what}, got None")
     if not isinstance(batch, torch.Tensor):
-        raise ValueError(f"this stage needs the {what} as a tensor, got {type(batch).__name__}")
-    rows = batch.shape[0] if batch.dim() else 0
+        bundle.leaves(batch, f"the {what}")  # tensors only: a one-line error otherwise
+    rows = bundle.rows_of(batch)
     if rows < microbatches:
         raise ValueError(f"a batch of {rows} samples ({what}) cannot be split into "
                          f"{microbatches} micro-batches: use at most {rows} micro-batches or "
                          f"a larger batch")
-    return list(torch.tensor_split(batch, microbatches))
+    return bundle.split(batch, microbatches)
 
 
 log = logging.getLogger(__name__)
@@ -158,9 +169,11 @@ class PipelineParallel:
     """
 
     def __init__(self, module: nn.Sequential, mesh: DeviceMesh, config: PipelineConfig,
-                 balance: Sequence[int] | None = None, device: torch.device | None = None
-                 ) -> None:
+                 balance: Sequence[int] | None = None, device: torch.device | None = None,
+                 names: Sequence[str] | None = None) -> None:
         self.mesh = mesh
+        # each layer's name in the whole model, by its index (the stage module's child names)
+        self.names = list(names) if names is not None else None
         self.config = config
         self.balance = tuple(balance) if balance is not None else None
         self.stage = Stage(module, mesh.pp_rank, mesh.pp_size)
@@ -199,6 +212,47 @@ class PipelineParallel:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Names as in the unsplit ``nn.Sequential`` (``"3.weight"``)."""
         return self.module.named_parameters()
+
+    def _original(self, key: str) -> str:
+        index, _, rest = key.partition(".")
+        if self.names is None:
+            return key
+        return f"{self.names[int(index)]}.{rest}" if rest else self.names[int(index)]
+
+    def named_module(self) -> nn.Module:
+        """This stage's layers under their names in the whole model (``blocks.2`` is
+        ``module.blocks[2]``-like): a module whose ``state_dict`` is :meth:`state_dict`."""
+        if self.names is None:
+            return self.module
+        root = nn.Module()
+        for key, layer in self.module.named_children():
+            owner, *path = self._original(key).split(".")
+            node = root
+            for part_name in [owner, *path][:-1]:
+                if not hasattr(node, part_name):
+                    node.add_module(part_name, nn.Module())
+                node = getattr(node, part_name)
+            node.add_module(([owner, *path])[-1], layer)
+        return root
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters and buffers under their names in the whole model
+        (``"blocks.2.fc.weight"``): the stages' dicts together are the model's."""
+        return {self._original(k): v for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load this stage's part of ``state`` (the whole model's dict, or the stages'
+        together, by the model's own names); other entries are for other stages. ``strict``:
+        every key of this stage must be there."""
+        mine = {}
+        for key in self.module.state_dict():
+            original = self._original(key)
+            if original in state:
+                mine[key] = state[original]
+            elif strict:
+                raise KeyError(f"stage {self.stage_index}: {original!r} is missing from the "
+                               f"state dict")
+        self.module.load_state_dict(mine, strict=strict)
 
     def __repr__(self) -> str:
         return (f"PipelineParallel(stage={self.stage_index}/{self.num_stages}, "
@@ -316,8 +370,8 @@ class PipelineParallel:
                 x, source = self._eval_input(mb, xs)
                 out = self.stage.forward_only(x, source)
                 if self.link is not None and not self.is_last:
-                    self.link.send(Direction.ACTIVATION, out, call=self._call, mode=EVAL,
-                                   microbatch=mb, rows=x.shape[0] if x.dim() else 0)
+                    send_value(self.link, Direction.ACTIVATION, out, call=self._call,
+                               mode=EVAL, microbatch=mb, rows=bundle.rows_of(x))
                 if self.is_last:
                     outputs.append(out)
             if self.link is not None:
@@ -325,19 +379,18 @@ class PipelineParallel:
         except BaseException as exc:
             self._abort(exc)
             raise
-        return torch.cat(outputs) if self.is_last else None
+        return bundle.concat(outputs) if self.is_last else None
 
-    def _eval_input(self, mb: int,
-                    xs: list[torch.Tensor] | None) -> tuple[torch.Tensor, str | None]:
+    def _eval_input(self, mb: int, xs: list[Any] | None) -> tuple[Any, str | None]:
         if xs is not None:
             return xs[mb], None
         assert self.link is not None
         message = self.link.recv(Direction.ACTIVATION, call=self._call, mode=EVAL, microbatch=mb)
-        return message.tensor, self.link.describe(self.stage_index - 1)
+        return received(message, "an activation"), self.link.describe(self.stage_index - 1)
 
 
 def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
-                   microbatches: int = 8, partition: str | Sequence[int] = "params",
+                   microbatches: int = 8, partition: str | Sequence[int] | Sequence[str] = "params",
                    pp_size: int | None = None, sample: torch.Tensor | None = None,
                    mesh: DeviceMesh | None = None, warn_bubble: bool = True
                    ) -> PipelineParallel:
@@ -345,7 +398,12 @@ def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
     the ranks of ``comm`` and return this rank's stage, ready for ``train_step``.
 
     ``partition``: ``"params"`` (balance parameter counts), ``"time"`` (balance measured
-    forward + backward time on ``sample``), or the number of layers of each stage.
+    forward + backward time on ``sample``), the number of layers of each stage, or the
+    names of the layers where stages 1, 2, … start (``["blocks.2", "head"]``). A layer
+    takes the previous one's output as its one argument and may return a tensor or a
+    tuple, list or dict of tensors: a model whose forward is not a plain chain gives its
+    chain as a ``layers()`` method (a stage function per piece), and names in
+    ``state_dict()`` are the model's own.
     ``pp_size``: stages per pipeline; the world is then ``world_size / pp_size`` data
     parallel replicas of the pipeline. ``mesh``: a mesh built over ``comm`` instead (its
     ``pp`` groups run the stages, its ``dp`` groups average their gradients; with tp > 1
@@ -354,12 +412,18 @@ def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
     micro-batches than stages leave stages idle (not for model parallelism: m = 1 on
     purpose).
     """
+    layers = part.layers_of(model)
+    names = part.layer_names(model, layers)
+    stages = mesh.pp_size if mesh is not None else _pipeline_shape(comm.world_size,
+                                                                    pp_size).pp
+    if not isinstance(partition, str) and any(isinstance(p, str) for p in partition):
+        partition = part.balance_at(names, [str(p) for p in partition], stages)
     config = PipelineConfig(schedule, microbatches,
-                            partition if isinstance(partition, str) else tuple(partition),
+                            partition if isinstance(partition, str) else tuple(
+                                int(p) for p in partition),
                             mesh.pp_size if mesh is not None else pp_size)
     if mesh is None:
         mesh = build_mesh(comm, _pipeline_shape(comm.world_size, config.pp_size))
-    layers = part.layers_of(model)
     pp = mesh.pp_size
     settings = [pp, config.microbatches, sorted(SCHEDULES).index(config.schedule)]
     balance = agreed_balance(comm, layers, pp, config.partition, sample, settings,
@@ -373,7 +437,7 @@ def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
                  "micro-batches", pp, mesh.dp_size, mesh.tp_size, list(balance),
                  config.schedule, config.microbatches)
     return PipelineParallel(part.stage_module(layers, balance, mesh.pp_rank), mesh, config,
-                            balance, device_of(layers))
+                            balance, device_of(layers), names)
 
 
 def _pipeline_shape(world_size: int, pp_size: int | None) -> MeshShape:

@@ -25,10 +25,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 from torch import nn
 
+from disttrain.parallel.pipeline import bundle
 from disttrain.parallel.pipeline.link import TRAIN, Direction, PipelineError, StageLink
 from disttrain.parallel.pipeline.schedules import (
     Action,
@@ -43,9 +45,22 @@ from disttrain.parallel.pipeline.schedules import (
 
 @dataclass
 class _Stashed:
-    input: torch.Tensor
-    output: torch.Tensor  # the last stage stashes the (scalar) loss
+    inputs: list[torch.Tensor]  # the input's tensor leaves (one: a plain tensor)
+    spec: Any  # the input's structure (None: a plain tensor)
+    output: Any  # a tensor or a tree of them; the last stage stashes the (scalar) loss
     nbytes: int
+
+
+def _flat(value: Any, what: str) -> tuple[list[torch.Tensor], Any]:
+    """A boundary value's tensor leaves and structure (None for a plain tensor)."""
+    return ([value], None) if bundle.is_tensor(value) else bundle.leaves(value, what)
+
+
+def _describe(value: Any) -> str:
+    if bundle.is_tensor(value):
+        return f"of shape {tuple(value.shape)} and dtype {value.dtype}"
+    flat, _ = bundle.leaves(value, "the activation")
+    return f"{type(value).__name__} of tensors {[tuple(t.shape) for t in flat]}"
 
 
 class Stage:
@@ -78,7 +93,9 @@ class Stage:
         if storages != self._not_activations:  # parameters moved: counts may differ
             self._not_activations, self._saved_bytes = storages, {}
 
-    def _run_layers(self, x: torch.Tensor, source: str | None) -> torch.Tensor:
+    def _run_layers(self, x: Any, source: str | None) -> Any:
+        """Each layer takes the previous one's output as its one argument: a tensor, or a
+        tuple, list or dict of tensors (a stage boundary carries any of them)."""
         for offset, layer in enumerate(self.module):
             try:
                 x = layer(x)
@@ -87,27 +104,29 @@ class Stage:
                     raise
                 raise PipelineError(
                     f"stage {self.index} could not run its first layer (layer "
-                    f"{self.first_layer}, {type(layer).__name__}) on the activation of shape "
-                    f"{tuple(x.shape)} and dtype {x.dtype} received from {source}: the layers "
-                    f"on either side of this stage boundary do not fit together ({exc})"
-                ) from exc
-            if not isinstance(x, torch.Tensor):
-                raise PipelineError(f"layer {self.first_layer + offset} on stage {self.index} "
-                                    f"returned {type(x).__name__}; pipeline layers must return "
-                                    f"one tensor")
+                    f"{self.first_layer}, {type(layer).__name__}) on the activation "
+                    f"{_describe(x)} received from {source}: the layers on either side of "
+                    f"this stage boundary do not fit together ({exc})") from exc
+            if not bundle.is_tensor(x):
+                bundle.leaves(x, f"the output of layer {self.first_layer + offset} on stage "
+                                 f"{self.index}")
         return x
 
-    def forward(self, microbatch: int, x: torch.Tensor, *, source: str | None = None,
-                loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                loss_key: tuple[object, ...] = ()) -> torch.Tensor:
+    def forward(self, microbatch: int, x: Any, *, source: str | None = None,
+                loss: Callable[[Any], torch.Tensor] | None = None,
+                loss_key: tuple[object, ...] = ()) -> Any:
         """Run the layers on ``x`` (received from ``source``, or None on the first stage) and
         stash what backward needs. With ``loss``, return and stash ``loss(output)`` instead;
         ``loss_key`` describes what the loss saves besides the output (its target's shape,
         dtype and storage size), so the saved bytes are counted once per signature."""
-        if source is not None and x.is_floating_point():
-            x.requires_grad_(True)
-        kind = x.device.type
-        key = (tuple(x.shape), x.dtype, x.requires_grad, x.untyped_storage().nbytes(),
+        inputs, spec = _flat(x, f"the input of stage {self.index}")
+        if source is not None:
+            for leaf in inputs:
+                if leaf.is_floating_point():
+                    leaf.requires_grad_(True)
+        kind = inputs[0].device.type if inputs else "cpu"
+        key = (tuple((tuple(t.shape), t.dtype, t.requires_grad, t.untyped_storage().nbytes())
+                     for t in inputs),
                self.module.training, torch.is_autocast_enabled(kind),
                torch.get_autocast_dtype(kind), loss is not None, loss_key)
         nbytes = self._saved_bytes.get(key)
@@ -121,31 +140,46 @@ class Stage:
         if saved is not None:
             nbytes = self._saved_bytes[key] = saved.nbytes
         assert nbytes is not None
-        self._stash[microbatch] = _Stashed(x, out, nbytes)
+        self._stash[microbatch] = _Stashed(inputs, spec, out, nbytes)
         self._held_bytes += nbytes
         self.peak_stashed = max(self.peak_stashed, len(self._stash))
         self.peak_bytes = max(self.peak_bytes, self._held_bytes)
         return out
 
-    def output_shape(self, microbatch: int) -> tuple[int, ...]:
-        return tuple(self._stash[microbatch].output.shape)
+    def output_leaves(self, microbatch: int) -> list[torch.Tensor]:
+        """The tensor leaves of the micro-batch's stashed output (one: a plain tensor)."""
+        return _flat(self._stash[microbatch].output, "the output")[0]
 
-    def backward(self, microbatch: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Back-propagate ``grad`` (None for the loss) through the micro-batch's stashed
-        graph; parameter gradients accumulate in ``.grad``. Returns the input's gradient
-        (zeros if the input did not influence the output), or None on the first stage."""
+    def input_spec(self, microbatch: int) -> Any:
+        """The structure of the micro-batch's input (None: a plain tensor)."""
+        return self._stash[microbatch].spec
+
+    def backward(self, microbatch: int, grads: list[torch.Tensor] | None
+                 ) -> list[torch.Tensor] | None:
+        """Back-propagate ``grads`` (one per output leaf; None for the loss) through the
+        micro-batch's stashed graph; parameter gradients accumulate in ``.grad``. Returns
+        the input leaves' gradients (zeros where a leaf did not influence the output, empty
+        for a leaf that takes none), or None on the first stage."""
         stashed = self._stash.pop(microbatch)
         self._held_bytes -= stashed.nbytes
         start = time.perf_counter()
-        if stashed.output.requires_grad:
-            torch.autograd.backward(stashed.output, grad)
+        if grads is None:
+            if stashed.output.requires_grad:
+                torch.autograd.backward(stashed.output)
+        else:
+            outs = _flat(stashed.output, "the output")[0]
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self.busy_s += time.perf_counter() - start
-        x = stashed.input
         if self.index == 0:
             return None
-        return x.grad if x.grad is not None else torch.zeros_like(x)
+        if stashed.spec is None:  # a plain tensor: its gradient, as before bundles existed
+            x = stashed.inputs[0]
+            return [x.grad if x.grad is not None else torch.zeros_like(x)]
+        return bundle.gradients_of(stashed.inputs)
 
-    def forward_only(self, x: torch.Tensor, source: str | None = None) -> torch.Tensor:
+    def forward_only(self, x: Any, source: str | None = None) -> Any:
         """Inference: run the layers without building a graph or stashing anything."""
         start = time.perf_counter()
         with torch.no_grad():
@@ -229,19 +263,19 @@ class StepRun:
     """The state of one ``train_step`` on one stage."""
 
     def __init__(self, stage: Stage, link: StageLink | None, call: int,
-                 inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None,
+                 inputs: list[Any] | None, targets: list[torch.Tensor] | None,
                  loss_fn: LossFn) -> None:
         self.stage = stage
         self.link = link
         self.call = call
-        self.inputs: dict[int, torch.Tensor] = dict(enumerate(inputs)) if inputs else {}
+        self.inputs: dict[int, Any] = dict(enumerate(inputs)) if inputs else {}
         self.targets = targets
         self.loss_fn = loss_fn
         self.total_rows = sum(len(t) for t in targets) if targets else 0
         self.rows: dict[int, int] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.grads: dict[int, torch.Tensor] = {}
-        self.input_grads: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}
+        self.grads: dict[int, list[torch.Tensor]] = {}
+        self.input_grads: dict[int, tuple[list[torch.Tensor], Any]] = {}
         self.loss_sum: torch.Tensor | None = None  # the last stage's running loss
         self.loss_seen = 0.0  # the loss as carried by the latest gradient header
         self.handlers: dict[type[Action], Callable[[int], None]] = {
@@ -264,12 +298,12 @@ class StepRun:
 
     def recv_act(self, mb: int) -> None:
         message = self._link().recv(ACTIVATION, call=self.call, mode=TRAIN, microbatch=mb)
-        self.inputs[mb], self.rows[mb] = message.tensor, message.rows
+        self.inputs[mb], self.rows[mb] = received(message, "an activation"), message.rows
 
     def forward(self, mb: int) -> None:
         x = self.inputs.pop(mb)
         if self.stage.index == 0:
-            self.rows[mb] = x.shape[0] if x.dim() else 0
+            self.rows[mb] = bundle.rows_of(x)
         if self.targets is None:
             self.outputs[mb] = self.stage.forward(mb, x, source=self._source())
             return
@@ -281,7 +315,7 @@ class StepRun:
                 f"every rank must pass the same batch (inputs and targets of equal length)")
         weight = len(target) / self.total_rows  # 1/m for equal micro-batches
 
-        def loss(out: torch.Tensor) -> torch.Tensor:
+        def loss(out: Any) -> torch.Tensor:
             return self.loss_fn(out, target) * weight
 
         key = (tuple(target.shape), target.dtype, target.untyped_storage().nbytes())
@@ -293,29 +327,37 @@ class StepRun:
         self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
 
     def send_act(self, mb: int) -> None:
-        self._link().send(ACTIVATION, self.outputs.pop(mb), call=self.call, mode=TRAIN,
-                          microbatch=mb, rows=self.rows[mb])
+        send_value(self._link(), ACTIVATION, self.outputs.pop(mb), call=self.call,
+                   mode=TRAIN, microbatch=mb, rows=self.rows[mb])
 
     def recv_grad(self, mb: int) -> None:
         link = self._link()
         message = link.recv(GRADIENT, call=self.call, mode=TRAIN, microbatch=mb)
-        grad, self.loss_seen = message.tensor, message.value
-        expected = self.stage.output_shape(mb)
-        if tuple(grad.shape) != expected:
+        self.loss_seen = message.value
+        outputs = self.stage.output_leaves(mb)
+        if message.bundle:  # a leaf that takes no gradient gets an empty one
+            grads = bundle.unpack(message.tensor, "a gradient")[0]
+            shapes = [tuple(o.shape) if o.is_floating_point() else (0,) for o in outputs]
+        else:
+            grads, shapes = [message.tensor], [tuple(o.shape) for o in outputs]
+        if [tuple(g.shape) for g in grads] != shapes:
             raise PipelineError(
-                f"{link.describe(self.stage.index)} sent an output of shape {expected} for "
-                f"micro-batch {mb} but {link.describe(self.stage.index + 1)} sent back a "
-                f"gradient of shape {tuple(grad.shape)}")
-        self.grads[mb] = grad
+                f"{link.describe(self.stage.index)} sent an output of shape(s) {shapes} for "
+                f"micro-batch {mb} but {link.describe(self.stage.index + 1)} sent back "
+                f"gradient(s) of shape(s) {[tuple(g.shape) for g in grads]}")
+        self.grads[mb] = grads
 
     def backward(self, mb: int) -> None:
-        grad_in = self.stage.backward(mb, self.grads.pop(mb, None))
-        if grad_in is not None:
-            self.input_grads[mb] = grad_in
+        spec = self.stage.input_spec(mb)
+        grads_in = self.stage.backward(mb, self.grads.pop(mb, None))
+        if grads_in is not None:
+            self.input_grads[mb] = (grads_in, spec)
 
     def send_grad(self, mb: int) -> None:
-        self._link().send(GRADIENT, self.input_grads.pop(mb), call=self.call, mode=TRAIN,
-                          microbatch=mb, rows=self.rows.pop(mb), value=self.loss())
+        grads, spec = self.input_grads.pop(mb)
+        value = grads[0] if spec is None else bundle.build(grads, spec)
+        send_value(self._link(), GRADIENT, value, call=self.call, mode=TRAIN, microbatch=mb,
+                   rows=self.rows.pop(mb), value=self.loss())
 
     def loss(self) -> float:
         """The batch's loss: summed here on the last stage; elsewhere what the last gradient
@@ -323,3 +365,21 @@ class StepRun:
         every stage its final gradient after its final receive, so it is the full sum once
         the step is done)."""
         return float(self.loss_sum) if self.loss_sum is not None else self.loss_seen
+
+
+def received(message: Any, what: str) -> Any:
+    """A message's value: its tensor, or the tuple, list or dict of tensors it bundles."""
+    if not message.bundle:
+        return message.tensor
+    flat, spec = bundle.unpack(message.tensor, what)
+    return bundle.build(flat, spec)
+
+
+def send_value(link: StageLink, direction: Direction, payload: Any, **header: Any) -> None:
+    """Send a tensor as itself, and any other value as a bundle (one message either way)."""
+    if bundle.is_tensor(payload):
+        link.send(direction, payload, **header)
+        return
+    flat, spec = bundle.leaves(payload, f"the {direction.noun}")
+    device = flat[0].device if flat else "cpu"
+    link.send(direction, bundle.pack(flat, spec, device), bundle=True, **header)

@@ -6,6 +6,9 @@
     header   = magic, status, call, mode, micro-batch, rows, value (float64), dtype, ndim,
                shape[6], payload bytes
 
+A payload is one tensor, or a *bundle* (:mod:`.bundle`: a tuple, list or dict of tensors
+packed into bytes), which the dtype field says with a code of its own.
+
 Header and payload travel in *one* message (one ``isend``, one ``irecv``): point-to-point
 messages cost a fixed ~0.1-0.5 ms each on Gloo, which for small activations is most of a
 pipeline's communication time. The receiver must post a buffer of the right size before the
@@ -35,6 +38,7 @@ MODES = (TRAIN, EVAL)
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _DTYPE_INDEX = {dtype: i for i, dtype in enumerate(DTYPES)}
+_BUNDLE = len(DTYPES)  # the dtype code of a bundle: bytes to unpack, not a tensor
 assert _FORMAT.size == HEADER_BYTES
 
 
@@ -55,6 +59,7 @@ class Header:
     value: float  # the loss known so far, on gradient messages
     dtype: torch.dtype
     shape: tuple[int, ...]
+    bundle: bool = False  # the payload is a bundle of tensors (uint8 bytes)
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +73,8 @@ class Header:
         """Write the header into the first 128 bytes of a uint8 CPU ``buffer``."""
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         _FORMAT.pack_into(buffer.numpy().data, 0, _MAGIC, self.status, self.call, self.mode,
-                          self.microbatch, self.rows, self.value, _DTYPE_INDEX[self.dtype],
+                          self.microbatch, self.rows, self.value,
+                          _BUNDLE if self.bundle else _DTYPE_INDEX[self.dtype],
                           len(self.shape), *shape, self.nbytes)
 
     @staticmethod
@@ -82,11 +88,13 @@ class Header:
         magic, status, call, mode, microbatch, rows, value, dtype, ndim = v[:9]
         shape = tuple(v[9:9 + ndim]) if 0 <= ndim <= MAX_NDIM else (-1,)
         if magic != _MAGIC or status not in STATUSES or mode not in MODES or not (
-                0 <= dtype < len(DTYPES)) or any(d < 0 for d in shape):
+                0 <= dtype <= _BUNDLE) or any(d < 0 for d in shape):
             raise PipelineError(f"received a malformed pipeline header {list(v)}: another "
                                 f"message used the pipeline's tags, or the ranks run different "
                                 f"versions")
-        header = Header(status, call, mode, microbatch, rows, value, DTYPES[dtype], shape)
+        bundle = dtype == _BUNDLE
+        header = Header(status, call, mode, microbatch, rows, value,
+                        torch.uint8 if bundle else DTYPES[dtype], shape, bundle)
         if header.nbytes != v[15]:
             raise PipelineError(f"received a pipeline header whose shape {header.shape} and "
                                 f"dtype {header.dtype} do not make its {v[15]} payload bytes")

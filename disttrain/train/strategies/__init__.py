@@ -209,17 +209,20 @@ def check_pipeline(config: TrainConfig, world_size: int, dp: int) -> None:
 def _check_layers(config: TrainConfig, stages: int) -> None:
     """Refuse more stages than the model has layers (or a --partition that does not fit it)
     before any rank starts: the model is built here once, on the CPU, to count them."""
-    from disttrain.parallel.pipeline.partition import check_balance, check_stages, layers_of
+    from disttrain.parallel.pipeline import partition as part
     from disttrain.train.data import build_dataset
     from disttrain.train.models import build_model
 
     info = build_dataset(config.dataset, config.data).info
-    layers = len(layers_of(build_model(config.model, info)))
+    model = build_model(config.model, info)
+    layers = part.layers_of(model)
     partition = config.parallel.partition
-    if isinstance(partition, tuple):
-        check_balance(partition, layers, stages)
+    if isinstance(partition, tuple) and all(isinstance(p, str) for p in partition):
+        part.balance_at(part.layer_names(model, layers), [str(p) for p in partition], stages)
+    elif isinstance(partition, tuple):
+        part.check_balance([int(p) for p in partition], len(layers), stages)
     else:
-        check_stages(layers, stages)
+        part.check_stages(len(layers), stages)
 
 
 def _check_ps(config: TrainConfig, world_size: int, dp: int) -> None:

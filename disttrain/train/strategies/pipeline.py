@@ -46,21 +46,26 @@ from disttrain.train.strategies.base import (
 DEFAULT_MICROBATCHES = 8
 
 
-def activation_sizes(module: nn.Module, sample: Any, autocast: Autocast = nullcontext
-                     ) -> list[int]:
-    """Bytes per sample of each layer's output, measured on one sample (forward only, in
-    eval mode, so no running statistic changes)."""
-    from disttrain.parallel.pipeline import layers_of
+def activation_sizes(module: nn.Module, sample: Any, autocast: Autocast = nullcontext,
+                     rows: int = 1) -> list[float]:
+    """Bytes per sample of each layer's output as a message, measured on ``rows`` samples
+    (a micro-batch: a tuple or dict output travels as a bundle whose manifest does not grow
+    with the rows; forward only, in eval mode, so no running statistic changes)."""
+    from disttrain.parallel.pipeline import bundle, layers_of
 
     was_training = module.training
     module.eval()
     sizes = []
     try:
-        x = sample[:1]
+        x = bundle.split(sample, max(1, bundle.rows_of(sample) // max(rows, 1)))[0]
+        rows = max(bundle.rows_of(x), 1)
         with torch.no_grad(), autocast():
             for layer in layers_of(module):
                 x = layer(x)
-                sizes.append(x.numel() * x.element_size())
+                if bundle.is_tensor(x):
+                    sizes.append(x.numel() * x.element_size() / rows)
+                else:
+                    sizes.append(bundle.pack(*bundle.leaves(x, "an output")).numel() / rows)
     finally:
         module.train(was_training)
     return sizes
@@ -72,7 +77,7 @@ def stage_layers(module: nn.Module) -> tuple[int, int]:
     return (names[0], names[-1]) if names else (0, -1)
 
 
-def pipeline_theory(sizes: Sequence[int], layers: tuple[int, int], stage: int, pp: int,
+def pipeline_theory(sizes: Sequence[float], layers: tuple[int, int], stage: int, pp: int,
                     microbatches: int, local_batch: int, headers: bool = True) -> float:
     """Bytes stage ``stage`` of ``pp`` sends in one step over its pipeline neighbours."""
     first, last = layers
@@ -106,9 +111,10 @@ class PipelineStrategy(Strategy):
         self.pipe, self.settings = pipe, settings
         self.eval_min_rows = settings.microbatches
         self.steps: list[Any] = []  # StepStats per step
-        sizes = activation_sizes(ctx.module, ctx.sample[0], autocast_factory(
-            ctx.config.precision, ctx.sample[0].device.type))
         local_batch = ctx.config.global_batch // settings.dp_size
+        sizes = activation_sizes(ctx.module, ctx.sample[0], autocast_factory(
+            ctx.config.precision, ctx.sample[0].device.type),
+            rows=local_batch // settings.microbatches)
         theory = pipeline_theory(sizes, stage_layers(pipe.module), settings.stage,
                                  settings.pp_size, settings.microbatches, local_batch)
         if settings.dp_size > 1:
@@ -188,6 +194,11 @@ class PipelineStrategy(Strategy):
         self.module.load_state_dict(state["model"])
         if isinstance(self.optimizer, torch.optim.Optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
+
+    def trained_module(self) -> nn.Module:
+        """This stage's layers under the model's own names (``blocks.1.fc.weight``)."""
+        named = getattr(self.pipe, "named_module", None)
+        return named() if named is not None else self.module
 
     # ------------------------------------------------------------------ measurements
     def communicators(self) -> list[Communicator]:
