@@ -123,8 +123,10 @@ def finish_gradients(model: nn.Module, ep: Communicator | EPGroup | None, *,
                      algorithm: str | None = None) -> None:
     """After backward, before the optimizer: average the replicated gradients over ``ep``
     (one flat all-reduce per dtype, by ``algorithm``) and divide the expert gradients by
-    its size (see the layout above). A replicated parameter without a gradient on this
-    rank contributes zeros and receives the average. Collective over ``ep``."""
+    its size (see the layout above). Once per step, after the last micro-batch's backward
+    (it is linear: accumulated gradients need it once). A replicated parameter without a
+    gradient on this rank contributes zeros and receives the average. Collective over
+    ``ep``."""
     comm = ep.comm if isinstance(ep, EPGroup) else ep
     if comm is None or comm.world_size == 1:
         return
