@@ -12,7 +12,9 @@ from memory-mapped files::
 No rank ever holds more than its own shard (the DeepSpeed and torch complaints this answers:
 checkpoints tied to the GPU count, DeepSpeed#2898; consolidating optimizer state on one rank
 running out of memory, pytorch#68181). Groups are matched by parameter *name*, so a
-checkpoint from stage 1 loads into stage 3 and vice versa.
+checkpoint from stage 1 loads into stage 3 and vice versa. A hybrid run (:mod:`.hybrid`)
+saves once, from its first replica (the others hold the same shards): a checkpoint of
+shard groups of S ranks is the checkpoint of plain ZeRO on S, and loads on any layout.
 """
 
 from __future__ import annotations
@@ -47,8 +49,28 @@ log = logging.getLogger(__name__)
 
 def save(zero: ZeroWrapper, directory: str | Path) -> None:
     """Write this rank's shard; rank 0 also writes buffers and the layout. Every rank of
-    ``zero.comm`` must call it (it ends with barriers)."""
-    directory = Path(directory)
+    ``zero.comm`` (and of ``zero.replicate``) must call it; it returns once the checkpoint
+    is complete. Of a hybrid run's replicas only the first writes."""
+    replicate = zero.replicate
+    if replicate is None:
+        _save(zero, Path(directory))
+        return
+    failure: Exception | None = None
+    if replicate.rank == 0:
+        try:
+            _save(zero, Path(directory))
+        except Exception as exc:  # the other replicas must hear of it, not wait forever
+            failure = exc
+    failed = torch.tensor([0.0 if failure is None else 1.0])
+    replicate.all_reduce(failed, "max")  # the others return once the first one's is sealed
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise CheckpointError(f"the first replica could not save {directory} (its rank "
+                              f"reports why)", "see the error of replicate rank 0")
+
+
+def _save(zero: ZeroWrapper, directory: Path) -> None:
     comm, optimizer = zero.comm, zero.optimizer
     if comm.rank == 0:  # an older checkpoint here stops being one until this save completes
         directory.mkdir(parents=True, exist_ok=True)

@@ -13,12 +13,15 @@ parameter of optimizer state (fp32 master weights included)::
 fp32 Adam has P = G = 4 and K = 8 (no separate master: the shard is the parameter), so
 DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N; SGD with momentum has K = 4
 (fp32) or 8 (bf16 with fp32 master). Stages 2 and 3 keep the gradient shard in the reduce
-dtype, so G there is its size.
+dtype, so G there is its size. Hybrid sharding (:mod:`.hybrid`: shards inside groups of S
+ranks, replicas across them) divides by S instead of N: ZeRO-3 holds 16Ψ/S.
 
 :func:`measure` counts each storage once (views of one flat buffer are one allocation) and
 attributes it to the first category that holds it. It counts what a rank *keeps* between
 steps; transient buffers (communication buckets, a layer gathered for its forward) are freed
-by the end of ``step()`` and are not model states.
+by the end of ``step()`` and are not model states. :class:`WrapMemory` counts the other
+moment that matters, wrapping: what a wrapper materialises at once (meta initialisation,
+:mod:`.meta`, keeps it at the shards plus one unit).
 """
 
 from __future__ import annotations
@@ -83,18 +86,25 @@ def measure_module(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def formula(stage: int | str, numel: int, world_size: int, *, param_bytes: int,
-            grad_bytes: int, optimizer_bytes: int) -> ModelStateBytes:
+            grad_bytes: int, optimizer_bytes: int, dp_shard: int | None = None
+            ) -> ModelStateBytes:
     """The paper's model-state bytes per rank for ``numel`` (Ψ) parameters on N ranks,
     sharded to ZeRO ``stage`` (0: replicated, as DDP keeps them; ``"ddp"`` and
     ``"zeroS"`` are accepted too).
 
     ``optimizer_bytes`` is K per parameter (master copy + optimizer state); ``grad_bytes``
-    the bytes of one (kept) gradient element.
+    the bytes of one (kept) gradient element. ``dp_shard``: hybrid sharding's shard-group
+    size S (a divisor of N; the N/S replicas hold the same shards), so what is sharded is
+    divided by S; ``None``: every rank shards (S = N).
     """
     s = _stage(stage)
     if world_size < 1 or numel < 0:
         raise ValueError(f"need world_size ≥ 1 and numel ≥ 0, got {world_size}, {numel}")
-    psi, n = numel, world_size
+    if dp_shard is not None and (isinstance(dp_shard, bool) or not isinstance(dp_shard, int)
+                                 or dp_shard < 1 or world_size % dp_shard):
+        raise ValueError(f"dp_shard must be an int ≥ 1 that divides world_size={world_size} "
+                         f"(shard groups of S ranks, N/S replicas), got {dp_shard!r}")
+    psi, n = numel, world_size if dp_shard is None else dp_shard
     params = param_bytes * psi // (n if s >= 3 else 1)
     grads = grad_bytes * psi // (n if s >= 2 else 1)
     opt = optimizer_bytes * psi // (n if s >= 1 else 1)
@@ -150,11 +160,56 @@ def zero_formula(zero: ZeroWrapper) -> ModelStateBytes:
     sharded_grads = zero.stage >= 2
     grad_dtype = zero.reduce_dtype if sharded_grads else zero.param_dtype
     k = optimizer_state_bytes(zero.optimizer, zero.config.master_dtype, zero.param_dtype)
-    return formula(zero.stage, zero.numel, zero.comm.world_size,
+    shard = zero.comm.world_size
+    replicas = 1 if zero.replicate is None else zero.replicate.world_size
+    return formula(zero.stage, zero.numel, shard * replicas,
                    param_bytes=size(zero.param_dtype), grad_bytes=size(grad_dtype),
-                   optimizer_bytes=k)
+                   optimizer_bytes=k, dp_shard=shard)
 
 
 def zero_measured(zero: ZeroWrapper) -> ModelStateBytes:
     """What a ZeRO wrapper's rank holds now, measured from its tensors."""
     return measure(zero.model_state_tensors())
+
+
+class WrapMemory:
+    """Bytes of the tensors a wrapper holds while it wraps: live now and the most at once.
+
+    It counts what the wrapper allocates (flat buffers, gathered units, shards, masters,
+    materialised buffers) and, when the model arrives materialised, the model's own
+    storages, released as the wrapper rebinds its parameters. Each storage counts once. It
+    is a count, not the allocator's figure: temporaries inside an initialiser and a
+    collective's scratch are not in it (on a GPU, ``torch.cuda.max_memory_allocated`` sees
+    those too).
+    """
+
+    def __init__(self) -> None:
+        self._live: dict[int, int] = {}  # storage address → bytes
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    @classmethod
+    def of_model(cls, module: torch.nn.Module) -> WrapMemory:
+        """Start from what ``module`` holds already (nothing when it is on the meta device)."""
+        memory = cls()
+        memory.add(*module.parameters(), *module.buffers())
+        return memory
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        """Count tensors just made (views of a counted storage add nothing)."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            if t.is_meta or storage.nbytes() == 0 or storage.data_ptr() in self._live:
+                continue
+            self._live[storage.data_ptr()] = storage.nbytes()
+            self.live_bytes += storage.nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def drop(self, *tensors: torch.Tensor) -> None:
+        """Uncount tensors about to be freed (call before their storage goes)."""
+        for t in tensors:
+            if not t.is_meta:
+                self.live_bytes -= self._live.pop(t.untyped_storage().data_ptr(), 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"live": self.live_bytes, "peak": self.peak_bytes}

@@ -366,7 +366,8 @@ def to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class ZeroWrapper(Protocol):
     stage: int
     module: nn.Module  # the user's model (its parameters are views or placeholders)
-    comm: Communicator
+    comm: Communicator  # the ranks that shard (the shard group, when hybrid)
+    replicate: Communicator | None  # hybrid sharding's replicas of the same shard (.hybrid)
     config: ZeroConfig
     optimizer: torch.optim.Optimizer  # over this rank's flat master shards
     param_dtype: torch.dtype

@@ -24,7 +24,9 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
-from disttrain.parallel.zero.memory import optimizer_tensors
+from disttrain.parallel.zero import meta
+from disttrain.parallel.zero.hybrid import broadcast_initial, check_groups
+from disttrain.parallel.zero.memory import WrapMemory, optimizer_tensors
 from disttrain.parallel.zero.sharding import (
     OptimizerFactory,
     ShardGroup,
@@ -53,30 +55,48 @@ class ZeRO1:
         zero.zero_grad()
 
     ``zero.optimizer`` is the torch optimizer over this rank's flat shard (give it to an LR
-    scheduler). Gradients are averaged over ranks, as in DDP.
+    scheduler). Gradients are averaged over ranks, as in DDP. ``comm`` is the ranks that
+    shard; ``replicate``: the replicas of this rank's shard (hybrid sharding, :mod:`.hybrid`);
+    ``meta_init``: how a model built on the meta device is initialised (:mod:`.meta`; it is
+    materialised straight into the flat buffer). ``wrap_memory`` counts what wrapping held.
     """
 
     stage = 1
 
     def __init__(self, model: nn.Module, comm: Communicator, optimizer_factory: OptimizerFactory,
-                 config: ZeroConfig | None = None) -> None:
+                 config: ZeroConfig | None = None, *, replicate: Communicator | None = None,
+                 meta_init: meta.MetaInit | None = None) -> None:
         self.module, self.comm, self.config = model, comm, config or ZeroConfig()
+        self.replicate = replicate
         comm.expect_workload("collectives")  # Gloo's I/O threads yield to compute (auto)
+        check_groups(comm, replicate)
         named = trainable(model)
         self.names = tuple(n for n, _ in named)
         self._params = [p for _, p in named]
         self.param_dtype = common_dtype(named)
         self.reduce_dtype = self.config.reduce_dtype or self.param_dtype
         self.layout = shard_layout([p.numel() for p in self._params], comm.world_size)
-        self._flat, _ = flatten_into_views(self._params, self.layout, self.param_dtype)
-        if self.config.broadcast_from_rank0 and comm.world_size > 1:
-            comm.broadcast(self._flat, 0, algorithm=self.config.algorithm_for("broadcast"))
+        plan = meta.plan(model, meta_init, comm.device)
+        self.wrap_memory = WrapMemory.of_model(model)
+        if plan is None:
+            eager = [p.data for p in self._params]  # the model's own storage, until rebound
+            self._flat, _ = flatten_into_views(self._params, self.layout, self.param_dtype)
+            self.wrap_memory.add(self._flat)
+            self.wrap_memory.drop(*eager)
+            del eager
+            broadcast_initial(self._flat, self.config, comm, replicate)
+        else:  # every rank draws the same values: nothing to broadcast
+            meta.check_same_generator((comm, replicate), plan.device)
+            self._flat = meta.bind_flat(self._params, self.layout, self.param_dtype,
+                                        plan.device, self.wrap_memory)
+            meta.materialise(plan, [(model, self._params)], self.wrap_memory)
         self._grads = torch.zeros_like(self._flat)  # p.grad are views: backward adds in place
         self._grad_views = param_views(self._grads, self._params, self.layout)
         for p, view in zip(self._params, self._grad_views):
             p.grad = view
         self.master = master_copy(shard_of(self._flat, self.layout, comm.rank),
                                   self.config.master_dtype)
+        self.wrap_memory.add(self._grads, self.master)
         self.optimizer = optimizer_factory([self.master])
         log.info("ZeRO-1: %d parameters, shard of %d elements per rank", self.layout.total,
                  self.layout.shard_size)
@@ -93,6 +113,9 @@ class ZeRO1:
         grads = to_dtype(self._grads, self.reduce_dtype)
         shard = grads.new_empty(self.layout.shard_size)
         self.comm.reduce_scatter(shard, grads, "avg", algorithm=self.config.algorithm)
+        if self.replicate is not None:  # hybrid: average the shard over its replicas
+            self.replicate.all_reduce(shard, "avg",
+                                      algorithm=self.config.algorithm_for("all_reduce"))
         self.master.grad = to_dtype(shard, self.master.dtype)
         self.optimizer.step()
         self.master.grad = None

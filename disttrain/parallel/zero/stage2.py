@@ -35,7 +35,9 @@ from torch import nn
 
 from disttrain.comm import Communicator, Work
 from disttrain.parallel.backward import EndOfBackward, InOrderLauncher
-from disttrain.parallel.zero.memory import optimizer_tensors
+from disttrain.parallel.zero import meta
+from disttrain.parallel.zero.hybrid import broadcast_initial, check_groups
+from disttrain.parallel.zero.memory import WrapMemory, optimizer_tensors
 from disttrain.parallel.zero.sharding import (
     OptimizerFactory,
     ShardGroup,
@@ -72,31 +74,44 @@ class Bucket:
 
 class ZeRO2:
     """Stage 2 around ``model``: forward/backward on the model, then :meth:`step` and
-    :meth:`zero_grad` (same use as :class:`~disttrain.parallel.zero.stage1.ZeRO1`)."""
+    :meth:`zero_grad` (same use as :class:`~disttrain.parallel.zero.stage1.ZeRO1`, and the
+    same ``replicate`` and ``meta_init``)."""
 
     stage = 2
 
     def __init__(self, model: nn.Module, comm: Communicator, optimizer_factory: OptimizerFactory,
-                 config: ZeroConfig | None = None) -> None:
+                 config: ZeroConfig | None = None, *, replicate: Communicator | None = None,
+                 meta_init: meta.MetaInit | None = None) -> None:
         self.module, self.comm, self.config = model, comm, config or ZeroConfig()
+        self.replicate = replicate
         comm.expect_workload("collectives")  # Gloo's I/O threads yield to compute (auto)
+        check_groups(comm, replicate)
         named = trainable(model)[::-1]  # backward produces the last parameters' grads first
         self.param_dtype = common_dtype(named)
         self.reduce_dtype = self.config.reduce_dtype or self.param_dtype
+        plan = meta.plan(model, meta_init, comm.device)
+        self.wrap_memory = WrapMemory.of_model(model)
         element = named[0][1].element_size()
         groups = partition([p.numel() * element for _, p in named], self.config.bucket_bytes)
         layouts = [shard_layout([named[i][1].numel() for i in g], comm.world_size)
                    for g in groups]
         self._flat = torch.zeros(sum(lay.padded_total for lay in layouts),
-                                 dtype=self.param_dtype, device=named[0][1].device)
-        self.buckets = self._make_buckets(named, groups, layouts)
-        if self.config.broadcast_from_rank0 and comm.world_size > 1:
-            comm.broadcast(self._flat, 0, algorithm=self.config.algorithm_for("broadcast"))
+                                 dtype=self.param_dtype,
+                                 device=named[0][1].device if plan is None else plan.device)
+        self.wrap_memory.add(self._flat)
+        self.buckets = self._make_buckets(named, groups, layouts, plan is not None)
+        if plan is None:
+            broadcast_initial(self._flat, self.config, comm, replicate)
+        else:  # every rank draws the same values: nothing to broadcast
+            meta.check_same_generator((comm, replicate), plan.device)
+            meta.materialise(plan, [(model, [p for _, p in named])], self.wrap_memory)
         for b in self.buckets:  # masters after the broadcast: a copy must see rank 0's values
             b.master = master_copy(shard_of(b.region, b.layout, comm.rank),
                                    self.config.master_dtype)
+            self.wrap_memory.add(b.master)
         self.optimizer = optimizer_factory([b.master for b in self.buckets])
-        self._reductions = Reductions(comm, self.config.algorithm, self.config.inflight_buckets)
+        self._reductions = Reductions(comm, self.config.algorithm, self.config.inflight_buckets,
+                                      replicate, self.config.algorithm_for("all_reduce"))
         self._launcher = InOrderLauncher(len(self.buckets), self._launch)
         self._end = EndOfBackward(self._end_of_backward)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(b, i))
@@ -104,16 +119,21 @@ class ZeRO2:
         log.info("ZeRO-2: %d parameters in %d bucket(s)", self.numel, len(self.buckets))
 
     def _make_buckets(self, named: list[tuple[str, nn.Parameter]], groups: list[list[int]],
-                      layouts: list[ShardLayout]) -> list[Bucket]:
+                      layouts: list[ShardLayout], on_meta: bool) -> list[Bucket]:
         buckets, start = [], 0
         for index, (group, layout) in enumerate(zip(groups, layouts)):
             region = self._flat[start:start + layout.padded_total]
             start += layout.padded_total
             params = [named[i][1] for i in group]
-            with torch.no_grad():
-                for p, view in zip(params, param_views(region, params, layout)):
-                    view.copy_(p.detach())
-                    p.data = view  # the model now reads the flat buffer
+            views = param_views(region, params, layout)
+            if on_meta:  # initialised later, in place (meta.materialise)
+                meta.bind(params, views)
+            else:
+                self.wrap_memory.drop(*params)  # the eager model's own storage goes
+                with torch.no_grad():
+                    for p, view in zip(params, views):
+                        view.copy_(p.detach())
+                        p.data = view  # the model now reads the flat buffer
             buckets.append(Bucket(index, tuple(named[i][0] for i in group), params, layout,
                                   region, master=region[:0]))
         return buckets
@@ -254,11 +274,18 @@ class Reduced(Protocol):
 class Reductions:
     """Gradient reduce-scatters in flight, oldest first; at most ``limit`` staging buffers
     alive (the oldest is waited for before another starts), and each result added to its
-    group's ``grad_shard`` (micro-batches accumulate there)."""
+    group's ``grad_shard`` (micro-batches accumulate there). With ``replicate`` (hybrid
+    sharding, :mod:`.hybrid`) each reduced shard is then averaged over the replicas by an
+    asynchronous all-reduce, started in reduction order (the same on every replica) once
+    its reduce-scatter is done, and added when that completes."""
 
-    def __init__(self, comm: Communicator, algorithm: str | None, limit: int) -> None:
+    def __init__(self, comm: Communicator, algorithm: str | None, limit: int,
+                 replicate: Communicator | None = None,
+                 replicate_algorithm: str | None = None) -> None:
         self.comm, self.algorithm, self.limit = comm, algorithm, limit
+        self.replicate, self.replicate_algorithm = replicate, replicate_algorithm
         self.pending: list[tuple[Reduced, Work | None, torch.Tensor, torch.Tensor]] = []
+        self.replicating: list[tuple[Reduced, Work | None, torch.Tensor]] = []
         self.peak_staging_bytes = 0  # largest sum of staging buffers alive at once
 
     def start(self, group: Reduced, staging: torch.Tensor, shard_size: int) -> None:
@@ -277,17 +304,32 @@ class Reductions:
         """Wait for every reduction and add it to its group's gradient shard."""
         while self.pending:
             self._accumulate(self.pending.pop(0))
+        while self.replicating:
+            self._add(*self.replicating.pop(0))
 
     def discard(self) -> None:
         """Wait for every reduction (their buffers must outlive them) and drop the results."""
-        for _group, work, _out, _staging in self.pending:
+        for work in [item[1] for item in self.pending] + [r[1] for r in self.replicating]:
             if work is not None:
                 work.wait()
         self.pending.clear()
+        self.replicating.clear()
+
+    def _accumulate(self, item: tuple[Reduced, Work | None, torch.Tensor, torch.Tensor]
+                    ) -> None:
+        group, work, out, _staging = item
+        if work is not None:
+            work.wait()
+        if self.replicate is None:
+            self._add(group, None, out)
+            return
+        self.replicating.append((group, self.replicate.all_reduce(
+            out, "avg", algorithm=self.replicate_algorithm, async_op=True), out))
+        while self.replicating and _done(self.replicating[0][1]):
+            self._add(*self.replicating.pop(0))
 
     @staticmethod
-    def _accumulate(item: tuple[Reduced, Work | None, torch.Tensor, torch.Tensor]) -> None:
-        group, work, out, _staging = item
+    def _add(group: Reduced, work: Work | None, out: torch.Tensor) -> None:
         if work is not None:
             work.wait()
         group.grad_shard = out if group.grad_shard is None else group.grad_shard.add_(out)

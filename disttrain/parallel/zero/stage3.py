@@ -20,27 +20,30 @@ Waiting for all of a unit's parameter gradients instead would make the point of 
 reduction depend on the rank. Units whose inputs need no gradient (the first layer) are
 reduced by the end-of-backward callback, last, in reverse unit order
 (:mod:`disttrain.parallel.backward` explains both rules).
+
+A model built on the meta device is materialised unit by unit, never whole (:mod:`.meta`);
+with ``replicate=`` the ranks shard inside a group and all-reduce each gradient shard across
+the replicas (:mod:`.hybrid`).
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from disttrain.comm import Communicator, Work
+from disttrain.comm import Communicator
 from disttrain.parallel.backward import EndOfBackward
-from disttrain.parallel.zero.memory import optimizer_tensors
+from disttrain.parallel.zero import meta
+from disttrain.parallel.zero.hybrid import broadcast_initial, check_groups
+from disttrain.parallel.zero.memory import WrapMemory, optimizer_tensors
 from disttrain.parallel.zero.sharding import (
     OptimizerFactory,
     ShardGroup,
-    ShardLayout,
     ZeroConfig,
     common_dtype,
     master_copy,
@@ -51,6 +54,13 @@ from disttrain.parallel.zero.sharding import (
     trainable,
 )
 from disttrain.parallel.zero.stage2 import Reductions, stage_grads
+from disttrain.parallel.zero.units import (
+    Unit,
+    Use,
+    assign_units,
+    output_tensors,
+    watch_inputs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,25 +70,38 @@ class ZeRO3(nn.Module):
 
     ``units``: the modules gathered as one (default: every module that directly owns
     parameters). Outside a forward/backward the model's parameters are empty placeholders;
-    this rank's values are in the shards (``shard_groups()``, checkpoints).
+    this rank's values are in the shards (``shard_groups()``, checkpoints). ``comm`` is the
+    ranks that shard; ``replicate``: the replicas of this rank's shard (hybrid sharding);
+    ``meta_init``: how a model on the meta device is initialised (default: each module's
+    ``reset_parameters()``). ``wrap_memory`` counts what wrapping held at once.
     """
 
     stage = 3
 
     def __init__(self, model: nn.Module, comm: Communicator, optimizer_factory: OptimizerFactory,
                  config: ZeroConfig | None = None,
-                 units: list[nn.Module] | None = None) -> None:
+                 units: list[nn.Module] | None = None, *,
+                 replicate: Communicator | None = None,
+                 meta_init: meta.MetaInit | None = None) -> None:
         super().__init__()
         self.module, self.comm, self.config = model, comm, config or ZeroConfig()
+        self.replicate = replicate
         comm.expect_workload("collectives")  # Gloo's I/O threads yield to compute (auto)
+        check_groups(comm, replicate)
         named = trainable(model)
         self.param_dtype = common_dtype(named)
         self.reduce_dtype = self.config.reduce_dtype or self.param_dtype
-        self._empty = torch.empty(0, dtype=self.param_dtype, device=named[0][1].device)
-        self.units = [self._make_unit(k, module, [named[i] for i in indices])
-                      for k, (module, indices) in enumerate(assign_units(model, named, units))]
+        plan = meta.plan(model, meta_init, comm.device)
+        device = named[0][1].device if plan is None else plan.device
+        self._empty = torch.empty(0, dtype=self.param_dtype, device=device)
+        self.wrap_memory = WrapMemory.of_model(model)
+        assigned = [(module, [named[i] for i in indices])
+                    for module, indices in assign_units(model, named, units)]
+        self.units = ([self._make_unit(k, m, group) for k, (m, group) in enumerate(assigned)]
+                      if plan is None else self._materialise(plan, assigned))
         self.optimizer = optimizer_factory([u.master for u in self.units])
-        self._reductions = Reductions(comm, self.config.algorithm, self.config.inflight_buckets)
+        self._reductions = Reductions(comm, self.config.algorithm, self.config.inflight_buckets,
+                                      replicate, self.config.algorithm_for("all_reduce"))
         self._order: list[int] = []  # units in the order this forward ran them
         self._position: dict[int, int] = {}  # unit index → place in _order
         self._next_forward: dict[int, int] = {}  # prefetch plan, from the previous forward
@@ -92,22 +115,50 @@ class ZeRO3(nn.Module):
                             for i, p in enumerate(u.params)]
         log.info("ZeRO-3: %d parameters in %d unit(s)", self.numel, len(self.units))
 
-    def _make_unit(self, index: int, module: nn.Module,
-                   named: list[tuple[str, nn.Parameter]]) -> Unit:
+    def _make_unit(self, index: int, module: nn.Module, named: list[tuple[str, nn.Parameter]],
+                   full: torch.Tensor | None = None) -> Unit:
+        """The unit of ``named``; ``full``: its flat buffer already initialised (meta
+        initialisation), else filled from the parameters and broadcast from rank 0."""
         params = [p for _, p in named]
         layout = shard_layout([p.numel() for p in params], self.comm.world_size)
-        full = torch.zeros(layout.padded_total, dtype=self.param_dtype, device=params[0].device)
-        views = param_views(full, params, layout)
-        with torch.no_grad():
-            for p, view in zip(params, views):
-                view.copy_(p.detach())
-        if self.config.broadcast_from_rank0 and self.comm.world_size > 1:
-            self.comm.broadcast(full, 0, algorithm=self.config.algorithm_for("broadcast"))
+        if full is None:
+            full = torch.zeros(layout.padded_total, dtype=self.param_dtype,
+                               device=params[0].device)
+            self.wrap_memory.add(full)
+            with torch.no_grad():
+                for p, view in zip(params, param_views(full, params, layout)):
+                    view.copy_(p.detach())
+            broadcast_initial(full, self.config, self.comm, self.replicate)
         shard = shard_of(full, layout, self.comm.rank).clone()
-        unit = Unit(index, module, tuple(n for n, _ in named), params, layout, full, views,
-                    shard, master_copy(shard, self.config.master_dtype), gathered=True)
+        master = master_copy(shard, self.config.master_dtype)
+        self.wrap_memory.add(shard, master)
+        unit = Unit(index, module, tuple(n for n, _ in named), params, layout, full,
+                    param_views(full, params, layout), shard, master, gathered=True)
+        self.wrap_memory.drop(full, *params)  # the eager model's own storage goes too
         self._free(unit)
         return unit
+
+    def _materialise(self, plan: meta.InitPlan,
+                     assigned: list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]
+                     ) -> list[Unit]:
+        """Meta initialisation: each unit's buffer exists from just before the first of its
+        modules is initialised until its own module is; then only the shard is kept."""
+        meta.check_same_generator((self.comm, self.replicate), plan.device)
+        fulls: dict[int, torch.Tensor] = {}
+        built: dict[int, Unit] = {}
+
+        def open_unit(k: int) -> None:
+            params = [p for _, p in assigned[k][1]]
+            layout = shard_layout([p.numel() for p in params], self.comm.world_size)
+            fulls[k] = meta.bind_flat(params, layout, self.param_dtype, plan.device,
+                                      self.wrap_memory)
+
+        def close_unit(k: int) -> None:
+            built[k] = self._make_unit(k, *assigned[k], full=fulls.pop(k))
+
+        groups = [(m, [p for _, p in group]) for m, group in assigned]
+        meta.materialise(plan, groups, self.wrap_memory, open_unit, close_unit)
+        return [built[k] for k in range(len(assigned))]
 
     @property
     def numel(self) -> int:
@@ -306,120 +357,3 @@ class ZeRO3(nn.Module):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-
-
-# ----------------------------------------------------------------------
-# Stage 3's units: the groups of parameters gathered together just before a module runs.
-#
-# A *unit* is a module whose parameters are all-gathered before its forward (and again
-# before its backward) and freed right after. By default every module that directly owns
-# trainable parameters is a unit (each ``Linear``, ``LayerNorm``, ``Embedding``); passing
-# coarser units (e.g. transformer blocks) means fewer, larger collectives. Each parameter
-# belongs to the innermost unit that contains it; parameters outside every unit go to the
-# root (the whole model, gathered for the whole forward).
-#
-# A :class:`Unit`'s full flat buffer keeps one storage for its lifetime: *freeing* resizes
-# that storage to 0 bytes and *gathering* resizes it back and fills it, so tensors autograd
-# saved during forward (``weight.t()`` in a Linear) see the re-gathered values in backward.
-#
-# A unit's backward is over when the gradient of its inputs is complete (a hook on each
-# input that requires grad), for every :class:`Use` of the unit: an event at the same place
-# of backward on every rank, whichever parameters got gradients there.
-
-@dataclass
-class Unit:
-    """One gather/free group and this rank's shard of it."""
-
-    index: int
-    module: nn.Module
-    names: tuple[str, ...]
-    params: list[nn.Parameter]
-    layout: ShardLayout
-    full: torch.Tensor  # padded flat buffer; storage of 0 bytes while freed
-    views: list[torch.Tensor]  # parameter-shaped views of ``full``
-    shard: torch.Tensor  # this rank's slice, parameter dtype, kept
-    master: torch.Tensor  # optimizer's parameter: ``shard`` itself or an fp32 copy
-    grad_shard: torch.Tensor | None = None
-    gathered: bool = False
-    gather_work: Work | None = None
-    ready: set[int] = field(default_factory=set)  # parameters with a gradient, this backward
-    uses: weakref.WeakSet[Use] = field(default_factory=weakref.WeakSet)  # backward to come
-    open: list[Use] = field(default_factory=list)  # forwards running (pre- to post-hook)
-    launched: bool = False  # gradients reduced in this backward
-
-    @property
-    def full_nbytes(self) -> int:
-        return self.full.numel() * self.full.element_size()
-
-
-def assign_units(model: nn.Module, named: Sequence[tuple[str, nn.Parameter]],
-                 units: Sequence[nn.Module] | None) -> list[tuple[nn.Module, list[int]]]:
-    """Map each parameter (index into ``named``) to its unit; returns (module, indices)
-    per non-empty unit, in model order. Raises if a parameter is shared by two units that
-    are not nested (tied weights need a unit that holds both users)."""
-    modules = _default_units(model) if units is None else list(units)
-    contained = [{id(p) for p in m.parameters()} for m in modules]
-    order = sorted(range(len(modules)), key=lambda k: len(contained[k]))  # innermost first
-    owner: dict[int, int] = {}
-    for i, (name, p) in enumerate(named):
-        holders = [k for k in order if id(p) in contained[k]]
-        if not holders:
-            continue
-        inner = holders[0]
-        for k in holders[1:]:
-            if not any(m is modules[inner] for m in modules[k].modules()):
-                raise ValueError(
-                    f"parameter {name} is used by two stage-3 units that are not nested "
-                    f"({type(modules[inner]).__name__} and {type(modules[k]).__name__}); tied "
-                    f"weights must live in one unit: pass units=[...] with a module that "
-                    f"contains both users")
-        owner[i] = inner
-    grouped: dict[int, list[int]] = {}
-    for i in range(len(named)):
-        grouped.setdefault(owner.get(i, -1), []).append(i)
-    result = [(modules[k], grouped[k]) for k in range(len(modules)) if k in grouped]
-    if -1 in grouped:  # parameters outside every unit: the root holds them
-        result.insert(0, (model, grouped[-1]))
-    return result
-
-
-def _default_units(model: nn.Module) -> list[nn.Module]:
-    """Every module that directly owns a trainable parameter, in ``model.modules()`` order."""
-    return [m for m in model.modules()
-            if any(p.requires_grad for p in m.parameters(recurse=False))]
-
-
-class Use:
-    """One forward of a unit under grad mode whose backward has not finished.
-
-    Apart from the unit's weak set, only hooks on that forward's autograd graph refer to it,
-    so it vanishes with the graph when no backward comes. ``pending`` counts the watched
-    inputs whose gradient is still to come; ``None`` when no input could be watched (then
-    only the end of backward knows)."""
-
-    __slots__ = ("__weakref__", "pending")
-
-    def __init__(self, pending: int | None) -> None:
-        self.pending = pending
-
-
-def watch_inputs(inputs: object, hook: Callable[[torch.Tensor], None]) -> int:
-    """Register ``hook`` on every non-leaf tensor requiring grad in ``inputs``; how many.
-
-    A leaf's hook runs in its own accumulation, which autograd may schedule before the
-    unit's parameters get theirs, so leaves are not watched."""
-    watched = [t for t in output_tensors(inputs) if t.grad_fn is not None]
-    for t in watched:
-        t.register_hook(hook)
-    return len(watched)
-
-
-def output_tensors(output: object) -> list[torch.Tensor]:
-    """Tensors requiring grad inside a module's output or inputs (tensor, tuple, list, dict)."""
-    if isinstance(output, torch.Tensor):
-        return [output] if output.requires_grad else []
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in output_tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in output_tensors(item)]
-    return []
