@@ -46,6 +46,15 @@ def test_zero1_and_zero2_meta_init_equals_eager_init(pools, stage):
         assert torch.equal(result["rng"], rng)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_meta_init_under_hybrid_sharding_equals_eager_init(pools, stage):
+    """2 × 2: each shard group materialises its shards, the replicas the same ones."""
+    want = cases.state(cases.build("float64", False))
+    for rank, result in enumerate(pools(4).run(cases.run_meta_init, stage, "float64",
+                                               "default", False, 2)):
+        assert_same(result["state"], want, rank)
+
+
 def test_a_user_init_function_equals_model_apply(pools):
     eager = cases.eager_with_user_init("float32")
     want, rng = cases.state(eager), torch.get_rng_state()

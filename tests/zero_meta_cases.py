@@ -15,6 +15,7 @@ from torch import nn
 
 from disttrain.comm import Communicator
 from disttrain.parallel import zero
+from disttrain.parallel.mesh import MeshShape, build_mesh
 from disttrain.parallel.zero import MetaInit, ZeroConfig
 from tests import zero_cases
 
@@ -111,18 +112,30 @@ def blocks_as_units(model: nn.Module) -> list[nn.Module]:
 
 # ------------------------------------------------------------------ rank functions
 def run_meta_init(comm: Communicator, stage: int, dtype_name: str, units: str,
-                  user: bool) -> dict[str, Any]:
-    """Seed 0, build on meta, wrap: the full state, and the generator's state afterwards
-    (drawn exactly as far as eager construction draws)."""
+                  user: bool, replicas: int = 1) -> dict[str, Any]:
+    """Seed 0, build on meta, wrap (``replicas`` > 1: hybrid, sharded over the rest): the
+    full state, and the generator's state afterwards (drawn as far as eager construction
+    draws)."""
     torch.manual_seed(0)
     model = build(dtype_name, True)
     extra: dict[str, Any] = {}
     if stage == 3 and units == "blocks":
         extra["units"] = blocks_as_units(model)
     meta_init = MetaInit(init=user_init) if user else None
-    z = zero.STAGES[stage](model, comm, SGD, ZeroConfig(), meta_init=meta_init, **extra)
-    return {"state": wrapped_state(z), "rng": torch.get_rng_state(),
-            "dtype": str(z.param_dtype)}
+    world = comm.new_group(list(range(comm.world_size))) if replicas > 1 else None
+    try:
+        shard, replicate = comm, None
+        if world is not None:
+            mesh = build_mesh(world, MeshShape(dp_replicate=replicas,
+                                               dp_shard=comm.world_size // replicas))
+            shard, replicate = zero.zero_groups(mesh)
+        z = zero.STAGES[stage](model, shard, SGD, ZeroConfig(), meta_init=meta_init,
+                               replicate=replicate, **extra)
+        return {"state": wrapped_state(z), "rng": torch.get_rng_state(),
+                "dtype": str(z.param_dtype)}
+    finally:
+        if world is not None:
+            world.close()
 
 
 def run_error(comm: Communicator, case: str) -> str:
