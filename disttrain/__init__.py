@@ -4,6 +4,7 @@ from disttrain import deprecated
 from disttrain.comm import CommConfig, Communicator, ReduceOp
 from disttrain.comm.monitored_barrier import monitored_barrier
 from disttrain.launch import init, shutdown
+from disttrain.train.clipping import clip_grad_norm_
 
 __version__ = "0.1.0"
 
@@ -14,6 +15,7 @@ __all__ = [
     "Communicator",
     "ReduceOp",
     "__version__",
+    "clip_grad_norm_",
     "init",
     "monitored_barrier",
     "shutdown",

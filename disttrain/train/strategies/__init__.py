@@ -162,6 +162,8 @@ class StrategySpec:
                              f"{name!r} does not take (its updates do not go through the "
                              f"loop's optimizer step); use --precision bf16 (no scaling "
                              f"needed) or fp32")
+        if config.clip_grad_norm is not None:
+            _check_clipping(config, self)
         dp = self.data_parallel_size(world_size, config)
         config.micro_batch(dp)  # raises with the fix when the global batch does not split
         if self.check is not None:
@@ -169,6 +171,20 @@ class StrategySpec:
         if self.layout in ("pipeline", "model"):
             _check_layers(config, world_size // dp)
         return dp
+
+
+def _check_clipping(config: TrainConfig, spec: StrategySpec) -> None:
+    """--clip-grad-norm where the global norm can be taken (train/clipping.py)."""
+    name = config.strategy
+    if spec.family is not None:
+        raise ValueError(f"--clip-grad-norm applies to disttrain's strategies; {name!r} is "
+                         f"{spec.family}'s own implementation, which clips its own way")
+    if spec.layout == "ps":
+        raise ValueError(f"--clip-grad-norm: strategy {name!r} applies each worker's gradient "
+                         f"on the servers, where no whole-model norm exists; drop the flag")
+    if spec.layout == "mesh" and config.parallel.zero:
+        raise ValueError("--clip-grad-norm with --zero inside a tensor-parallel mesh is not "
+                         "supported: use --zero without tp (zero1-3), or tp without --zero")
 
 
 def _check_options(opts: ParallelOptions, accepted: frozenset[str], name: str) -> None:

@@ -30,6 +30,7 @@ from disttrain.comm import Communicator
 from disttrain.parallel.checkpoint_files import atomic_save
 from disttrain.parallel.checkpoint_files import load as safe_load
 from disttrain.parallel.mixed_precision import accumulate
+from disttrain.train.clipping import squares
 from disttrain.train.config import TrainConfig
 
 Batch = tuple[Any, Any]  # (inputs, targets)
@@ -197,6 +198,24 @@ class Strategy:
         optimizer = self.update_optimizer()
         if optimizer is not None:
             scaler.attach(optimizer)
+
+    clipper: Any = None  # --clip-grad-norm: a GradClipper (train/clipping.py), else None
+
+    def use_grad_clipping(self, clipper: Any) -> None:
+        """Clip the gradients to a global norm before every update: ``clipper`` (a
+        :class:`~disttrain.train.clipping.GradClipper`) runs as a pre-hook of
+        :meth:`update_optimizer`, after the loss scaler's (attach it after fp16's)."""
+        self.clipper = clipper
+        optimizer = self.update_optimizer()
+        if optimizer is not None:
+            clipper.attach(optimizer)
+
+    def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]:
+        """What this rank alone holds of the squared norm of the whole model's gradient,
+        and the group over which the ranks' shares add up (None: this rank holds all of
+        it). By default the module's gradients, whole on every rank (one process, DDP's
+        identical replicas); train/clipping.py lists the others."""
+        return squares(self.module.parameters()), None
 
     def update_optimizer(self) -> torch.optim.Optimizer | None:
         """The torch optimizer whose ``step()`` applies this rank's update (None: there is

@@ -148,9 +148,20 @@ class PipelineStrategy(Strategy):
                                         loss_fn if self.scaler is None else scaled)
         if self.optimizer is not None:
             self.optimizer.step()  # fp16: through the scaler (use_loss_scaler)
-        elif self.scaler is not None:
-            self.scaler.no_step()  # a stage without parameters still takes part
+        else:
+            if self.scaler is not None:
+                self.scaler.no_step()  # a stage without parameters still takes part
+            if self.clipper is not None:
+                self.clipper.no_update()  # and in the global gradient norm
         return torch.tensor(loss / scale, dtype=torch.float64)
+
+    def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]:
+        """This stage's gradients on replica 0 (the replicas hold the same, averaged);
+        summed over every rank of the pipeline's grid."""
+        from disttrain.train.clipping import squares
+
+        mine = squares(self.module.parameters())
+        return (mine if self.settings.dp_rank == 0 else torch.zeros_like(mine)), self.comm
 
     def after_step(self) -> None:
         if self.pipe.last_step is not None:

@@ -161,6 +161,13 @@ class TensorParallelStrategy(Strategy):
         self.probe = probe_first_block(module, mesh.tp_size, settings.sequence_parallel)
         self.theory_bytes_per_step = self._theory(ctx)
 
+    def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]:
+        """Split parameters on every tp rank, replicated ones on tp rank 0, all on replica
+        0; summed over the mesh (ZeRO inside the mesh is refused with clipping)."""
+        from disttrain.train.clipping import tp_share
+
+        return tp_share(self.module, self.mesh), self.mesh.world
+
     # ------------------------------------------------------------------ data
     @property
     def dp_rank(self) -> int:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain.comm import Communicator
 from disttrain.parallel.mesh import DeviceMesh
 from disttrain.parallel.mixed_precision import at_least_fp32
 from disttrain.parallel.tensor import full_state_dict
@@ -97,7 +98,16 @@ class TensorPipelineStrategy(PipelineStrategy):
             reduce_sequence_parallel_grads(self._sp_params, self.shard.group)
         if self.optimizer is not None:
             self.optimizer.step()
+        elif self.clipper is not None:
+            self.clipper.no_update()  # a stage without parameters takes part in the norm
         return torch.tensor(loss, dtype=torch.float64)
+
+    def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]:
+        """This stage's slice: split parameters on every tp rank, replicated ones on tp
+        rank 0, all on replica 0; summed over the whole mesh."""
+        from disttrain.train.clipping import tp_share
+
+        return tp_share(self.module, self.mesh), self.mesh.world
 
     def predict(self, inputs: Any) -> torch.Tensor | None:
         output = super().predict(inputs)

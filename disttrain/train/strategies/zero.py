@@ -90,6 +90,13 @@ class ZeroStrategy(Strategy):
     def no_sync(self) -> AbstractContextManager[Any]:
         return self.zero.no_sync()
 
+    def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]:
+        """This rank's shard of the reduced gradient (disjoint shards, summed over dp)."""
+        from disttrain.train.clipping import squares
+
+        params = [p for g in self.zero.optimizer.param_groups for p in g["params"]]
+        return squares(params), self.zero.comm
+
     def update_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer of this rank's shard: fp16's scaler checks the reduced shard
         gradient there, between the reduce-scatter and the update."""

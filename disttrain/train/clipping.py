@@ -1,0 +1,143 @@
+"""Gradient clipping by the global norm, on gradients spread over ranks.
+
+torch's ``clip_grad_norm_`` takes the norm of the gradients a process holds. Under disttrain
+a process holds a replica (DDP), a shard (ZeRO), a stage (pipelines) or a slice (tensor
+parallelism) of the model's gradient, so the norm of the whole model's gradient is a sum
+over ranks in which every parameter element counts once::
+
+    norm² = Σ_ranks share_r          share_r: what rank r alone holds of the gradient
+
+    DDP              every rank holds all of it, identical: share = all, no sum
+    ZeRO-1/2/3       disjoint shards: share = the shard, summed over dp
+    pipeline (× dp)  disjoint stages, dp replicas identical: share = the stage on dp rank 0
+    tensor parallel  split parameters: their slice; replicated ones (LayerNorms,
+                     row-parallel biases) on tp rank 0 only; on dp rank 0 only
+
+Each strategy says what its share is and over which communicator the shares add up
+(:meth:`~disttrain.train.strategies.base.Strategy.grad_norm_share`). The clipper runs as a
+step pre-hook of the optimizer that applies the update (ZeRO's: its shard's optimizer,
+between the reduce-scatter and the update), after fp16's loss scaler has unscaled the
+gradients, so every rank scales its gradients by the same ``max_norm / (norm + 1e-6)``
+(at most 1), as torch does. A rank that updates nothing (a pipeline stage without
+parameters) still takes part in the sum (:meth:`GradClipper.no_update`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+
+from disttrain.comm import Communicator
+
+_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+
+
+class ClipTarget(Protocol):
+    def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]: ...
+
+
+def squares(params: Any) -> torch.Tensor:
+    """Σ of the squared elements of ``params``' gradients (those that have one), float64."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            total = total + p.grad.detach().to(torch.float64).pow(2).sum().cpu()
+    return total
+
+
+def tp_share(module: torch.nn.Module, mesh: Any) -> torch.Tensor:
+    """This rank's share of a tensor-parallel model's squared gradient norm: parameters a
+    tp rank holds a slice of (``tp_split``), replicated ones once (tp rank 0), one replica
+    of them all (dp rank 0)."""
+    split = {id(getattr(m, name)) for m in module.modules()
+             for name in getattr(m, "tp_split", {}) if getattr(m, name, None) is not None}
+    params = list(module.parameters())
+    share = squares(p for p in params if id(p) in split)
+    if mesh.tp_rank == 0:
+        share = share + squares(p for p in params if id(p) not in split)
+    return share if mesh.dp_rank == 0 else torch.zeros_like(share)
+
+
+def global_norm(target: ClipTarget) -> float:
+    """The whole model's gradient norm, the same on every rank (a collective where the
+    gradients are spread: every rank of the target's group calls it)."""
+    share, comm = target.grad_norm_share()
+    total = share.to(torch.float64).reshape(1).clone()
+    if comm is not None and comm.world_size > 1:
+        comm.all_reduce(total)
+    return math.sqrt(float(total[0]))
+
+
+class GradClipper:
+    """Clips the gradients of ``target`` (a strategy) to ``max_norm`` before each update;
+    ``norms`` holds every step's norm before clipping (inf where fp16 skipped the step)."""
+
+    def __init__(self, target: ClipTarget, max_norm: float, scaler: Any = None) -> None:
+        if not max_norm > 0 or not math.isfinite(max_norm):
+            raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+        self.target, self.max_norm, self.scaler = target, float(max_norm), scaler
+        self.norms: list[float] = []
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clip before every ``optimizer.step()`` (register after the loss scaler's hook)."""
+        optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.clip(params)
+
+    def clip(self, params: list[torch.Tensor]) -> float:
+        """Scale ``params``' gradients so the global norm is at most ``max_norm``; returns
+        the norm before clipping."""
+        norm = global_norm(self.target)
+        skipped = self.scaler is not None and any(self.scaler._found_inf.values())
+        if not skipped and math.isfinite(norm):
+            coef = min(1.0, self.max_norm / (norm + _EPS))
+            if coef < 1.0:
+                grads = [p.grad for p in params if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, coef)
+        self.norms.append(math.inf if skipped else norm)
+        return norm
+
+    def no_update(self) -> None:
+        """This rank updates nothing this step; it takes part in the norm all the same."""
+        self.clip([])
+
+
+def clip_grad_norm_(target: Any, max_norm: float) -> float:
+    """Clip the whole model's gradient to ``max_norm`` now, and return its norm before
+    clipping, the same on every rank: for a hand-written loop, between backward and the
+    optimizer's step. ``target``: a strategy of :mod:`disttrain.train.strategies` (its
+    ranks hold replicas, shards, stages or slices; a collective over them), a module whose
+    gradients are whole on this rank (a plain module, or :class:`~disttrain.parallel.
+    DataParallel` after backward, whose replicas are identical), or a ZeRO wrapper, whose
+    shards are reduced inside its ``step()``: pass ``max_norm`` to it there instead
+    (``--clip-grad-norm`` in ``disttrain run`` does it for every strategy)."""
+    if hasattr(target, "zero_grad") and hasattr(target, "shard_groups"):
+        raise TypeError("a ZeRO wrapper reduces its gradient shards inside step(): clip them "
+                        "there with ZeroStrategy (disttrain run --clip-grad-norm), or clip "
+                        "the module's gradients before ZeRO-1's step")
+    if hasattr(target, "grad_norm_share"):
+        optimizer = target.update_optimizer()
+        params = ([p for g in optimizer.param_groups for p in g["params"]]
+                  if optimizer is not None else list(target.module.parameters()))
+        return GradClipper(target, max_norm).clip(params)
+    if isinstance(target, torch.nn.Module):
+        module = getattr(target, "module", target)
+        whole = _Whole(module)
+        return GradClipper(whole, max_norm).clip(list(module.parameters()))
+    raise TypeError(f"clip_grad_norm_ takes a disttrain strategy or an nn.Module, got "
+                    f"{type(target).__name__}")
+
+
+class _Whole:
+    """A module whose gradients are whole on this rank: its share is all of it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]:
+        return squares(self.module.parameters()), None

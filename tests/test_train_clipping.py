@@ -1,0 +1,111 @@
+"""Gradient clipping by the global norm (--clip-grad-norm, train/clipping.py): every strategy
+clips the whole model's gradient as one process does, whatever each rank holds of it
+(float64, plain SGD, so a wrong norm moves the parameters by its own factor)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from disttrain.train import ParallelOptions, TrainConfig, train
+from tests.test_train_float64 import MESH, PIPELINE
+
+MAX_NORM = 0.05  # below every step's norm here: every step is clipped
+
+
+def norms_and_state(comm: Any, config: TrainConfig) -> tuple[list[float], dict]:
+    seen: list[float] = []
+    result = train(config, comm, hooks=[lambda record: seen.append(record.grad_norm)])
+    return seen, {k: v.detach().clone() for k, v in result.model.state_dict().items()}
+
+
+CASES = [
+    ("ddp", 2, PIPELINE, {}),
+    ("zero1", 2, PIPELINE, {}),
+    ("zero2", 2, PIPELINE, {}),
+    ("zero3", 3, PIPELINE, {}),
+    ("gpipe", 3, PIPELINE, {"microbatches": 4}),
+    ("1f1b", 2, PIPELINE, {"microbatches": 4, "pp_size": 2}),
+    ("tp", 2, MESH, {}),
+    ("tp-sp", 3, MESH, {}),
+    ("3d", 4, MESH, {"tp_size": 2, "pp_size": 2, "microbatches": 2}),
+    ("3d", 4, MESH, {"tp_size": 2, "dp_size": 2}),
+]
+
+
+@pytest.mark.parametrize(("strategy", "world", "base", "options"), CASES,
+                         ids=[f"{c[0]}-{c[1]}" + ("-pp" if "pp_size" in c[3] else "")
+                              for c in CASES])
+def test_every_strategy_clips_the_global_norm_as_one_process(pools, strategy, world, base,
+                                                             options):
+    config = dataclasses.replace(base, clip_grad_norm=MAX_NORM, strategy=strategy,
+                                 parallel=ParallelOptions(**options))
+    single = dataclasses.replace(config, strategy="single", parallel=ParallelOptions())
+    want_norms, want = norms_and_state(None, single)
+    assert all(n > MAX_NORM for n in want_norms)  # the clip acts on every step
+    for rank, (norms, state) in enumerate(pools(world).run(norms_and_state, config)):
+        assert norms == pytest.approx(want_norms, rel=1e-10), rank  # the same, on every rank
+        for name, value in state.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-9, atol=1e-12,
+                                       msg=f"rank {rank} {name}")
+
+
+def test_one_process_clips_as_torch_does():
+    """The clipper's norm and scaled gradients are torch.nn.utils.clip_grad_norm_'s."""
+    from disttrain.train.clipping import GradClipper
+    from disttrain.train.strategies.base import Strategy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    twin = torch.nn.Sequential(*(m for m in __import__("copy").deepcopy(model)))
+    x = torch.randn(6, 5)
+    for m in (model, twin):
+        m(x).pow(2).sum().backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = Strategy(model, optimizer, None)
+    strategy.use_grad_clipping(GradClipper(strategy, 0.3))
+    want = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.3)
+    optimizer.step()  # the clipper runs as the step's pre-hook
+    assert strategy.clipper.norms == [pytest.approx(float(want), rel=1e-6)]
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, (q - 0.1 * q.grad).detach(), msg=name)
+
+
+@pytest.mark.parametrize(("strategy", "options", "word"), [
+    ("ps-sync", {}, "servers"), ("torch-fsdp", {}, "its own way"),
+    ("3d", {"tp_size": 2, "dp_size": 2, "zero": 1}, "--zero")])
+def test_clipping_where_no_global_norm_exists_is_refused_in_one_line(strategy, options, word):
+    from disttrain.train.strategies import get_strategy
+
+    config = dataclasses.replace(MESH if strategy == "3d" else PIPELINE, strategy=strategy,
+                                 clip_grad_norm=1.0, parallel=ParallelOptions(**options))
+    with pytest.raises(ValueError, match=word) as exc:
+        get_strategy(strategy).check_config(config, 4)
+    assert "\n" not in str(exc.value)
+
+
+def user_loop_with_ddp(comm: Any) -> float:
+    """A hand-written loop: DataParallel, backward, disttrain.clip_grad_norm_, step."""
+    import disttrain
+    from disttrain.parallel import DataParallel
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    model = DataParallel(module, comm)
+    x = torch.randn(8, 4)
+    rows = slice(comm.rank * 4, (comm.rank + 1) * 4)
+    model(x[rows]).pow(2).mean().backward()
+    return disttrain.clip_grad_norm_(model, 0.1)
+
+
+def test_a_hand_written_ddp_loop_clips_the_global_norm(pools):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    x = torch.randn(8, 4)
+    # the replicas' mean loss over their halves is this, on the whole batch
+    (module(x[:4]).pow(2).mean() / 2 + module(x[4:]).pow(2).mean() / 2).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(module.parameters(), 0.1))
+    assert pools(2).run(user_loop_with_ddp) == [pytest.approx(want, rel=1e-6)] * 2
