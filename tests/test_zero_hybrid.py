@@ -63,8 +63,9 @@ def test_hybrid_memory_is_the_formula_over_the_shard_group(pools, stage):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_hybrid_checkpoint_is_written_once_and_loads_on_any_layout(pools, tmp_path, stage):
     saved = tmp_path / "saved"
-    pools(4).run(cases.run_save, stage, "adam", STEPS, str(saved))
-    # one replica wrote: the shard group's 2 files, a checkpoint of ZeRO on 2 ranks
+    # the first replica (ranks 0, 1) writes, the second (2, 3) holds the same shards
+    assert pools(4).run(cases.run_save, stage, "adam", STEPS, str(saved)) == [1, 1, 0, 0]
+    # the shard group's 2 files: a checkpoint of ZeRO on 2 ranks
     assert sorted(p.name for p in saved.iterdir()) == [
         "manifest.json", "rank00000.pt", "rank00001.pt", "zero.json"]
     assert json.loads((saved / "zero.json").read_text())["world_size"] == 2

@@ -12,7 +12,7 @@ from torch import nn
 from disttrain.comm import Communicator
 from disttrain.parallel import zero
 from disttrain.parallel.mesh import MeshShape, build_mesh
-from disttrain.parallel.zero import ZeroConfig
+from disttrain.parallel.zero import ZeroConfig, checkpoint
 from tests import zero_cases
 
 F64 = torch.float64
@@ -101,13 +101,19 @@ def run_memory(comm: Communicator, stage: int) -> dict[str, Any]:
 
 
 def run_save(comm: Communicator, stage: int, optimizer: str, steps: int,
-             directory: str) -> None:
+             directory: str) -> int:
+    """Train and save 2 × 2; how many shard files this rank wrote."""
     mesh = mesh_of(comm, 2, 2)
+    written = []
+    write = checkpoint.write_shard
+    checkpoint.write_shard = lambda *args: written.append(write(*args))  # type: ignore
     try:
         z = wrap(stage, mesh, optimizer)
         train(z, mesh.dp_rank, mesh.dp_size, 0, steps)
         zero.save(z, directory)
+        return len(written)
     finally:
+        checkpoint.write_shard = write
         mesh.world.close()
 
 
