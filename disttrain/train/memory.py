@@ -176,7 +176,9 @@ class ActivationTracker:
             self._current -= entry[0]
 
     def __enter__(self) -> ActivationTracker:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # not traced by torch.compile (--compile): the counting runs as Python around it
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            torch._dynamo.disable(self._pack), torch._dynamo.disable(self._unpack))
         self._hooks.__enter__()
         return self
 

@@ -164,6 +164,7 @@ class StrategySpec:
                              f"needed) or fp32")
         if config.clip_grad_norm is not None:
             _check_clipping(config, self)
+        _check_blocks(config, self)
         dp = self.data_parallel_size(world_size, config)
         config.micro_batch(dp)  # raises with the fix when the global batch does not split
         if self.check is not None:
@@ -171,6 +172,19 @@ class StrategySpec:
         if self.layout in ("pipeline", "model"):
             _check_layers(config, world_size // dp)
         return dp
+
+
+def _check_blocks(config: TrainConfig, spec: StrategySpec) -> None:
+    """--activation-checkpointing and --compile where they can act (train/blocks.py)."""
+    wrapped = config.activation_checkpointing != "none" or config.compile
+    if wrapped and spec.family is not None:
+        raise ValueError(f"--activation-checkpointing and --compile apply to disttrain's "
+                         f"strategies; {config.strategy!r} is {spec.family}'s own")
+    if config.compile and (presets.PRESETS.get(config.strategy, presets.PRESETS["single"])
+                           .zero == 3 or config.parallel.zero == 3):
+        raise ValueError("--compile cannot run under ZeRO-3, which swaps each unit's "
+                         "parameters in and out around its forward; use zero2 or drop "
+                         "--compile")
 
 
 def _check_clipping(config: TrainConfig, spec: StrategySpec) -> None:

@@ -1,0 +1,87 @@
+"""Activation checkpointing and torch.compile on a strategy's blocks (train/blocks.py): the
+same training, bit for bit (checkpointing) or to float64 rounding (compile), under every
+strategy; fewer saved activations with checkpointing."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from typing import Any
+
+import pytest
+import torch
+
+from disttrain.train import ParallelOptions, TrainConfig, train
+from disttrain.train.blocks import apply_activation_checkpointing, blocks_of
+from tests.test_train_float64 import MESH, PIPELINE
+
+BACKEND = "inductor" if shutil.which("g++") else "aot_eager"  # inductor needs a C++ compiler
+
+
+def run(comm: Any, config: TrainConfig) -> tuple[dict[str, torch.Tensor], int]:
+    result = train(config, comm)
+    state = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
+    return state, result.activation_peak_bytes_max
+
+
+CASES = [("single", 1, PIPELINE, {}), ("ddp", 2, PIPELINE, {}), ("zero1", 2, PIPELINE, {}),
+         ("zero2", 2, PIPELINE, {}), ("zero3", 2, PIPELINE, {}),
+         ("gpipe", 2, PIPELINE, {"microbatches": 4}), ("1f1b", 2, PIPELINE, {"microbatches": 4}),
+         ("tp", 2, MESH, {}), ("tp-sp", 2, MESH, {}),
+         ("3d", 4, MESH, {"tp_size": 2, "pp_size": 2, "microbatches": 2})]
+
+
+def _pair(comm: Any, config: TrainConfig) -> list[tuple[dict[str, torch.Tensor], int]]:
+    return [run(comm, dataclasses.replace(config, activation_checkpointing=mode))
+            for mode in ("none", "full")]
+
+
+@pytest.mark.parametrize(("strategy", "world", "base", "options"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_activation_checkpointing_changes_no_gradient(pools, strategy, world, base, options):
+    config = dataclasses.replace(base, strategy=strategy, parallel=ParallelOptions(**options))
+    per_rank = [_pair(None, config)] if world == 1 else pools(world).run(_pair, config)
+    for rank, ((plain, plain_act), (checked, checked_act)) in enumerate(per_rank):
+        assert plain.keys() == checked.keys()
+        for name in plain:  # float64, the same operations again: bit for bit
+            assert torch.equal(plain[name], checked[name]), (rank, name)
+        assert checked_act <= plain_act, (rank, checked_act, plain_act)
+        if base is MESH:  # a transformer block keeps its input only, not its insides
+            assert checked_act < plain_act / 2, (rank, checked_act, plain_act)
+
+
+def test_selective_checkpoints_every_second_block():
+    from disttrain.train.transformer import TransformerLM
+
+    model = TransformerLM(16, 8, d_model=8, n_heads=2, n_layers=4)
+    assert len(blocks_of(model)) == 4
+    assert apply_activation_checkpointing(model, "selective") == 2
+    assert [getattr(b, "_disttrain_checkpointed", False) for b in blocks_of(model)] == [
+        True, False, True, False]
+    with pytest.raises(ValueError, match="none, full, selective"):
+        apply_activation_checkpointing(model, "some")
+
+
+def _compiled(comm: Any, config: TrainConfig) -> list[dict[str, torch.Tensor]]:
+    return [run(comm, dataclasses.replace(config, compile=flag, compile_backend=BACKEND))[0]
+            for flag in (False, True)]
+
+
+@pytest.mark.parametrize(("strategy", "world", "base"), [
+    ("single", 1, PIPELINE), ("ddp", 2, PIPELINE), ("zero2", 2, PIPELINE), ("tp", 2, MESH)])
+def test_compiled_blocks_train_as_eager_ones(pools, strategy, world, base):
+    config = dataclasses.replace(base, strategy=strategy)
+    per_rank = [_compiled(None, config)] if world == 1 else pools(world).run(_compiled, config)
+    for rank, (eager, compiled) in enumerate(per_rank):
+        for name in eager:
+            torch.testing.assert_close(compiled[name], eager[name], rtol=1e-9, atol=1e-12,
+                                       msg=f"rank {rank} {name}")
+
+
+def test_compile_under_zero3_is_refused_in_one_line():
+    from disttrain.train.strategies import get_strategy
+
+    config = dataclasses.replace(PIPELINE, strategy="zero3", compile=True)
+    with pytest.raises(ValueError, match="ZeRO-3") as exc:
+        get_strategy("zero3").check_config(config, 2)
+    assert "\n" not in str(exc.value)
