@@ -3,8 +3,9 @@ sequence is split over cp = 2 and 3 ranks (ring and Ulysses) has one process's l
 ranks' shares add up to it) and gradients, and after several SGD or Adam steps its
 parameters; the bytes each rank sends are the formula's; attention keeps 1/cp of one
 process's activations (Ulysses keeps its output twice); the ring posts the next block's
-transfer before it attends to the current one. The equivalence runs under NCCL's matching
-rules too."""
+transfer before it attends to the current one. Over tensor-parallel shards (cp = 2 × tp = 2,
+with and without sequence parallelism) the parameters match as well. The equivalence runs
+under NCCL's matching rules too."""
 
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ from disttrain.parallel.context import ring as ring_module
 from disttrain.train.transformer import TransformerLM
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS = 32, 12, 24, 6, 2  # SEQ: 2·cp chunks for cp = 2, 3
+TP_HEADS = 4  # cp = 2 × tp = 2: Ulysses splits each tp rank's 2 heads over cp
 BATCH, STEPS = 2, 3
 LR = {"sgd": 0.5, "adam": 1e-2}  # large SGD steps: a wrong gradient shows
 
 
-def make_model() -> TransformerLM:
+def make_model(heads: int = HEADS) -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(VOCAB, SEQ, D_MODEL, HEADS, LAYERS).double()
+    return TransformerLM(VOCAB, SEQ, D_MODEL, heads, LAYERS).double()
 
 
 def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -44,10 +46,10 @@ def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
         params, lr=LR[name])
 
 
-def single_process(opt_name: str) -> tuple[list[float], dict[str, torch.Tensor],
-                                           dict[str, torch.Tensor]]:
+def single_process(opt_name: str, heads: int = HEADS
+                   ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process's losses, first-step gradients and final parameters."""
-    model = make_model()
+    model = make_model(heads)
     opt = optimizer(opt_name, model.parameters())
     losses, grads = [], {}
     for x, y in batches():
@@ -221,3 +223,63 @@ def loss_on_a_fresh_group(comm: Any) -> float:
 def test_ring_connects_a_fresh_group_before_its_first_exchange(pools):
     (expected, _, _) = single_process("sgd")
     assert sum(pools(3).run(loss_on_a_fresh_group)) == pytest.approx(expected[0], rel=1e-12)
+
+
+def train_cp_tp(comm: Any, variant: str, sequence_parallel: bool) -> dict[str, Any]:
+    """cp = 2 × tp = 2 on four ranks: the tensor-parallel shard over a context-parallel
+    group, plain SGD; its losses and the unsplit parameters after the steps."""
+    from disttrain.parallel.mesh import MeshShape, build_mesh
+    from disttrain.parallel.tensor import apply_tensor_parallel, full_state_dict
+
+    mesh = build_mesh(comm, MeshShape(cp=2, tp=2))
+    shard = apply_tensor_parallel(make_model(TP_HEADS), mesh.tp, sequence_parallel,
+                                  algorithm="ring")
+    model = apply_context_parallel(shard, mesh.cp, variant, algorithm="ring",
+                                   all_to_all_algorithm="naive")
+    opt = optimizer("sgd", model.parameters())
+    mesh.cp.stats.reset()
+    losses = []
+    for x, y in batches():
+        x, y = (split_sequence(t, mesh.cp_rank, mesh.cp_size) for t in (x, y))
+        opt.zero_grad()
+        loss = model.loss(model(x), y)
+        loss.backward()
+        shard.reduce_sequence_parallel_grads()
+        model.reduce_context_parallel_grads()
+        opt.step()
+        losses.append(loss.item())
+    expected = bytes_sent(variant, 2, mesh.cp_rank, batch=BATCH, seq=SEQ, hidden=D_MODEL // 2,
+                          n_layers=LAYERS, params=sum(p.numel() for p in shard.parameters()),
+                          element_size=8, param_element_size=8)
+    return {"cp_rank": mesh.cp_rank, "losses": losses, "bytes": mesh.cp.stats.bytes_sent,
+            "expected_bytes": STEPS * expected, "state": full_state_dict(shard, shard.group)}
+
+
+@pytest.mark.nccl_rules
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("variant", ["ring", "ulysses"])
+def test_context_parallel_over_tensor_parallel_shards(pools, variant, sequence_parallel):
+    losses, _, state = single_process("sgd", TP_HEADS)
+    results = pools(4).run(train_cp_tp, variant, sequence_parallel)
+    for result in results:  # each tp rank's share is its cp rank's
+        partner = next(r for r in results if r["cp_rank"] != result["cp_rank"])
+        shares = [a + b for a, b in zip(result["losses"], partner["losses"])]
+        assert shares == pytest.approx(losses, rel=1e-12, abs=0)
+        err, name = relative_error(result["state"], state)
+        assert err < 1e-9, (name, err)
+        assert result["bytes"] == result["expected_bytes"]  # on the cp group: cp's alone
+
+
+def gathered_logits(comm: Any, variant: str) -> float:
+    """The ranks' logits joined by ``gather_sequence``, against one process's."""
+    x, _ = batches(1)[0]
+    model = apply_context_parallel(make_model(), comm, variant)
+    with torch.no_grad():
+        logits = model.gather_sequence(model(split_sequence(x, comm.rank, comm.world_size)))
+        expected = make_model()(x)
+    return float((logits - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("variant", ["ring", "ulysses"])
+def test_gather_sequence_joins_the_logits_in_sequence_order(pools, variant):
+    assert max(pools(3).run(gathered_logits, variant)) < 1e-12
