@@ -32,7 +32,7 @@ def outcome():
     """single (n=1), then ddp on 3 ranks (rank 1 fails on purpose), then ddp on 2 ranks."""
     config = BenchConfig.from_preset(
         "lenet-digits", strategies=("ddp",), world_sizes=(3, 2), steps=6, eval_every=3,
-        model="tests.bench_table_cases:lenet_failing_on_three_ranks", warmup_steps=1,
+        model="tests.bench_table_cases:lenet_failing_on_three_ranks", untimed_steps=1,
         timeout_s=30.0, global_batch=24, transport="torch", algorithm="ring")
     return config, run_table(config, trace=True)
 
@@ -110,7 +110,7 @@ def test_trace_has_spans_from_every_rank(outcome, tmp_path):
 def test_pipeline_trace_has_one_train_step_span_per_step(tmp_path):
     """A pipeline's step is one call (forward and backward interleaved by the schedule)."""
     config = BenchConfig.from_preset("lenet-digits", strategies=("gpipe",), world_sizes=(2,),
-                                     steps=10, eval_every=10, warmup_steps=1, timeout_s=30.0,
+                                     steps=10, eval_every=10, untimed_steps=1, timeout_s=30.0,
                                      global_batch=24)
     progress: list[tuple[str, int]] = []
     result = run_table(config, trace=True, on_progress=lambda run, step: progress.append(
@@ -270,7 +270,7 @@ def test_a_parameter_server_row_reports_the_workers_rate_and_staleness():
 
     config = BenchConfig.from_preset("lenet-digits", strategies=("ps-async",),
                                      world_sizes=(2,), steps=6, eval_every=0, model="mlp",
-                                     warmup_steps=1, timeout_s=30.0, straggler=((1, 2.0),))
+                                     untimed_steps=1, timeout_s=30.0, straggler=((1, 2.0),))
     run = plan(config)[1]  # the reference is left out: it is not what this test is about
     row = make_row(config, run, [run_once(config, run, False)])
     add_comparisons(row, [row])

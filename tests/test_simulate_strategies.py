@@ -359,7 +359,7 @@ def test_a_runs_step_time_is_its_slowest_ranks_median_not_a_maximum_per_step() -
     from disttrain.bench.experiments import BenchConfig
     from disttrain.bench.strategy_bench import _median_step
 
-    config = BenchConfig(warmup_steps=2)
+    config = BenchConfig(untimed_steps=2)
     warm_up = [50.0, 50.0]
     ranks = [SimpleNamespace(step_times=warm_up + [1.0, 3.0] * 4),
              SimpleNamespace(step_times=warm_up + [3.0, 1.0] * 4),

@@ -48,7 +48,7 @@ def test_3d_rows_run_on_the_configured_mesh():
 def test_tp_against_torch_tp_on_two_ranks():
     config = BenchConfig(strategies=("tp", "torch-tp", "tp-sp"), world_sizes=(2,), steps=3,
                          model="transformer", dataset="synthetic-lm", eval_every=0,
-                         warmup_steps=1, timeout_s=30.0)
+                         untimed_steps=1, timeout_s=30.0)
     rows = {r["strategy"]: r for r in run_table(config).rows}
     tp, torch_tp = rows["tp"], rows["torch-tp"]
     assert tp["error"] is None and torch_tp["error"] is None

@@ -110,7 +110,7 @@ class BenchConfig:
     algorithm: str = DEFAULT_ALGORITHM  # for strategies that take one ('auto' allowed)
     reference_threads: int | None = None  # the single process's (None: see .threads_of)
     timeout_s: float = 60.0  # any collective; a rank silent for 4× this is stopped
-    warmup_steps: int = 2  # left out of samples/s (and the steps whose activations count)
+    untimed_steps: int = 2  # left out of samples/s (and the steps whose activations count)
     eval_every: int = _DEFAULTS.eval_every  # steps between evaluations (accuracy curves)
     seed: int = 0
     servers: int = 1  # parameter-server rows: server ranks beside the -n workers

@@ -208,7 +208,7 @@ def environment(config: Any, command: str) -> dict[str, Any]:
             "global_batch": getattr(config, "global_batch", None),
             "algorithm": getattr(config, "algorithm", None),
             "skipped": config.skipped() if hasattr(config, "skipped") else [],
-            "warmup_steps": config.warmup_steps,
+            "untimed_steps": config.untimed_steps,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 

@@ -71,7 +71,7 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
                        strategy=exp.name, parallel=parallel, epochs=epochs, steps=steps,
                        global_batch=config.global_batch, optimizer=config.optimizer,
                        lr=config.lr, momentum=config.momentum, seed=config.seed,
-                       warmup_steps=config.warmup_steps, eval_every=config.eval_every,
+                       untimed_steps=config.untimed_steps, eval_every=config.eval_every,
                        log_every=0, progress=False, device=config.device)
 
 
@@ -185,7 +185,7 @@ def _median_step(config: BenchConfig, results: list[TrainResult]) -> float | Non
     maximum of p such times is biased upwards: disttrain DDP on 4 ranks of 2 cores had
     per-rank medians of 14.5-15.4 ms, 14.7-15.4 ms means, and a median per-step maximum of
     19.1 ms (docs/benchmarks.md)."""
-    medians = [statistics.median(r.step_times[config.warmup_steps:] or r.step_times)
+    medians = [statistics.median(r.step_times[config.untimed_steps:] or r.step_times)
                for r in results if r.step_times]
     return max(medians) if medians else None
 

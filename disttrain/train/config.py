@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from disttrain.train.data import DataOptions
 from disttrain.train.device import check_device
+from disttrain.train.schedule import SCHEDULES
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")  # fp16: with dynamic loss scaling (the loop's)
@@ -146,15 +147,23 @@ class TrainConfig:
     accumulate: int = 1  # micro-batches per step on each rank (gradient accumulation)
     optimizer: str = "sgd"
     lr: float = 0.05
+    lr_schedule: str = "constant"  # "constant", "linear", "cosine" (disttrain.train.schedule)
+    warmup_steps: int = 0  # learning-rate warmup: steps rising linearly towards lr
+    min_lr: float = 0.0  # the rate "linear" and "cosine" end the run at
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0
     seed: int = 0  # model init (same on every rank) and data order
     precision: str = "fp32"
+    clip_grad_norm: float | None = None  # clip the whole model's gradient to this norm
+    activation_checkpointing: str = "none"  # "full", "selective" (train/blocks.py)
+    compile: bool = False  # torch.compile each block
+    compile_backend: str = "inductor"  # "aot_eager" needs no C++ compiler
     dtype: str = "float32"  # parameters and float inputs; float64 for numerical checks
     device: str = "auto"  # "auto", "cpu", "cuda" (this rank's GPU) or "cuda:N" (train/device.py)
     eval_every: int | None = None  # None: after each epoch; 0: only at the end; N: every N steps
     log_every: int = 10  # steps between metrics lines (0: none)
-    warmup_steps: int = 1  # first steps left out of samples/s
+    untimed_steps: int = 1  # first steps left out of samples/s (their activations measured)
+    peak_tflops: float | None = None  # one device's peak, for model FLOPs utilization
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
     resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
@@ -178,6 +187,17 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError(f"activation_checkpointing must be none, full or selective, got "
+                             f"{self.activation_checkpointing!r}")
+        if not isinstance(self.compile, bool) or not self.compile_backend:
+            raise ValueError(f"compile must be True or False and compile_backend a torch."
+                             f"compile backend, got {self.compile!r}, {self.compile_backend!r}")
+        norm = self.clip_grad_norm
+        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))
+                                 or not 0 < norm < float("inf")):
+            raise ValueError(f"clip_grad_norm must be a positive number (the largest global "
+                             f"gradient norm), got {self.clip_grad_norm!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
@@ -188,10 +208,25 @@ class TrainConfig:
                              f"{self.momentum}, {self.weight_decay}")
         if self.eval_every is not None:
             _positive("eval_every", self.eval_every, allow_zero=True)
-        for name in ("log_every", "warmup_steps", "checkpoint_every"):
+        for name in ("log_every", "warmup_steps", "untimed_steps", "checkpoint_every"):
             _positive(name, getattr(self, name), allow_zero=True)
+        self._check_schedule()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs checkpoint_dir (where to find the checkpoint)")
+
+    def _check_schedule(self) -> None:
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(SCHEDULES)}, got "
+                             f"{self.lr_schedule!r}")
+        if isinstance(self.min_lr, bool) or not isinstance(self.min_lr, (int, float)) or not (
+                0 <= self.min_lr <= self.lr):
+            raise ValueError(f"min_lr must be a number between 0 and lr ({self.lr:g}), got "
+                             f"{self.min_lr!r}")
+        peak = self.peak_tflops
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
+                                 or not 0 < peak < math.inf):
+            raise ValueError(f"peak_tflops must be a positive number (one device's peak "
+                             f"TFLOP/s), got {peak!r}")
 
     def micro_batch(self, dp_size: int) -> int:
         """Samples per forward pass on one data-parallel rank."""

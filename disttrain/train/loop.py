@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from disttrain.comm import Communicator
 from disttrain.parallel.mixed_precision import at_least_fp32
@@ -44,6 +45,7 @@ from disttrain.train.config import TrainConfig
 from disttrain.train.data import DatasetSplits, build_dataset, fetch, size
 from disttrain.train.device import resolve_device, to_device
 from disttrain.train.evaluate import evaluate
+from disttrain.train.flops import throughput_of
 from disttrain.train.loader import Prefetcher
 from disttrain.train.memory import (
     ActivationTracker,
@@ -56,6 +58,7 @@ from disttrain.train.metrics import (
     StepRecord,
     TensorBoard,
     format_line,
+    format_rates,
     log,
     peak_memory_bytes,
 )
@@ -63,6 +66,7 @@ from disttrain.train.models import build_model
 from disttrain.train.precision import autocast_factory
 from disttrain.train.result import EvalPoint, TrainResult
 from disttrain.train.sampler import DistributedSampler
+from disttrain.train.schedule import LRSchedule, LRScheduler, check_schedule, torch_optimizers
 from disttrain.train.strategies import BuildContext, Strategy, get_strategy, optimizer_factory
 from disttrain.train.strategies.base import PhaseRecorder
 
@@ -114,6 +118,7 @@ def single_steps(config: TrainConfig) -> Iterator[Callable[[], StepRecord]]:
 def checked_setup(config: TrainConfig, world_size: int) -> int:
     """Validate what can be checked before starting ranks; returns the micro-batch size."""
     spec = get_strategy(config.strategy)
+    check_schedule(config.strategy, spec, config.lr_schedule, config.warmup_steps)
     return config.micro_batch(spec.check_config(config, world_size))
 
 
@@ -137,12 +142,17 @@ class _Run:
         self.dtype: torch.dtype = getattr(torch, config.dtype)
         module = build_model(config.model, self.data.info).to(self.device, self.dtype)
         self.numel = sum(p.numel() for p in module.parameters() if p.requires_grad)  # Ψ
+        self.throughput = throughput_of(module, self.data.info, self.world_size, self.device,
+                                        config.peak_tflops)  # tokens/s and MFU
         sample = to_device(fetch(self.data.train,
                                  list(range(min(self.micro, size(self.data.train))))),
                            self.device, self.dtype)
         self.strategy: Strategy = spec.make(
             BuildContext(module, comm, optimizer_factory(config), config, sample))
         self.scaler = _loss_scaler(config, comm, self.strategy)
+        self.clipper = _grad_clipper(config, self.strategy, self.scaler)  # after the scaler
+        _wrap_blocks(config, self.strategy)
+        self.loss_fn = _training_loss(self.strategy.module)
         if phases is not None:
             self.strategy.phases = phases
             phases.communicators = self.strategy.communicators()
@@ -179,9 +189,17 @@ class _Run:
         self.bytes_sent: list[int] = []
         self.bytes_unobserved = 0
         self.evaluations: list[EvalPoint] = []
-        # the warm-up steps (at least one) run under saved-tensor hooks, outside samples/s
+        # the untimed steps (at least one) run under saved-tensor hooks, outside samples/s
         self.activations = ActivationTracker()
-        self.tracked_steps = max(1, config.warmup_steps)
+        self.tracked_steps = max(1, config.untimed_steps)
+        self.schedule = LRSchedule(config.lr_schedule, config.lr, config.warmup_steps,
+                                   config.min_lr, self.total_steps)
+        self.learning_rates: list[float] = []
+        # base rates read now, before a resume loads the rates of its step into the groups
+        self.scheduler = LRScheduler(self.schedule, lambda: torch_optimizers(self.strategy)) \
+            if self.schedule.varies else None
+        if self.schedule.varies:  # a resume must continue the same curve (checkpoint.load)
+            self.meta["lr_schedule"] = self.schedule.state_dict()
         show = config.progress if config.progress is not None else sys.stderr.isatty()
         self.progress = ProgressBar(self.total_steps, enabled=show and self.rank == 0)
         self.tensorboard = TensorBoard(config.tensorboard_dir if self.rank == 0 else None)
@@ -235,6 +253,8 @@ class _Run:
     def _one_step(self, epoch: int, batches: list[tuple[Any, Any]],
                   waited_s: float = 0.0) -> StepRecord:
         """One step on ``batches``; its time counts ``waited_s``, the wait for them."""
+        lr = self.scheduler.set_step(self.step) if self.scheduler is not None else self.config.lr
+        self.learning_rates.append(lr)
         start_time = time.perf_counter() - waited_s
         sent_before = self._bytes_sent()
         hidden_before = self._bytes_unobserved()
@@ -243,9 +263,9 @@ class _Run:
         with self.activations if tracking else contextlib.nullcontext():
             if self.whole_step and self.phases is not None:
                 with self.phases.span("train_step"):
-                    loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
+                    loss = float(self.strategy.train_step(micro, self.loss_fn, self.autocast))
             else:
-                loss = float(self.strategy.train_step(micro, loss_fn, self.autocast))
+                loss = float(self.strategy.train_step(micro, self.loss_fn, self.autocast))
         seconds = time.perf_counter() - start_time
         sent_after = self._bytes_sent()
         self.bytes_unobserved += self._bytes_unobserved() - hidden_before
@@ -256,7 +276,9 @@ class _Run:
         self.losses.append(loss)
         if sent is not None:
             self.bytes_sent.append(sent)
-        return StepRecord(self.step, epoch, loss, seconds, sent)
+        norm = self.clipper.norms[-1] if self.clipper is not None and self.clipper.norms \
+            else None
+        return StepRecord(self.step, epoch, loss, seconds, sent, norm)
 
     def _bytes_sent(self) -> int | None:
         """Bytes sent so far through every communicator of the strategy (a pipeline in a
@@ -284,10 +306,13 @@ class _Run:
         samples_per_s = self.config.global_batch * len(window) / max(sum(window), 1e-12)
         line = format_line(record.step, record.epoch, record.loss, samples_per_s,
                            self._bytes_sent(), peak_memory_bytes(self.device),
-                           self._bytes_unobserved())
+                           self._bytes_unobserved(), grad_norm=record.grad_norm)
+        lr, speed = self.learning_rates[-1], self.throughput
+        line += format_rates(lr, speed.tokens_per_s(samples_per_s), speed.mfu(samples_per_s))
         log.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s", line)
         self.tensorboard.scalars(record.step, {"train/loss": record.loss,
-                                               "train/samples_per_s": samples_per_s})
+                                               "train/samples_per_s": samples_per_s,
+                                               "train/lr": lr})
 
     def _evaluate(self) -> None:
         accuracy, loss = evaluate(self.strategy, self.data.test, loss_fn, self.autocast,
@@ -348,7 +373,7 @@ class _Run:
                                                       self.config.momentum))
         final_loss, (peak_max, sent_max, theory_max, state_max, act_max) = self._gathered(
             peak, state.total)
-        warm = self.config.warmup_steps
+        warm = self.config.untimed_steps
         timed = self.step_times[warm:] if len(self.step_times) > warm else self.step_times
         samples_per_s = self.config.global_batch * len(timed) / sum(timed) if timed else 0.0
         last_eval = self.evaluations[-1] if self.evaluations else None
@@ -373,12 +398,45 @@ class _Run:
             model_state_formula_bytes=None if formula is None else formula.as_dict(),
             activation_peak_bytes=self.activations.peak,
             model_state_bytes_max=int(state_max or 0),
-            activation_peak_bytes_max=int(act_max or 0),
+            activation_peak_bytes_max=int(act_max or 0), learning_rates=self.learning_rates,
+            tokens_per_sample=self.throughput.tokens_per_sample,
+            model_flops_per_token=self.throughput.flops_per_token,
+            devices=self.throughput.devices, peak_tflops=self.throughput.peak_tflops,
             model=self.strategy.trained_module())
 
     def close(self) -> None:
         self.tensorboard.close()
         self.strategy.close()
+
+
+def _training_loss(module: nn.Module) -> Callable[[Any, Any], torch.Tensor]:
+    """The loss a step minimizes: cross-entropy, plus a mixture-of-experts model's
+    load-balancing loss (train/moe.py); evaluation reports the cross-entropy alone."""
+    from disttrain.train.moe import add_aux_loss, moe_layers
+
+    return add_aux_loss(loss_fn, module) if moe_layers(module) else loss_fn
+
+
+def _wrap_blocks(config: TrainConfig, strategy: Strategy) -> None:
+    """--compile and --activation-checkpointing, on the blocks of the module the strategy
+    trains (a shard, a stage, the model: train/blocks.py)."""
+    from disttrain.train.blocks import apply_activation_checkpointing, compile_blocks
+
+    if config.compile:
+        compile_blocks(strategy.module, config.compile_backend)
+    apply_activation_checkpointing(strategy.module, config.activation_checkpointing)
+
+
+def _grad_clipper(config: TrainConfig, strategy: Strategy, scaler: Any) -> Any:
+    """--clip-grad-norm: clip the whole model's gradient before every update of
+    ``strategy`` (after fp16's scaler unscaled it: its hook is registered first)."""
+    if config.clip_grad_norm is None:
+        return None
+    from disttrain.train.clipping import GradClipper
+
+    clipper = GradClipper(strategy, config.clip_grad_norm, scaler)
+    strategy.use_grad_clipping(clipper)
+    return clipper
 
 
 def _loss_scaler(config: TrainConfig, comm: Communicator | None, strategy: Strategy) -> Any:

@@ -21,6 +21,10 @@ compared across strategies::
   torch.distributed (algorithm ``native``, which ``auto`` picks on the torch transport
   where Gloo's own is fastest): they ran, but their bytes on the wire are torch's and not
   in ``comm_MB``; ``-`` like ``comm_MB``.
+* ``lr``: the learning rate of the step (``--lr-schedule``, :mod:`disttrain.train.schedule`).
+* ``tokens/s`` and ``mfu`` (language models only): samples/s × tokens per sample, and the
+  model FLOPs utilization against ``--peak-tflops`` (``-`` without one;
+  :mod:`disttrain.train.flops`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class StepRecord:
     loss: float  # this rank's loss
     seconds: float  # wall time of the step on this rank (data fetch, forward, backward, update)
     bytes_sent: int | None  # bytes this rank sent through disttrain.comm during the step
+    grad_norm: float | None = None  # the whole model's gradient norm before clipping
 
 
 def peak_memory_bytes(device: torch.device | None = None) -> int:
@@ -60,12 +65,25 @@ def peak_memory_bytes(device: torch.device | None = None) -> int:
 
 
 def format_line(step: int, epoch: int, loss: float, samples_per_s: float,
-                comm_bytes: int | None, peak_bytes: int, native_bytes: int = 0) -> str:
-    """The fixed-field metrics line (see the module docstring)."""
+                comm_bytes: int | None, peak_bytes: int, native_bytes: int = 0,
+                grad_norm: float | None = None) -> str:
+    """The fixed-field metrics line (see the module docstring); ``grad_norm`` (with
+    gradient clipping: the norm before clipping) is appended when given."""
     comm = f"{comm_bytes / 1e6:9.3f}" if comm_bytes is not None else f"{'-':>9}"
     native = f"{native_bytes / 1e6:9.3f}" if comm_bytes is not None else f"{'-':>9}"
-    return (f"step={step:7d} epoch={epoch:3d} loss={loss:8.4f} samples/s={samples_per_s:9.1f} "
+    line = (f"step={step:7d} epoch={epoch:3d} loss={loss:8.4f} samples/s={samples_per_s:9.1f} "
             f"comm_MB={comm} peak_mem_MB={peak_bytes / 1e6:8.1f} native_MB={native}")
+    return line if grad_norm is None else f"{line} grad_norm={grad_norm:.4g}"
+
+
+def format_rates(lr: float, tokens_per_s: float | None = None, mfu: float | None = None) -> str:
+    """The metrics line's tail: the step's learning rate, then for a language model its
+    tokens/s and model FLOPs utilization (``-`` without a peak)."""
+    tail = f" lr={lr:.4e}"
+    if tokens_per_s is not None:
+        share = "-" if mfu is None else f"{100 * mfu:.2f}%"
+        tail += f" tokens/s={tokens_per_s:10.1f} mfu={share:>6}"
+    return tail
 
 
 class ProgressBar:

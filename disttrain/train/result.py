@@ -58,12 +58,39 @@ class TrainResult:
     activation_peak_bytes: int | None = None
     model_state_bytes_max: int | None = None
     activation_peak_bytes_max: int | None = None
+    learning_rates: list[float] = field(default_factory=list)  # the rate of each step run
+    # throughput in tokens and FLOPs (disttrain.train.flops): for language models only
+    tokens_per_sample: int | None = None  # the sequence length
+    model_flops_per_token: float | None = None  # 6·N + 12·L·H·T
+    devices: int = 1  # the GPUs the ranks compute on, or the machines of CPU ranks
+    peak_tflops: float | None = None  # one device's peak, as given (None: no MFU)
     model: nn.Module | None = field(default=None, repr=False, compare=False)  # trained, bare
 
     @property
     def mean_bytes_sent_per_step(self) -> float | None:
         sent = self.bytes_sent_per_step
         return None if sent is None or not sent else sum(sent) / len(sent)
+
+    @property
+    def run_samples_per_s(self) -> float:
+        """The run's samples/s: a strategy whose workers step at their own pace (ps-async)
+        reports the sum of their rates in ``extras``; the others, this rank's figure."""
+        return float(self.extras.get("samples_per_s", self.samples_per_s))
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """The run's tokens/s (None: its samples are not token sequences)."""
+        if self.tokens_per_sample is None:
+            return None
+        return self.run_samples_per_s * self.tokens_per_sample
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilization, a fraction (None: not a transformer, or no peak)."""
+        from disttrain.train.flops import mfu
+
+        return mfu(self.model_flops_per_token, self.tokens_per_s, self.peak_tflops,
+                   self.devices)
 
     def without_model(self) -> TrainResult:
         """A copy without the model, small enough to send between processes."""
@@ -75,4 +102,5 @@ class TrainResult:
                if f.name not in ("model", "step_times", "losses", "bytes_sent_per_step",
                                  "evaluations")}
         out["mean_bytes_sent_per_step"] = self.mean_bytes_sent_per_step
+        out["tokens_per_s"], out["mfu"] = self.tokens_per_s, self.mfu
         return out
