@@ -149,7 +149,7 @@ class _RingAttention(torch.autograd.Function):
         comm: Communicator = ctx.comm
         steps: list[RingStep] = ctx.steps
         chunk, scale = q.shape[-2] // 2, q.shape[-1] ** -0.5
-        delta = at_least_fp32((dout * out).sum(-1))  # D_i = Σ_j dO_ij O_ij
+        delta = (at_least_fp32(dout) * out).sum(-1)  # D_i = Σ_j dO_ij O_ij
         dq = torch.zeros_like(q, dtype=lse.dtype)
         kv = torch.stack((k, v))
         # gradients add up in at least fp32, and travel so (dKV messages: max(e, 4) bytes)
