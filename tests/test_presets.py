@@ -37,7 +37,9 @@ def test_every_runnable_preset_has_a_builder_a_simulator_model_and_a_memory_figu
     if preset.parameter_server is None:
         assert BUILT[name].build is compose  # one composer builds every composition
     cluster = get_cluster("nvlink-node")
-    profile = ANALYTIC["gpt-1.3b"](cluster.device_flops)  # a transformer: tp can split it
+    # a transformer: tp can split it; expert parallelism needs one with experts
+    model = "gpt-1.3b-moe8" if "ep" in preset.uses else "gpt-1.3b"
+    profile = ANALYTIC[model](cluster.device_flops)
     row = SIMULATED[name](Case(profile, cluster, Workload(global_batch=64), 8))
     assert row.error is None, row.error
     assert row.strategy == name and math.isfinite(row.step_s) and row.memory_bytes > 0
@@ -49,13 +51,18 @@ def test_every_runnable_preset_has_a_builder_a_simulator_model_and_a_memory_figu
 
 
 def test_degrees_follow_the_rules_and_name_the_fix():
-    assert degrees(PRESETS["ddp"], 4) == {"dp": 4, "pp": 1, "tp": 1}
-    assert degrees(PRESETS["gpipe"], 4) == {"dp": 1, "pp": 4, "tp": 1}
-    assert degrees(PRESETS["1f1b"], 4, pp=2) == {"dp": 2, "pp": 2, "tp": 1}
-    assert degrees(PRESETS["tp-sp"], 3) == {"dp": 1, "pp": 1, "tp": 3}
-    assert degrees(PRESETS["3d"], 8, tp=2, pp=2) == {"dp": 2, "pp": 2, "tp": 2}
-    assert degrees(PRESETS["3d"], 4) == {"dp": 4, "pp": 1, "tp": 1}
-    with pytest.raises(ValueError, match="--pp 1 × --tp 3 = 3 does not divide the world size"):
+    def sizes(**given: int) -> dict[str, int]:
+        return {"dp": 1, "pp": 1, "cp": 1, "ep": 1, "tp": 1, **given}
+
+    assert degrees(PRESETS["ddp"], 4) == sizes(dp=4)
+    assert degrees(PRESETS["gpipe"], 4) == sizes(pp=4)
+    assert degrees(PRESETS["1f1b"], 4, pp=2) == sizes(dp=2, pp=2)
+    assert degrees(PRESETS["tp-sp"], 3) == sizes(tp=3)
+    assert degrees(PRESETS["3d"], 8, tp=2, pp=2) == sizes(dp=2, pp=2, tp=2)
+    assert degrees(PRESETS["3d"], 4) == sizes(dp=4)
+    assert degrees(PRESETS["ep"], 4, ep=2) == sizes(dp=2, ep=2)
+    assert degrees(PRESETS["cp"], 3) == sizes(cp=3)
+    with pytest.raises(ValueError, match="--tp 3 = 3 does not divide the world size"):
         degrees(PRESETS["3d"], 8, tp=3)
     with pytest.raises(ValueError, match="= 8 ranks, but the world has 4"):
         degrees(PRESETS["3d"], 4, dp=2, tp=2, pp=2)

@@ -19,6 +19,7 @@ Pure data, no torch: the simulator's model imports it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ALL, FLAG, FLAG_OR_ALL, REST = "all", "flag", "flag-or-all", "rest"
@@ -29,6 +30,8 @@ PIPELINE = frozenset({"schedule", "microbatches", "partition", "pp_size"})
 SERVERS = frozenset({"servers", "straggler", "straggler_every"})
 MESH = frozenset({"tp_size", "dp_size", "pp_size", "sequence_parallel", "zero", "algorithm",
                   "schedule", "microbatches", "partition"})
+CONTEXT = frozenset({"cp_size", "cp_variant", "dp_size", "algorithm"})
+EXPERTS = frozenset({"ep_size", "dp_size", "algorithm"})
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class Preset:
         pipeline), ``model`` (one split model), ``mesh`` (dp × pp × tp), ``ps``."""
         if self.parameter_server:
             return "ps"
-        if "tp" in self.uses:
+        if self.uses & {"tp", "cp", "ep"}:
             return "mesh"
         if "pp" in self.uses:
             return "pipeline" if "dp" in self.uses else "model"
@@ -107,9 +110,16 @@ PRESETS: dict[str, Preset] = {
     "tp-sp": Preset("tensor parallel with sequence parallelism (LayerNorm regions split "
                     "along the sequence)", (("tp", ALL),), sequence_parallel=True,
                     options=frozenset({"algorithm", "sequence_parallel"})),
-    "3d": Preset("data × pipeline × tensor parallel on one mesh (--dp, --pp, --tp; --zero "
-                 "1/2 over dp)", (("tp", FLAG), ("pp", FLAG), ("dp", REST)), schedule="1f1b",
-                 options=MESH),
+    "3d": Preset("data × pipeline × context × tensor parallel on one mesh (--dp, --pp, "
+                 "--cp, --tp; --zero 1/2 over dp)",
+                 (("tp", FLAG), ("cp", FLAG), ("pp", FLAG), ("dp", REST)), schedule="1f1b",
+                 options=MESH | {"cp_size", "cp_variant"}),
+    "cp": Preset("context parallel: each sequence split over the ranks, causal attention "
+                 "across them (ring or Ulysses)", (("cp", FLAG_OR_ALL), ("dp", REST)),
+                 options=CONTEXT),
+    "ep": Preset("expert parallel: each mixture-of-experts layer's experts spread over the "
+                 "ranks, tokens moved by all-to-all", (("ep", FLAG_OR_ALL), ("dp", REST)),
+                 options=EXPERTS),
 }
 
 
@@ -127,12 +137,17 @@ def zero_presets() -> tuple[str, ...]:
                         key=lambda n: PRESETS[n].zero))
 
 
-def degrees(preset: Preset, world_size: int, *, dp: int | None = None, pp: int | None = None,
-            tp: int | None = None) -> dict[str, int]:
-    """Each mesh dimension's size for ``world_size`` ranks under ``preset``, given the
-    flags; sizes that do not fit are a ValueError naming the flags and the fix."""
-    flags = {"dp": dp, "pp": pp, "tp": tp}
-    sizes = {d: 1 for d in ("dp", "pp", "tp")}
+DEGREES = ("dp", "pp", "cp", "ep", "tp")  # the sizes a preset's rules set, mesh order
+
+
+def degrees(preset: Preset, world_size: int, **flags: int | None) -> dict[str, int]:
+    """Each mesh dimension's size (``dp``, ``pp``, ``cp``, ``ep``, ``tp``) for
+    ``world_size`` ranks under ``preset``, given the flags (``dp=``, ``pp=``, …; None: not
+    given); sizes that do not fit are a ValueError naming the flags and the fix."""
+    unknown = sorted(set(flags) - set(DEGREES))
+    if unknown:
+        raise ValueError(f"unknown mesh size(s) {unknown}; the flags are {', '.join(DEGREES)}")
+    sizes = dict.fromkeys(DEGREES, 1)
     rest = None
     for dim, rule in preset.dims:
         given = flags.get(dim)
@@ -144,22 +159,22 @@ def degrees(preset: Preset, world_size: int, *, dp: int | None = None, pp: int |
             sizes[dim] = world_size if given is None else given
         else:
             rest = dim
+    shown = [d for d in DEGREES if d in ("dp", "pp", "tp") or d in preset.uses]
     if rest is not None:
-        others = 1
-        for dim, size in sizes.items():
-            others *= size if dim != rest else 1
-        if flags.get(rest) is not None:
-            sizes[rest] = flags[rest]  # type: ignore[assignment]
+        others = math.prod(size for dim, size in sizes.items() if dim != rest)
+        given = flags.get(rest)
+        if given is not None:
+            sizes[rest] = given
         elif world_size % others:
-            named = " × ".join(f"--{d} {s}" for d, s in sizes.items() if d != rest)
+            named = " × ".join(f"--{d} {sizes[d]}" for d in shown if d != rest)
             raise ValueError(f"{named} = {others} does not divide the world size "
                              f"{world_size}; choose sizes whose product divides it ({rest} "
                              f"takes the rest)")
         else:
             sizes[rest] = world_size // others
-    product = sizes["dp"] * sizes["pp"] * sizes["tp"]
+    product = math.prod(sizes.values())
     if product != world_size:
-        raise ValueError(f"--dp {sizes['dp']} × --pp {sizes['pp']} × --tp {sizes['tp']} = "
-                         f"{product} ranks, but the world has {world_size}; make the product "
-                         f"equal the world size")
+        named = " × ".join(f"--{d} {sizes[d]}" for d in shown)
+        raise ValueError(f"{named} = {product} ranks, but the world has {world_size}; make "
+                         f"the product equal the world size")
     return sizes

@@ -13,6 +13,9 @@ maps (fp32, ×2 for the BatchNorm and ReLU copies). Times are for a device susta
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 from disttrain.parallel.tensor.theory import LMShape, block_activation_elements
 from disttrain.simulate.profile import LayerProfile, ModelProfile
 
@@ -101,8 +104,42 @@ GPT_SHAPES = {  # GPT-3 paper sizes (Brown et al. 2020, Table 2.1), vocabulary p
                         max_len=2048),
     "gpt-13b": LMShape(vocab_size=50304, d_model=5120, n_heads=40, n_layers=40,
                        max_len=2048),
+    # the long-sequence variant: 32k tokens (context parallelism's case)
+    "gpt-1.3b-32k": LMShape(vocab_size=50304, d_model=2048, n_heads=16, n_layers=24,
+                            max_len=32768),
 }
+MOE = {"gpt-1.3b-moe8": ("gpt-1.3b", 8, 2)}  # name → (dense shape, experts, top-k)
 
-ANALYTIC = {"resnet101": resnet101,
-            **{name: (lambda flops, shape=shape, name=name: gpt(shape, name, flops))
-               for name, shape in GPT_SHAPES.items()}}
+
+def gpt_moe(shape: LMShape, name: str, device_flops: float, experts: int,
+            top_k: int) -> ModelProfile:
+    """:func:`gpt` with every block's MLP a mixture of ``experts`` (Switch/GShard layout):
+    each block holds ``experts`` MLPs of 8h² parameters, a token runs ``top_k`` of them
+    (the forward FLOPs of the MLP part × top_k)."""
+    dense = gpt(shape, name, device_flops)
+    h, s = shape.d_model, shape.max_len
+    mlp_params, mlp_flops = 8 * h * h, 2 * 8 * s * h * h
+    layers = []
+    for i, lay in enumerate(dense.layers):
+        if 0 < i <= shape.n_layers:
+            extra = (top_k - 1) * mlp_flops / device_flops
+            lay = replace(lay, params=lay.params + (experts - 1) * mlp_params,
+                          forward_per_sample=lay.forward_per_sample + extra,
+                          backward_per_sample=lay.backward_per_sample + 2 * extra)
+        layers.append(lay)
+    return replace(dense, layers=tuple(layers),
+                   moe=(experts, top_k, tuple(range(1, shape.n_layers + 1)),
+                        shape.n_layers * experts * mlp_params))
+
+
+def _dense(name: str) -> Callable[[float], ModelProfile]:
+    return lambda flops: gpt(GPT_SHAPES[name], name, flops)
+
+
+def _sparse(name: str) -> Callable[[float], ModelProfile]:
+    base, experts, top_k = MOE[name]
+    return lambda flops: gpt_moe(GPT_SHAPES[base], name, flops, experts, top_k)
+
+
+ANALYTIC: dict[str, Callable[[float], ModelProfile]] = {
+    "resnet101": resnet101, **{n: _dense(n) for n in GPT_SHAPES}, **{n: _sparse(n) for n in MOE}}

@@ -38,7 +38,7 @@ from itertools import pairwise
 
 from disttrain.parallel.ddp.buckets import MIB, plan_buckets
 from disttrain.simulate import memory
-from disttrain.simulate.base import Case, StepResult
+from disttrain.simulate.base import Case, StepResult, not_applicable
 from disttrain.simulate.events import Simulation
 
 
@@ -136,6 +136,10 @@ def _states(case: Case, stage: int) -> float:
 
 def simulate_data_parallel(case: Case, name: str, zero: int) -> StepResult:
     """The data-parallel step of preset ``name``: DDP (``zero`` 0) or ZeRO stage 1-3."""
+    if case.global_batch < case.workers:  # a sample is the least a replica can take
+        return not_applicable(case, name, f"global batch {case.global_batch} leaves some of "
+                                          f"the {case.workers} data-parallel ranks without a "
+                                          f"sample (cp splits each sample's sequence)")
     if zero == 0:
         return simulate_ddp(case, name)
     if zero == 3:

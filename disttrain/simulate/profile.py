@@ -52,6 +52,9 @@ class ModelProfile:
     overheads: Overheads = field(default_factory=Overheads)
     # the sizes tensor parallelism splits, when the model is a TransformerLM (None: not one)
     transformer: LMShape | None = None
+    # mixture of experts (expert parallelism): (experts, top-k, indices of the MoE layers,
+    # parameters held by experts); None: a dense model
+    moe: tuple[int, int, tuple[int, ...], int] | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:

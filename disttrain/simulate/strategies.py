@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from disttrain.parallel.presets import ALL, PRESETS, Preset
+from disttrain.parallel.presets import ALL, FLAG_OR_ALL, PRESETS, Preset
 from disttrain.simulate.base import Case, StepResult, explain_efficiency
 from disttrain.simulate.cluster import Cluster
+from disttrain.simulate.context_experts import simulate_cp, simulate_ep
 from disttrain.simulate.data_parallel import simulate_data_parallel
 from disttrain.simulate.parameter_server import simulate_ps
 from disttrain.simulate.pipeline import simulate_pipeline
@@ -35,6 +36,10 @@ def simulator_for(name: str, preset: Preset) -> Simulator | None:
         mode = preset.parameter_server
         return lambda case: simulate_ps(case, mode)
     rules = dict(preset.dims)
+    if rules.get("cp") == FLAG_OR_ALL:  # the cp preset (3d simulates its tp × pp × dp)
+        return lambda case: simulate_cp(case, name)
+    if rules.get("ep") == FLAG_OR_ALL:
+        return lambda case: simulate_ep(case, name)
     if preset.kind == "mesh":
         return lambda case: simulate_tp(case, name, sequence_parallel=preset.sequence_parallel,
                                         tp_everywhere=rules.get("tp") == ALL)

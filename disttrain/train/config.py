@@ -48,6 +48,9 @@ class ParallelOptions:
     tp_size: int | None = None  # "3d": ranks per tensor-parallel group (None: 1)
     dp_size: int | None = None  # "3d": data-parallel replicas (None: world / (tp · pp))
     sequence_parallel: bool = False  # shard LayerNorm regions along the sequence (tp-sp)
+    cp_size: int | None = None  # "cp", "3d": ranks a sequence is split over (context parallel)
+    cp_variant: str = "ring"  # "ring" (key/value blocks around a ring) or "ulysses" (heads)
+    ep_size: int | None = None  # "ep": ranks the experts are spread over (expert parallel)
     zero: int | None = None  # "3d": ZeRO stage 1 or 2 over the dp groups (None: plain DP)
     # parameter server ("ps-sync", "ps-async", "ps-ssp")
     servers: int | None = None  # server processes beside the workers (None: 1)
@@ -62,9 +65,12 @@ class ParallelOptions:
         if self.schedule is not None and self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got "
                              f"{self.schedule!r}")
-        for name in ("microbatches", "pp_size", "servers", "tp_size", "dp_size"):
+        for name in ("microbatches", "pp_size", "servers", "tp_size", "dp_size", "cp_size",
+                     "ep_size"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.cp_variant not in ("ring", "ulysses"):
+            raise ValueError(f"cp_variant must be ring or ulysses, got {self.cp_variant!r}")
         if self.staleness is not None:
             _positive("staleness", self.staleness, allow_zero=True)
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (1, 2)):

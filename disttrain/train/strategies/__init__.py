@@ -67,7 +67,7 @@ OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
     "algorithm": "--algorithm", "schedule": "--schedule", "microbatches": "--microbatches",
     "partition": "--partition", "pp_size": "--pp", "servers": "--servers",
     "tp_size": "--tp", "dp_size": "--dp", "sequence_parallel": "--sequence-parallel",
-    "zero": "--zero",
+    "zero": "--zero", "cp_size": "--cp", "cp_variant": "--cp-variant", "ep_size": "--ep",
     "staleness": "--staleness", "staleness_lr": "--staleness-lr", "straggler": "--straggler",
     "straggler_every": "--straggler RANK:FACTOR:EVERY",
 }
@@ -130,7 +130,9 @@ class StrategySpec:
             pp = config.parallel.pp_size if config is not None else None
             return world_size // (pp or world_size)
         if self.layout == "mesh":
-            return mesh_settings(config, world_size).shape.dp if config is not None else 1
+            # ep is carved out of data parallelism: its ranks read different samples too
+            shape = mesh_settings(config, world_size).shape if config is not None else None
+            return shape.size(("dp", "ep")) if shape is not None else 1
         return world_size
 
     def check_world(self, world_size: int, name: str) -> None:

@@ -182,12 +182,17 @@ class Strategy:
                 with self.phase("backward"):  # with DDP, includes the gradient sync
                     (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total = accumulate(total, loss)
+        self.before_update()
         if self.optimizer is not None:
             with self.phase("optimizer"):
                 self.optimizer.step()  # fp16: through the scaler (use_loss_scaler)
         elif self.scaler is not None:
             self.scaler.no_step()
         return total if total is not None else torch.zeros(())
+
+    def before_update(self) -> None:
+        """After the last micro-batch's backward, before the update: what a strategy still
+        does to the gradients (expert parallelism averages them over its group)."""
 
     def use_loss_scaler(self, scaler: Any) -> None:
         """fp16 training: every loss is multiplied by ``scaler``'s scale before backward, and

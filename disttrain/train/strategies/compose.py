@@ -1,13 +1,17 @@
 """The composer: every preset of :mod:`disttrain.parallel.presets` (``ddp``, ``zero1-3``,
-``model-parallel``, ``gpipe``, ``1f1b``, ``tp``, ``tp-sp``, ``3d``) built the same way, its
+``model-parallel``, ``gpipe``, ``1f1b``, ``tp``, ``tp-sp``, ``3d``, ``cp``, ``ep``) built the
+same way, its
 dimensions applied in one order a reader can follow (as torchtitan's ``parallelize``
 functions read)::
 
-    mesh    = build_mesh(comm, the preset's degrees)        dp × pp × tp, tp innermost
+    mesh    = build_mesh(comm, the preset's degrees)        dp × pp × cp × ep × tp
     model   = tensor/sequence parallel shard over mesh.tp     1. tp > 1
-    stages  = pipeline of the (sharded) model over mesh.pp    2. a schedule: stages average
+    experts = this rank's experts over mesh.ep, DDP over dp  2. ep > 1
+    stages  = pipeline of the (sharded) model over mesh.pp    3. a schedule: stages average
                                                                  their gradients over dp
-    replica = DDP, or ZeRO-1/2/3, over mesh.dp                3. otherwise
+    context = the (sharded) model's attention over mesh.cp    4. cp > 1, or tp > 1: the
+    replica   and DDP or ZeRO-1/2 over mesh.dp                   shard over cp, then dp
+    replica = DDP, or ZeRO-1/2/3, over mesh.dp                4. otherwise
 
 Each result is a :class:`~disttrain.train.strategies.base.Strategy` the shared loop drives:
 :class:`~.data_parallel.DataParallelStrategy`, :class:`~.zero.ZeroStrategy`,
@@ -33,13 +37,17 @@ def compose(ctx: BuildContext) -> Strategy:
     settings = mesh_settings(config, comm.world_size)
     mesh = build_mesh(comm, settings.shape)
     shard = tensor_parallel(ctx, mesh, settings)  # 1.
-    if settings.schedule is not None and mesh.pp_size > 1:  # 2.
+    if mesh.size("ep") > 1:  # 2. (expert parallelism carries its data parallelism along)
+        from disttrain.train.strategies.experts import ExpertParallelStrategy
+
+        return ExpertParallelStrategy(ctx, mesh, settings)
+    if settings.schedule is not None and mesh.pp_size > 1:  # 3.
         return pipeline(ctx, mesh, settings, shard)
-    if shard is not None:
+    if shard is not None or mesh.cp is not None:
         from disttrain.train.strategies.tensor import TensorParallelStrategy
 
-        return TensorParallelStrategy(ctx, mesh, settings, shard)  # 3., on the shard
-    return data_parallel(ctx, mesh, settings)  # 3.
+        return TensorParallelStrategy(ctx, mesh, settings, shard)  # 4., on the shard / cp
+    return data_parallel(ctx, mesh, settings)  # 4.
 
 
 def tensor_parallel(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings
@@ -53,7 +61,7 @@ def tensor_parallel(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings
 
 def pipeline(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings,
              shard: TensorParallelLM | None) -> Strategy:
-    """2. This rank's stage of the (sharded) model; the stages of one pp position average
+    """3. This rank's stage of the (sharded) model; the stages of one pp position average
     their gradients over dp (the pipeline engine's own all-reduce)."""
     from disttrain.parallel.pipeline import build_pipeline
     from disttrain.train.strategies.pipeline import PipelineSettings, PipelineStrategy
@@ -74,7 +82,7 @@ def pipeline(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings,
 
 
 def data_parallel(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings) -> Strategy:
-    """3. DDP (replicated model state) or ZeRO stage 1-3 (sharded) over the dp ranks."""
+    """4. DDP (replicated model state) or ZeRO stage 1-3 (sharded) over the dp ranks."""
     from disttrain.train.strategies.data_parallel import build_ddp
     from disttrain.train.strategies.zero import ZeroStrategy
 

@@ -28,6 +28,7 @@ class MeshSettings:
     schedule: str | None = None  # the pipeline's, when pp > 1
     microbatches: int = DEFAULT_MICROBATCHES
     model_parallel: bool = False  # a pipeline of one micro-batch, by design
+    cp_variant: str = "ring"  # context parallelism's attention: "ring" or "ulysses"
 
 
 def mesh_settings(config: TrainConfig, world_size: int) -> MeshSettings:
@@ -35,14 +36,16 @@ def mesh_settings(config: TrainConfig, world_size: int) -> MeshSettings:
     the tp preset of the same name) on ``world_size`` ranks."""
     opts, name = config.parallel, config.strategy
     preset = get_preset(name if name in PRESETS else name.removeprefix("torch-"))
-    sizes = degrees(preset, world_size, dp=opts.dp_size, pp=opts.pp_size, tp=opts.tp_size)
-    shape = MeshShape(dp=sizes["dp"], pp=sizes["pp"], tp=sizes["tp"])
+    sizes = degrees(preset, world_size, dp=opts.dp_size, pp=opts.pp_size, tp=opts.tp_size,
+                    cp=opts.cp_size, ep=opts.ep_size)
+    shape = MeshShape(dp=sizes["dp"], pp=sizes["pp"], tp=sizes["tp"], cp=sizes["cp"],
+                      ep=sizes["ep"])
     sp = opts.sequence_parallel or preset.sequence_parallel
     zero = opts.zero if opts.zero is not None else (preset.zero or None)
     schedule = opts.schedule or preset.schedule
     m = preset.microbatches or opts.microbatches or DEFAULT_MICROBATCHES
     return MeshSettings(shape, sp, zero, opts.algorithm, schedule, m,
-                        model_parallel=preset.microbatches == 1)
+                        model_parallel=preset.microbatches == 1, cp_variant=opts.cp_variant)
 
 
 def mesh_workload(config: TrainConfig, world_size: int) -> str | None:
@@ -59,7 +62,11 @@ def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
     name, opts = config.strategy, config.parallel
     settings = mesh_settings(config, world_size)
     shape, tp = settings.shape, settings.shape.tp
-    if config.model in MODELS and config.model not in TRANSFORMER_MODELS:
+    if shape.size("cp") > 1:
+        _check_context(config, settings)
+    if shape.size("ep") > 1:
+        _check_experts(config, shape.size("ep"))
+    elif config.model in MODELS and config.model not in TRANSFORMER_MODELS:
         raise ValueError(f"strategy {name!r} splits a transformer's attention heads, MLP and "
                          f"vocabulary; model {config.model!r} is not a TransformerLM: use "
                          f"--model transformer --dataset synthetic-lm")
@@ -98,3 +105,50 @@ def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
             opts.partition is not None):
         raise ValueError("--microbatches, --schedule and --partition apply to the pipeline "
                          "dimension: give --pp ≥ 2 with them")
+
+
+def _check_experts(config: TrainConfig, ep: int) -> None:
+    """Expert parallelism needs mixture-of-experts layers whose experts divide over ep."""
+    from disttrain.train.data import build_dataset
+    from disttrain.train.models import build_model
+    from disttrain.train.moe import moe_layers
+
+    model = build_model(config.model, build_dataset(config.dataset, config.data).info)
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(f"strategy {config.strategy!r} spreads the experts of mixture-of-"
+                         f"experts layers; model {config.model!r} has none: use --model "
+                         f"transformer-moe --dataset synthetic-lm")
+    experts = {layer.experts.n_experts for layer in layers}
+    if any(n % ep for n in experts):
+        raise ValueError(f"{sorted(experts)} experts per layer do not divide over --ep {ep}; "
+                         f"choose an --ep that divides them")
+
+
+def _check_context(config: TrainConfig, settings: MeshSettings) -> None:
+    """Context parallelism splits the TransformerLM's sequences into 2·cp chunks; Ulysses
+    splits this rank's heads over cp; it does not run inside pipeline stages or beside
+    ZeRO-2 (which drops gradients before cp sums them)."""
+    from disttrain.parallel.context import check_sequence
+    from disttrain.train.data import build_dataset
+    from disttrain.train.models import TRANSFORMER_MODELS, build_model
+
+    shape, cp = settings.shape, settings.shape.size("cp")
+    if config.model not in TRANSFORMER_MODELS:
+        raise ValueError(f"context parallelism splits the sequences of disttrain's "
+                         f"TransformerLM; model {config.model!r} is not one: use --model "
+                         f"transformer --dataset synthetic-lm")
+    if shape.pp > 1:
+        raise ValueError(f"--cp {cp} inside pipeline stages is not built yet; use --pp 1 "
+                         f"with --cp")
+    if settings.zero == 2:
+        raise ValueError("--zero 2 drops each gradient once it is reduce-scattered over dp, "
+                         "before context parallelism sums it over cp: use --zero 1 with --cp")
+    check_sequence(config.data.seq_len, cp)
+    if settings.cp_variant == "ulysses":
+        model = build_model(config.model, build_dataset(config.dataset, config.data).info)
+        heads = lm_shape(model)["n_heads"] // shape.tp
+        if heads % cp:
+            raise ValueError(f"Ulysses splits the {heads} attention heads of each tp rank "
+                             f"over --cp {cp}, which does not divide them; use --cp-variant "
+                             f"ring or a --cp that divides {heads}")

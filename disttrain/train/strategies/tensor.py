@@ -39,6 +39,7 @@ from torch import nn
 
 from disttrain.comm import Communicator
 from disttrain.parallel import DataParallel, ZeRO1, ZeRO2, ZeroConfig
+from disttrain.parallel.context.api import ContextParallelLM
 from disttrain.parallel.mesh import DeviceMesh
 from disttrain.parallel.mixed_precision import accumulate, at_least_fp32
 from disttrain.parallel.tensor import full_state_dict
@@ -143,7 +144,9 @@ class TensorParallelStrategy(Strategy):
         self.mesh, self.settings = mesh, settings
         module: nn.Module = shard if shard is not None else ctx.module
         self.shard, self.zero = shard, None
-        model, optimizer = module, None
+        self.cp = context_parallel(module, mesh, settings)  # forward over cp's sequence
+        model: nn.Module = self.cp if self.cp is not None else module
+        optimizer = None
         stepper: Stepper
         if settings.zero and mesh.dp is not None:
             config = ZeroConfig(algorithm=settings.algorithm, broadcast_from_rank0=False)
@@ -152,7 +155,7 @@ class TensorParallelStrategy(Strategy):
             stepper = self.zero
         else:
             if mesh.dp is not None:
-                model = DataParallel(module, mesh.dp, algorithm=settings.algorithm)
+                model = DataParallel(model, mesh.dp, algorithm=settings.algorithm)
             optimizer = ctx.make_optimizer(module.parameters())
             stepper = optimizer
         super().__init__(module, stepper, ctx.comm, model)
@@ -166,7 +169,8 @@ class TensorParallelStrategy(Strategy):
         0; summed over the mesh (ZeRO inside the mesh is refused with clipping)."""
         from disttrain.train.clipping import tp_share
 
-        return tp_share(self.module, self.mesh), self.mesh.world
+        share = tp_share(self.module, self.mesh)  # cp ranks hold the same gradients: once
+        return (share if self.mesh.cp_rank == 0 else torch.zeros_like(share)), self.mesh.world
 
     # ------------------------------------------------------------------ data
     @property
@@ -179,6 +183,8 @@ class TensorParallelStrategy(Strategy):
 
     # ------------------------------------------------------------------ training
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.cp is not None:  # this rank's share of the whole sequence's loss
+            return self.cp.loss(output, target)
         if self.shard is not None:
             return self.shard.loss(output, target)
         return F.cross_entropy(at_least_fp32(output.flatten(0, -2)), target.flatten())
@@ -199,6 +205,7 @@ class TensorParallelStrategy(Strategy):
         total: torch.Tensor | None = None
         last = len(micro_batches) - 1
         for i, (inputs, targets) in enumerate(micro_batches):
+            inputs, targets = self._split(inputs), self._split(targets)
             with self.no_sync() if i < last else nullcontext():
                 with self.phase("forward"), autocast():
                     loss = self.loss(self.model(inputs), targets) / len(micro_batches)
@@ -207,15 +214,32 @@ class TensorParallelStrategy(Strategy):
             total = accumulate(total, loss)
         if self.shard is not None:
             reduce_sequence_parallel_grads(self._sp_params, self.shard.group)
+        if self.cp is not None:
+            self.cp.reduce_context_parallel_grads()
         with self.phase("optimizer"):
             self.optimizer.step()
         assert total is not None  # the loop passes at least one micro-batch
-        return total
+        # with cp: the mean loss of this rank's tokens (its share is 1/cp of the sequence's)
+        return total * self.mesh.cp_size if self.cp is not None else total
+
+    def _split(self, batch: torch.Tensor) -> torch.Tensor:
+        """This cp rank's tokens of ``batch`` (the zig-zag split), or all of them."""
+        if self.cp is None:
+            return batch
+        from disttrain.parallel.context import split_sequence
+
+        return split_sequence(batch, self.mesh.cp_rank, self.mesh.cp_size)
 
     # ------------------------------------------------------------------ evaluation
     def predict(self, inputs: Any) -> torch.Tensor | None:
-        output: torch.Tensor = self.module(inputs)
+        if self.cp is not None:  # every cp rank's logits, in sequence order
+            output = self.cp.gather_sequence(self.cp(self._split(inputs)), dim=1)
+        else:
+            output = self.module(inputs)
         return self.shard.full_logits(output) if self.shard is not None else output
+
+    def eval_modules(self) -> list[nn.Module]:
+        return [self.module] if self.cp is None else [self.module, self.cp]
 
     def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
         """Every tp rank scored the same replica's shard: sum over the dp group only."""
@@ -229,7 +253,7 @@ class TensorParallelStrategy(Strategy):
                                   f".pt")
 
     def save_state(self, path: str, rank: int) -> None:
-        if self.mesh.dp_rank == 0:  # the dp replicas of a shard are identical
+        if self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0:  # dp and cp: identical
             atomic_save(self.state_dict(), self._state_file(path))
 
     def load_state(self, path: str, rank: int) -> None:
@@ -246,10 +270,16 @@ class TensorParallelStrategy(Strategy):
             return None  # mixed precision: bf16 activations, fp32 gradients of f
         micro, seq = config.micro_batch(self.mesh.dp_size), ctx.sample[0].shape[-1]
         shape = tp_theory.LMShape(**lm_shape(ctx.module))
+        cp = self.mesh.cp_size  # tp's collectives carry this rank's seq / cp tokens
         sent = float(tp_theory.bytes_sent(
-            tp_theory.tp_step_collectives(shape, micro, seq, self.mesh.tp_size,
+            tp_theory.tp_step_collectives(shape, micro, seq // cp, self.mesh.tp_size,
                                           self.settings.sequence_parallel, config.accumulate),
             self.mesh.tp_size, self.mesh.tp_rank, self._tp_price()))
+        if self.cp is not None:
+            cp_sent = self._cp_theory(shape, micro, seq, config.accumulate)
+            if cp_sent is None:
+                return None
+            sent += cp_sent
         d = self.mesh.dp_size
         if self.zero is not None:
             padded = sum(g.layout.padded_total for g in self.zero.shard_groups())
@@ -258,6 +288,28 @@ class TensorParallelStrategy(Strategy):
         else:
             sent += ring_all_reduce_bytes(d, param_bytes(self.module))
         return sent
+
+    def _cp_theory(self, shape: tp_theory.LMShape, micro: int, seq: int, accumulate: int
+                   ) -> float | None:
+        """Context parallelism's bytes per step on the cp group: attention for every
+        micro-batch (exact for the ring and the pairwise all-to-all) and the gradients'
+        all-reduce (the communicator's price for its algorithm; None: not observable)."""
+        from disttrain.parallel.context import attention_bytes_sent
+
+        cp_comm, element = self.mesh.cp, next(self.module.parameters()).element_size()
+        attention = attention_bytes_sent(self.settings.cp_variant, cp_comm.world_size, micro,
+                                         seq, shape.d_model // self.mesh.tp_size,
+                                         shape.n_layers, element)
+        grads = cp_comm.theory_bytes_sent("all_reduce", param_bytes(self.module),
+                                          self.settings.algorithm)
+        if grads is None:
+            return None
+        if self.settings.algorithm == "ring":  # exact for this rank's segments
+            from disttrain.parallel.context.theory import ring_all_reduce_bytes as exact
+
+            grads = exact(sum(p.numel() for p in self.module.parameters()),
+                          cp_comm.world_size, cp_comm.rank, element)
+        return accumulate * attention + grads
 
     def _tp_price(self) -> Callable[[str, int], float | None] | None:
         """The bytes of one tp collective with the algorithm the tp group runs it with."""
@@ -271,7 +323,7 @@ class TensorParallelStrategy(Strategy):
 
     def extras(self, warmup_steps: int) -> dict[str, Any]:
         out: dict[str, Any] = {"dp_size": self.mesh.dp_size, "pp_size": 1,
-                               "tp_size": self.mesh.tp_size,
+                               "tp_size": self.mesh.tp_size, "cp_size": self.mesh.cp_size,
                                "sequence_parallel": self.settings.sequence_parallel,
                                "zero_stage": self.settings.zero}
         if self.probe is not None:
@@ -292,3 +344,15 @@ class TensorParallelStrategy(Strategy):
         remove = getattr(self.zero, "remove_hooks", None)
         if remove is not None:
             remove()
+
+
+def context_parallel(module: nn.Module, mesh: DeviceMesh, settings: MeshSettings
+                     ) -> ContextParallelLM | None:
+    """``module`` (the TransformerLM or its tp shard) over the mesh's cp group, or None
+    without one (collective over cp: the ring connects its neighbours here)."""
+    if mesh.cp is None:
+        return None
+    from disttrain.parallel.context import apply_context_parallel
+
+    return apply_context_parallel(module, mesh.cp, settings.cp_variant,
+                                  algorithm=settings.algorithm, all_to_all_algorithm="naive")
