@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
@@ -43,6 +43,8 @@ VOCABULARY: dict[str, str] = {
     "--token-dtype": "how a tokens:PATH file stores each id (uint16, uint32)",
     "--optimizer": "optimizer (sgd, adam, ...)",
     "--lr": "learning rate",
+    "--peak-tflops": "one device's peak TFLOP/s, the yardstick of model FLOPs utilization "
+                     "(auto: measured first)",
     "--precision": "number format of the training (fp32, bf16, fp16)",
     "--epochs": "passes over the training split",
     "--steps": "steps per run",
@@ -66,6 +68,34 @@ SHORT_FLAGS: dict[str, tuple[str, ...]] = {
 }
 
 
+GIVEN = "given_flags"  # the namespace attribute: destinations set on the command line
+FROM_FILE = "config_file_flags"  # ... and those a config file set (--config)
+
+
+def note_given(parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+               action: argparse.Action) -> None:
+    """Record on ``namespace`` that ``action``'s flag was on the command line, which a
+    config file must not override (``disttrain run --config``); a flag the file set that
+    cannot stand beside it (``--epochs`` beside ``--steps``) falls back to its default."""
+    given = getattr(namespace, GIVEN, None)
+    if given is None:
+        given = set()
+        setattr(namespace, GIVEN, given)
+    given.add(action.dest)
+    from_file: set[str] = getattr(namespace, FROM_FILE, set())
+    for other in exclusive_with(parser, action):
+        if other.dest in from_file and other.dest not in given:
+            setattr(namespace, other.dest, other.default)
+
+
+def exclusive_with(parser: argparse.ArgumentParser,
+                   action: argparse.Action) -> Iterator[argparse.Action]:
+    """The flags of ``parser`` that may not be given with ``action``'s."""
+    for group in parser._mutually_exclusive_groups:
+        if action in group._group_actions:
+            yield from (a for a in group._group_actions if a is not action)
+
+
 class DeprecatedAlias(argparse.Action):
     """An old flag name that still works, with a one-time note naming the new one."""
 
@@ -83,6 +113,7 @@ class DeprecatedAlias(argparse.Action):
                   file=sys.stderr)
             self.warned = True
         setattr(namespace, self.dest, values)
+        note_given(parser, namespace, self)
 
 
 def add_alias(container: argparse._ActionsContainer, *old: str,

@@ -3,9 +3,11 @@
 Versions, which torch.distributed backends this build has (Gloo, NCCL, MPI) and the NCCL
 version, CPU cores and NUMA nodes, GPUs and how they are connected (peer access and
 ``nvidia-smi topo -m``, bounded by a timeout), the
-calibrated transport costs that ``algorithm="auto"`` uses, and where this process would
-stand in a job (the launch variables it sees). ``--json [FILE]`` writes the same as one
-JSON Lines row (to stdout without FILE).
+calibrated transport costs that ``algorithm="auto"`` uses, the peak matrix-multiply
+throughput of this machine's CPU and of each GPU (the yardstick of model FLOPs utilization,
+``disttrain run --peak-tflops``), and where this process would stand in a job (the launch
+variables it sees). ``--json [FILE]`` writes the same as one JSON Lines row (to stdout
+without FILE).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,7 @@ def collect() -> dict[str, Any]:
         "gpus": gpus(),
         "gpu_topology": nvidia_topology(),
         "calibration": calibration(),
+        "peak_tflops": peaks(),
         "launch": launch_environment(),
     }
 
@@ -162,6 +166,58 @@ def calibration() -> dict[str, Any]:
             "transports": {name: asdict(load_costs(name, path)) for name in names}}
 
 
+PEAK_DTYPES = {"cpu": ("float32",), "cuda": ("float32", "bfloat16")}
+_MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}  # n of the n×n matrices: 2n³ FLOPs a product
+
+
+def measure_peak_tflops(device: str = "cpu", dtype: str = "float32",
+                        budget_s: float = 0.4) -> float:
+    """The best rate of dense n×n matrix products on ``device`` in ``dtype`` over about
+    ``budget_s`` seconds, in TFLOP/s: the peak model FLOPs utilization is measured against
+    (docs/training.md). On the CPU it uses torch's threads (all cores, unless told
+    otherwise); on a GPU, plain float32 (TF32 as torch's setting has it, off by default)."""
+    import torch
+
+    dev = torch.device(device)
+    n = _MATMUL_SIZE[dev.type] if dev.type in _MATMUL_SIZE else 1024
+    kind = getattr(torch, dtype)
+    a = torch.randn(n, n, device=dev).to(kind)
+    b = torch.randn(n, n, device=dev).to(kind)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    torch.mm(a, b)  # warm-up: library load, kernel choice
+    sync()
+    best, deadline, reps = 0.0, time.perf_counter() + budget_s, 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        sync()
+        seconds = time.perf_counter() - start
+        best = max(best, 2 * n**3 * reps / max(seconds, 1e-9) / 1e12)
+        if time.perf_counter() >= deadline:
+            return best
+        if seconds < 0.02:  # too short to time well: more products per timing
+            reps *= 2
+
+
+def peaks(budget_s: float = 0.4) -> dict[str, dict[str, float]]:
+    """This machine's peak matmul TFLOP/s: the CPU's (all torch threads) in float32, each
+    GPU's in float32 and bfloat16; about ``budget_s`` seconds each."""
+    import torch
+
+    out = {"cpu": {d: round(measure_peak_tflops("cpu", d, budget_s), 4)
+                   for d in PEAK_DTYPES["cpu"]}}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            out[f"cuda:{i}"] = {d: round(measure_peak_tflops(f"cuda:{i}", d, budget_s), 2)
+                                for d in PEAK_DTYPES["cuda"]}
+    return out
+
+
 def launch_environment() -> dict[str, Any]:
     """The launch variables this process sees, and the placement init() would derive."""
     from disttrain.launch.env import PlacementError, resolve_placement
@@ -205,6 +261,10 @@ def render(facts: dict[str, Any]) -> str:
         lines.append(f"             {name}: alpha {costs['alpha'] * 1e6:.1f} µs, beta "
                      f"{1 / costs['beta'] / 1e9 if costs['beta'] else float('inf'):.2f} GB/s, "
                      f"native alpha {costs['native_alpha'] * 1e6:.1f} µs")
+    lines.append("peak       " + "; ".join(
+        f"{where} " + ", ".join(f"{dtype} {tflops:g}" for dtype, tflops in rates.items())
+        for where, rates in facts["peak_tflops"].items())
+        + " TFLOP/s (matmul; --peak-tflops)")
     launch = facts["launch"]
     place = launch["placement"]
     if isinstance(place, dict):

@@ -12,6 +12,9 @@
     disttrain run --strategy ddp -n 2 --model transformer --dataset tokens:data/train.bin \
         --vocab-size 50304 --seq-len 256 --optimizer adam --lr 1e-3 --steps 1000
     disttrain run --model transformer --dataset text:corpus.txt --seq-len 128 --steps 200
+    disttrain run --strategy zero2 -n 2 --model transformer --dataset synthetic-lm \
+        --lr-schedule cosine --warmup-steps 10 --min-lr 1e-4 --steps 30 --peak-tflops auto
+    disttrain run --config run.toml --steps 100   # a recipe file; the command line overrides it
 
 With ``-n N > 1`` it starts N local ranks itself (the parameter-server strategies start N
 workers and --servers more ranks); inside a launched job (torchrun, ``disttrain launch``,
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import re
 import sys
@@ -41,11 +45,18 @@ from disttrain.train.config import (
     ParallelOptions,
     TrainConfig,
 )
+from disttrain.train.config_file import (
+    BooleanOptional,
+    add_config_arguments,
+    dump,
+    track_given,
+)
 from disttrain.train.data import DATASETS, DataOptions, check_dataset
 from disttrain.train.device import local_backend, require_available, select_local_gpu
 from disttrain.train.models import MODELS
 from disttrain.train.registry import resolve
 from disttrain.train.result import TrainResult
+from disttrain.train.schedule import SCHEDULES
 from disttrain.train.strategies import STRATEGIES, get_strategy, ranks_needed
 from disttrain.train.token_files import TOKEN_DTYPES
 
@@ -56,6 +67,8 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     p = subparsers.add_parser("run", help="train a model with one strategy",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    track_given(p)  # what the command line gave wins over --config's file
+    add_config_arguments(p)
     p.add_argument("--strategy", default="single",
                    help=f"one of: {', '.join(STRATEGIES)}; 'pipeline' means --schedule")
     nproc = p.add_argument("-n", "--nproc-per-node", type=int, default=None,
@@ -78,9 +91,30 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step per rank")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
     p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--lr-schedule", choices=SCHEDULES, default=defaults.lr_schedule,
+                   help="the learning rate over the run after --warmup-steps: constant, or "
+                        "down to --min-lr at the last step along a line (linear) or half a "
+                        "cosine (cosine)")
+    p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
+                   help="learning-rate warmup: step k < N runs at lr·(k+1)/(N+1), rising "
+                        "from a small fraction as torchtitan's (default 0: none)")
+    p.add_argument("--min-lr", type=float, default=defaults.min_lr,
+                   help="the rate linear and cosine end the run at (default 0)")
     p.add_argument("--momentum", type=float, default=defaults.momentum)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
+                   help="clip the whole model's gradient to this global norm before every "
+                        "update (over replicas, ZeRO shards, stages and tp slices; the norm "
+                        "before clipping is in the metrics line)")
+    p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"),
+                   default="none", help="recompute each block's forward in backward instead "
+                   "of keeping its activations: every block (full) or every second one "
+                   "(selective)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block of the model (not under zero3)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile's backend (inductor; aot_eager needs no C++ compiler)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32; bf16 or fp16 autocast (fp16 with dynamic loss scaling)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
@@ -111,13 +145,20 @@ def _loop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=None,
                    help="evaluate every N steps (default: after each epoch; 0: at the end)")
     p.add_argument("--log-every", type=int, default=TrainConfig().log_every)
+    p.add_argument("--untimed-steps", type=int, default=TrainConfig().untimed_steps,
+                   help="first steps left out of samples/s, tokens/s and MFU (their "
+                        "activations are measured instead; default %(default)s)")
+    p.add_argument("--peak-tflops", type=peak_tflops_value, default=None, metavar="TFLOPS",
+                   help="one device's peak (a GPU's, or one machine's CPU), the yardstick of "
+                        "the model FLOPs utilization (mfu) of transformer models; auto: "
+                        "measure it here first, as `disttrain info` does")
     p.add_argument("--checkpoint-dir", help="write checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir (automatic "
                         "when the launcher restarts the job: docs/recovery.md)")
     p.add_argument("--tensorboard", metavar="DIR", help="TensorBoard log dir (if installed)")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--progress", action=BooleanOptional, default=None,
                    help="progress bar (default: when stderr is a terminal)")
 
 
@@ -232,12 +273,58 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         model=args.model, dataset=args.dataset, strategy=args.strategy, data=data,
         parallel=parallel, epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
         accumulate=args.accumulate, optimizer=args.optimizer, lr=args.lr,
+        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
         momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
-        precision=args.precision, dtype=args.dtype, device=args.device,
+        precision=args.precision, clip_grad_norm=args.clip_grad_norm, dtype=args.dtype,
+        activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+        compile_backend=args.compile_backend,
+        device=args.device,
         eval_every=args.eval_every,
-        log_every=args.log_every,
+        log_every=args.log_every, untimed_steps=args.untimed_steps,
+        peak_tflops=None if args.peak_tflops in (None, "auto") else args.peak_tflops,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, tensorboard_dir=args.tensorboard, progress=args.progress)
+
+
+def peak_tflops_value(text: str) -> float | str:
+    """``--peak-tflops``: a positive number of TFLOP/s, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of TFLOP/s or auto, "
+                                         f"got {text!r}")
+    return value
+
+
+def run_parser() -> argparse.ArgumentParser:
+    """A parser of ``disttrain run``'s flags alone (the keys --print-config writes)."""
+    subparsers = argparse.ArgumentParser(prog="disttrain").add_subparsers()
+    configure(subparsers)
+    parser = subparsers.choices["run"]
+    assert isinstance(parser, argparse.ArgumentParser)
+    return parser
+
+
+def _measured_peak(config: TrainConfig, in_job: bool) -> TrainConfig:
+    """``--peak-tflops auto``: one device's matmul peak in the run's number format,
+    measured before any rank starts (the ranks would share what is measured)."""
+    if in_job:
+        raise ValueError("--peak-tflops auto measures this machine before its ranks start; "
+                         "inside a launched job give the number `disttrain info` prints")
+    from disttrain.launch.info import measure_peak_tflops
+    from disttrain.train.device import resolve_device
+
+    device = resolve_device(config.device)
+    where = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(config.precision, config.dtype)
+    peak = measure_peak_tflops(where, dtype)
+    print(f"disttrain run: peak {peak:.4g} TFLOP/s measured ({where}, {dtype} matmul)",
+          file=sys.stderr)
+    return dataclasses.replace(config, peak_tflops=peak)
 
 
 def parse_partition(text: str | None) -> str | tuple[int, ...] | tuple[str, ...] | None:
@@ -309,8 +396,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        if args.print_config:
+            print(dump(run_parser(), args), end="")
+            return 0
         launcher = spawn.in_launched_job()
         in_job = launcher is not None
+        if args.peak_tflops == "auto":
+            config = _measured_peak(config, in_job)
         if launcher is not None:
             config = _resume_after_restart(_servers_from_job(config))
             world_size = _job_world_size(args.nproc_per_node, launcher, config)
@@ -388,7 +480,7 @@ def _report(result: TrainResult, json_path: Path | None) -> None:
     print(f"result strategy={result.strategy} world_size={result.world_size} "
           f"global_batch={result.global_batch} steps={result.steps} "
           f"samples/s={samples_per_s(result):.1f} "
-          f"peak_mem_MB={result.peak_mem_bytes_max / 1e6:.1f}")
+          f"peak_mem_MB={result.peak_mem_bytes_max / 1e6:.1f}" + _tokens(result))
     print(f"accuracy={accuracy} eval_loss={eval_loss} final_loss={result.final_loss:.4f}")
     if result.model_state_bytes_max is not None:
         formula = result.model_state_formula_bytes
@@ -420,6 +512,14 @@ def _report(result: TrainResult, json_path: Path | None) -> None:
             print(f"lost_workers={ps['lost_workers']} (the run went on without them)")
     if json_path:
         write_rows(json_path, [result.summary()])
+
+
+def _tokens(result: TrainResult) -> str:
+    """`` tokens/s=… mfu=…`` for a language model (mfu ``-`` without a peak), else ``""``."""
+    if result.tokens_per_s is None:
+        return ""
+    mfu = "-" if result.mfu is None else f"{100 * result.mfu:.2f}%"
+    return f" tokens/s={result.tokens_per_s:.1f} mfu={mfu}"
 
 
 def reporting_rank(result: TrainResult) -> int:
