@@ -111,6 +111,7 @@ class BenchConfig:
     reference_threads: int | None = None  # the single process's (None: see .threads_of)
     timeout_s: float = 60.0  # any collective; a rank silent for 4× this is stopped
     untimed_steps: int = 2  # left out of samples/s (and the steps whose activations count)
+    peak_tflops: float | None = None  # one device's peak: the MFU column (None: no column)
     eval_every: int = _DEFAULTS.eval_every  # steps between evaluations (accuracy curves)
     seed: int = 0
     servers: int = 1  # parameter-server rows: server ranks beside the -n workers

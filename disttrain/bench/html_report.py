@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.bench.plots import INSTALL, svg_plots
-from disttrain.bench.report import COLUMNS, cells, ps_notes, skipped_notes
+from disttrain.bench.report import cells, ps_notes, skipped_notes, table_columns
 
 Row = dict[str, Any]
 
@@ -31,9 +31,10 @@ def plots_html(rows: list[Row]) -> str:
 
 
 def html_report(rows: list[Row], env: dict[str, Any]) -> str:
-    head = "".join(f"<th>{_esc(c)}</th>" for c in COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells(r)) + "</tr>"
-                   for r in rows)
+    columns = table_columns(rows)
+    head = "".join(f"<th>{_esc(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells(r, columns))
+                   + "</tr>" for r in rows)
     failed = "".join(f"<li>{_esc(r['strategy'])} n={r['world_size']}: {_esc(r['error'])}</li>"
                      for r in rows if r.get("error"))
     notes = "".join(f"<li>{_esc(n)}</li>" for n in ps_notes(rows) + skipped_notes(env))

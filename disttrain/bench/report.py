@@ -3,6 +3,8 @@
 Columns (one row per strategy × world size, the global batch the same for every row):
 
 * ``samples/s``: median over ``--repeat`` runs (± the spread, (max − min)/median);
+* ``tokens/s`` (language models: samples/s × tokens per sample) and ``MFU``, the model FLOPs
+  utilization against ``--peak-tflops`` (shown when given; :mod:`disttrain.train.flops`);
 * ``speed-up``: samples/s over the single-process reference's; ``eff``: speed-up / ranks;
 * ``vs torch``: samples/s over torch's implementation of the same idea at the same size
   (ddp / torch-ddp, zero1 and zero2 / torch-zero1, zero3 / torch-fsdp, gpipe / torch-gpipe);
@@ -66,12 +68,22 @@ def _sent(row: Row) -> str:
     return "native" if not sent else f"{_size(sent)}+native"
 
 
-def cells(row: Row) -> list[str]:
-    """One row's cells, in the order of :data:`COLUMNS`."""
+def table_columns(rows: list[Row]) -> tuple[str, ...]:
+    """:data:`COLUMNS`, with ``tokens/s`` after ``samples/s`` when a row trained a language
+    model, and ``MFU`` after it when a peak was given (``--peak-tflops``)."""
+    extra = (("tokens/s",) if any(r.get("tokens_per_s") is not None for r in rows) else ()) + (
+        ("MFU",) if any(r.get("mfu") is not None for r in rows) else ())
+    at = COLUMNS.index("samples/s") + 1
+    return (*COLUMNS[:at], *extra, *COLUMNS[at:])
+
+
+def cells(row: Row, columns: tuple[str, ...] = COLUMNS) -> list[str]:
+    """One row's cells, in the order of ``columns`` (:data:`COLUMNS` or
+    :func:`table_columns`)."""
     servers = f"+{row['servers']}" if row.get("servers") else ""
     head = [row["strategy"], f"{row['world_size']}{servers}", str(row["global_batch"])]
     if row.get("error"):
-        return head + ["FAILED"] + [""] * (len(COLUMNS) - 4)
+        return head + ["FAILED"] + [""] * (len(columns) - 4)
     speed = f"{row['samples_per_s']:.1f}"
     if row.get("repeats", 1) > 1:
         speed += f" ±{100 * row['spread']:.0f}%"
@@ -79,20 +91,26 @@ def cells(row: Row) -> list[str]:
     vs_ds = "-" if row.get("vs_deepspeed") is None else f"{row['vs_deepspeed']:.2f}×"
     ref = row.get("reference_accuracy")
     delta = None if ref is None or row["accuracy"] is None else row["accuracy"] - ref
-    return [*head, speed, _num(row.get("speedup"), ".2f"), _num(row.get("efficiency"), ".0%"),
-            vs, vs_ds, _size(row.get("model_state_bytes")),
-            _size(row.get("model_state_formula_bytes")),
-            _size(row.get("activation_peak_bytes")), _size(row["peak_mem_bytes"]),
-            _sent(row),
-            _size(row["theory_bytes_per_rank_per_step"]),
-            _num(row["accuracy"], ".4f"), _num(delta, "+.4f"),
-            _num(row["final_loss"], ".4f"), row.get("algorithm") or "-"]
+    mfu = row.get("mfu")
+    by_name = dict(zip(COLUMNS[:3], head))
+    by_name.update({
+        "samples/s": speed, "tokens/s": _num(row.get("tokens_per_s"), ".0f"),
+        "MFU": "-" if mfu is None else f"{100 * mfu:.2f}%",
+        "speed-up": _num(row.get("speedup"), ".2f"), "eff": _num(row.get("efficiency"), ".0%"),
+        "vs torch": vs, "vs DS": vs_ds, "state": _size(row.get("model_state_bytes")),
+        "formula": _size(row.get("model_state_formula_bytes")),
+        "act": _size(row.get("activation_peak_bytes")), "RSS": _size(row["peak_mem_bytes"]),
+        "sent/step": _sent(row), "theory": _size(row["theory_bytes_per_rank_per_step"]),
+        "acc": _num(row["accuracy"], ".4f"), "Δacc": _num(delta, "+.4f"),
+        "loss": _num(row["final_loss"], ".4f"), "algorithm": row.get("algorithm") or "-"})
+    return [by_name[c] for c in columns]
 
 
 def text_table(rows: list[Row]) -> str:
     """The aligned terminal table, then one line per failed row (rank and error)."""
-    grid = [list(COLUMNS)] + [cells(r) for r in rows]
-    widths = [max(len(line[i]) for line in grid) for i in range(len(COLUMNS))]
+    columns = table_columns(rows)
+    grid = [list(columns)] + [cells(r, columns) for r in rows]
+    widths = [max(len(line[i]) for line in grid) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in grid]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -148,13 +166,15 @@ def skipped_notes(env: dict[str, Any]) -> list[str]:
 
 def markdown_table(rows: list[Row], env: dict[str, Any]) -> str:
     """The table in Markdown, headed by the command and the machine that produced it."""
+    columns = table_columns(rows)
     out = [f"Command: `{env.get('command', 'disttrain bench')}`  ",
            f"Machine: {env.get('cpu')}, {env.get('cpu_count')} cores; torch "
            f"{env.get('torch')}; backend {env.get('backend')}; transport "
            f"{env.get('transport')}; commit {env.get('commit') or 'unknown'}; "
            f"{env.get('date')}", "",
-           "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    out += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
+           "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r, columns)) + " |"
+            for r in rows]
     notes = ps_notes(rows) + mesh_notes(rows) + skipped_notes(env)
     if notes:
         out += ["", *[f"* {note}" for note in notes]]
@@ -209,6 +229,7 @@ def environment(config: Any, command: str) -> dict[str, Any]:
             "algorithm": getattr(config, "algorithm", None),
             "skipped": config.skipped() if hasattr(config, "skipped") else [],
             "untimed_steps": config.untimed_steps,
+            "peak_tflops": getattr(config, "peak_tflops", None),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 

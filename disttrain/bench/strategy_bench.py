@@ -18,6 +18,7 @@ finished repeat.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -72,7 +73,8 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
                        global_batch=config.global_batch, optimizer=config.optimizer,
                        lr=config.lr, momentum=config.momentum, seed=config.seed,
                        untimed_steps=config.untimed_steps, eval_every=config.eval_every,
-                       log_every=0, progress=False, device=config.device)
+                       log_every=0, progress=False, device=config.device,
+                       peak_tflops=config.peak_tflops)
 
 
 def transport_of(config: BenchConfig, run: Run) -> str:
@@ -201,6 +203,7 @@ def make_row(config: BenchConfig, run: Run, repeats: list[list[dict[str, Any]]])
     row.update({
         "dp_size": first.dp_size, "steps": first.steps, "repeats": len(repeats),
         "samples_per_s": median, "samples_per_s_runs": speeds,
+        **token_columns(first, median),
         "spread": (max(speeds) - min(speeds)) / median if median > 0 else 0.0,
         "step_time_s": _median_step(config, results),
         "step_time_s_runs": [_median_step(config, [report["result"] for report in reports])
@@ -216,6 +219,14 @@ def make_row(config: BenchConfig, run: Run, repeats: list[list[dict[str, Any]]])
         "losses": first.losses, "extras": first.extras,
     })
     return row
+
+
+def token_columns(result: TrainResult, samples_per_s: float) -> Row:
+    """tokens/s and MFU at the row's samples/s (None where they do not apply: a model
+    without attention, data that are not token sequences, no --peak-tflops)."""
+    speed = dataclasses.replace(result, samples_per_s=samples_per_s, extras={})
+    return {"tokens_per_s": speed.tokens_per_s, "mfu": speed.mfu,
+            "model_flops_per_token": result.model_flops_per_token, "devices": result.devices}
 
 
 def memory_columns(results: list[TrainResult]) -> Row:

@@ -134,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)")
     add_alias(parser, "--timeout", new=timeout)
     add_json_argument(parser, "row, with the environment under 'env'")
+    parser.add_argument("--peak-tflops", type=_peak_tflops, default=None, metavar="TFLOPS",
+                        help="one device's peak (a GPU's, or this machine's CPU): adds the "
+                             "MFU column for transformer models; auto: measure it here "
+                             "first, as `disttrain info` does")
     parser.add_argument("--markdown", type=Path, metavar="FILE", help="write a Markdown table")
     parser.add_argument("--html", type=Path, metavar="FILE",
                         help="write a self-contained HTML report with plots")
@@ -185,6 +189,7 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
         eval_every=args.eval_every, servers=args.servers, staleness=args.staleness,
         staleness_lr=args.staleness_lr, bind_cores=args.bind_cores, tp_size=args.tp_size,
         pp_size=args.pp_size, device=args.device, backend=args.backend,
+        peak_tflops=_measured_peak(args.peak_tflops, args.device),
         data=_data_options(PRESETS[args.preset].data, token_options(args)),
         **straggler_options(args.straggler))
     require_available(config.device)
@@ -192,6 +197,28 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
     for planned in plan(config):  # every run's backend can run here (NCCL: a GPU per rank)
         backend_of(config, planned)
     return config
+
+
+def _peak_tflops(text: str) -> float | str:
+    from disttrain.train.cli import peak_tflops_value
+
+    return peak_tflops_value(text)
+
+
+def _measured_peak(peak: float | str | None, device: str) -> float | None:
+    """--peak-tflops: as given, or ``auto``: one device's float32 matmul peak measured now,
+    before any rank starts."""
+    if peak != "auto":
+        return None if peak is None else float(peak)
+    from disttrain.launch.info import measure_peak_tflops
+    from disttrain.train.device import resolve_device
+
+    where = resolve_device(device)
+    name = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
+    measured = measure_peak_tflops(name, "float32")
+    print(f"disttrain bench: peak {measured:.4g} TFLOP/s measured ({name}, float32 matmul)",
+          file=sys.stderr)
+    return measured
 
 
 def _data_options(preset: DataOptions, given: dict[str, Any]) -> DataOptions | None:
