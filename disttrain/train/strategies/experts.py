@@ -51,13 +51,18 @@ class ExpertParallelStrategy(Strategy):
     def __init__(self, ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings) -> None:
         self.mesh, self.algorithm = mesh, settings.algorithm
         self._skeleton = _empty_copy(ctx.module)  # the one-process model, filled at the end
-        module = apply_expert_parallel(ctx.module, mesh.ep)  # all-to-all: the default's
+        # the all-to-alls pairwise (exact bytes, safe under NCCL's rules), unless native
+        a2a = "native" if settings.algorithm == "native" else "naive"
+        module = apply_expert_parallel(ctx.module, mesh.ep, algorithm=a2a)
         model = DataParallel(module, mesh.dp, algorithm=settings.algorithm) \
             if mesh.dp is not None else module
         super().__init__(module, ctx.make_optimizer(module.parameters()), ctx.comm, model)
         self._dp_bytes = ring_all_reduce_bytes(mesh.dp_size, param_bytes(module))
         self._theory: list[float] = []
         self.theory_bytes_per_step = None  # known after the first step (routing)
+        # the replicated gradients' all-reduce over ep: unseen when it runs natively
+        self._observed = mesh.ep.theory_bytes_sent("all_reduce", 1 << 20,
+                                                   settings.algorithm) is not None
 
     @property
     def dp_rank(self) -> int:
@@ -76,6 +81,8 @@ class ExpertParallelStrategy(Strategy):
         drain_traffic(self.module)  # an evaluation's rows are no step's
         loss = super().train_step(micro_batches, loss_fn, autocast)
         moved = drain_traffic(self.module)
+        if not self._observed:
+            return loss
         self._theory.append(step_bytes(self.module, moved, self.mesh.ep_rank,
                                        algorithm=self.algorithm or "ring") + self._dp_bytes)
         self.theory_bytes_per_step = sum(self._theory) / len(self._theory)
