@@ -86,8 +86,10 @@ def test_servers_and_deepspeed_refuse_a_schedule_in_one_line():
 def test_the_loop_records_and_applies_each_steps_rate():
     config = quiet(model="mlp", steps=6, global_batch=64, optimizer="adam", lr=1e-2,
                    lr_schedule="linear", warmup_steps=2, min_lr=1e-3)
-    result = train(config)
+    records: list = []
+    result = train(config, hooks=[records.append])
     assert result.learning_rates == rates(LRSchedule("linear", 1e-2, 2, 1e-3, 6))
+    assert [r.lr for r in records] == result.learning_rates  # what the hooks see
     constant = train(dataclasses.replace(config, lr_schedule="constant", warmup_steps=0))
     assert constant.learning_rates == [1e-2] * 6
     assert any(not torch.equal(a, b) for a, b in zip(params(result).values(),

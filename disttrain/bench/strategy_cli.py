@@ -35,6 +35,7 @@ from disttrain.flags import add_alias, add_json_argument
 from disttrain.train.cli import add_token_arguments
 from disttrain.train.config import OPTIMIZERS, STALENESS_LR
 from disttrain.train.data import DataOptions
+from disttrain.train.flops import peak_tflops_value
 
 Row = dict[str, Any]
 
@@ -134,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)")
     add_alias(parser, "--timeout", new=timeout)
     add_json_argument(parser, "row, with the environment under 'env'")
-    parser.add_argument("--peak-tflops", type=_peak_tflops, default=None, metavar="TFLOPS",
+    parser.add_argument("--peak-tflops", type=peak_tflops_value, default=None, metavar="TFLOPS",
                         help="one device's peak (a GPU's, or this machine's CPU): adds the "
                              "MFU column for transformer models; auto: measure it here "
                              "first, as `disttrain info` does")
@@ -199,24 +200,15 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
     return config
 
 
-def _peak_tflops(text: str) -> float | str:
-    from disttrain.train.cli import peak_tflops_value
-
-    return peak_tflops_value(text)
-
-
 def _measured_peak(peak: float | str | None, device: str) -> float | None:
     """--peak-tflops: as given, or ``auto``: one device's float32 matmul peak measured now,
     before any rank starts."""
     if peak != "auto":
         return None if peak is None else float(peak)
-    from disttrain.launch.info import measure_peak_tflops
-    from disttrain.train.device import resolve_device
+    from disttrain.train.flops import measured_peak
 
-    where = resolve_device(device)
-    name = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
-    measured = measure_peak_tflops(name, "float32")
-    print(f"disttrain bench: peak {measured:.4g} TFLOP/s measured ({name}, float32 matmul)",
+    measured, where = measured_peak(device, "float32")
+    print(f"disttrain bench: peak {measured:.4g} TFLOP/s measured ({where}, float32 matmul)",
           file=sys.stderr)
     return measured
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 import re
 import sys
@@ -53,6 +52,7 @@ from disttrain.train.config_file import (
 )
 from disttrain.train.data import DATASETS, DataOptions, check_dataset
 from disttrain.train.device import local_backend, require_available, select_local_gpu
+from disttrain.train.flops import measured_peak, peak_tflops_value
 from disttrain.train.models import MODELS
 from disttrain.train.registry import resolve
 from disttrain.train.result import TrainResult
@@ -286,20 +286,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume, tensorboard_dir=args.tensorboard, progress=args.progress)
 
 
-def peak_tflops_value(text: str) -> float | str:
-    """``--peak-tflops``: a positive number of TFLOP/s, or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number of TFLOP/s or auto, "
-                                         f"got {text!r}")
-    return value
-
-
 def run_parser() -> argparse.ArgumentParser:
     """A parser of ``disttrain run``'s flags alone (the keys --print-config writes)."""
     subparsers = argparse.ArgumentParser(prog="disttrain").add_subparsers()
@@ -310,18 +296,13 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def _measured_peak(config: TrainConfig, in_job: bool) -> TrainConfig:
-    """``--peak-tflops auto``: one device's matmul peak in the run's number format,
-    measured before any rank starts (the ranks would share what is measured)."""
+    """``--peak-tflops auto``: one device's peak in the run's number format, measured
+    before the ranks start (inside a launched job they have started: give the number)."""
     if in_job:
         raise ValueError("--peak-tflops auto measures this machine before its ranks start; "
                          "inside a launched job give the number `disttrain info` prints")
-    from disttrain.launch.info import measure_peak_tflops
-    from disttrain.train.device import resolve_device
-
-    device = resolve_device(config.device)
-    where = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(config.precision, config.dtype)
-    peak = measure_peak_tflops(where, dtype)
+    peak, where = measured_peak(config.device, dtype)
     print(f"disttrain run: peak {peak:.4g} TFLOP/s measured ({where}, {dtype} matmul)",
           file=sys.stderr)
     return dataclasses.replace(config, peak_tflops=peak)

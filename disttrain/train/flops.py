@@ -27,6 +27,7 @@ measures (:func:`disttrain.launch.info.measure_peak_tflops`).
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from dataclasses import dataclass
@@ -145,3 +146,29 @@ def throughput_of(module: nn.Module, info: DataInfo, world_size: int, device: to
     return Throughput(seq_len, model_flops_per_token(module, seq_len),
                       devices_used(world_size, local_world_size(world_size), device.type, gpus),
                       peak_tflops)
+
+
+def peak_tflops_value(text: str) -> float | str:
+    """``--peak-tflops``: a positive number of TFLOP/s, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of TFLOP/s or auto, "
+                                         f"got {text!r}")
+    return value
+
+
+def measured_peak(device: str, dtype: str = "float32") -> tuple[float, str]:
+    """``--peak-tflops auto``: the matmul peak of one device of the kind ``device`` names
+    (``disttrain info``'s benchmark), measured here before any rank starts (the ranks
+    would share what is measured); returns it and the device measured."""
+    from disttrain.launch.info import measure_peak_tflops
+    from disttrain.train.device import resolve_device
+
+    where = resolve_device(device)
+    name = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
+    return measure_peak_tflops(name, dtype), name

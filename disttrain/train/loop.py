@@ -278,7 +278,7 @@ class _Run:
             self.bytes_sent.append(sent)
         norm = self.clipper.norms[-1] if self.clipper is not None and self.clipper.norms \
             else None
-        return StepRecord(self.step, epoch, loss, seconds, sent, norm)
+        return StepRecord(self.step, epoch, loss, seconds, sent, norm, lr)
 
     def _bytes_sent(self) -> int | None:
         """Bytes sent so far through every communicator of the strategy (a pipeline in a

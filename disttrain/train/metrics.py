@@ -50,6 +50,7 @@ class StepRecord:
     seconds: float  # wall time of the step on this rank (data fetch, forward, backward, update)
     bytes_sent: int | None  # bytes this rank sent through disttrain.comm during the step
     grad_norm: float | None = None  # the whole model's gradient norm before clipping
+    lr: float | None = None  # the learning rate of the step
 
 
 def peak_memory_bytes(device: torch.device | None = None) -> int:
