@@ -31,7 +31,7 @@ from disttrain.bench.presets import DEFAULT_PRESET, get_preset
 from disttrain.train.config import OPTIMIZERS
 from disttrain.train.data import DataOptions
 from disttrain.train.device import check_device
-from disttrain.train.models import TRANSFORMER_MODELS
+from disttrain.train.models import MOE_MODELS, TRANSFORMER_MODELS
 from disttrain.train.strategies import STRATEGIES
 
 REFERENCE = "single"
@@ -58,6 +58,7 @@ class Experiment:
     parameter_server: bool = False  # -n counts workers; the servers are extra ranks
     takes_staleness: bool = False
     needs_transformer: bool = False  # splits a TransformerLM (the mesh strategies)
+    needs_experts: bool = False  # spreads mixture-of-experts layers (ep)
     compare_to_deepspeed: str | None = None  # DeepSpeed's row of the same idea
     unavailable: str | None = None  # why it cannot run here (a missing optional package)
 
@@ -80,7 +81,8 @@ def experiments() -> dict[str, Experiment]:
             is_baseline=spec.family is not None, compare_to=torch_rows.get(name),
             takes_algorithm="algorithm" in spec.options, max_world_size=spec.max_world_size,
             parameter_server=spec.layout == "ps", takes_staleness="staleness" in spec.options,
-            needs_transformer=spec.layout == "mesh",
+            needs_transformer=spec.layout == "mesh" and "ep_size" not in spec.options,
+            needs_experts="ep_size" in spec.options,
             compare_to_deepspeed=deepspeed_rows.get(name),
             unavailable=spec.unavailable() if spec.unavailable is not None else None)
     order = sorted(found, key=lambda n: (n != REFERENCE, not found[n].is_baseline))
@@ -207,7 +209,8 @@ class BenchConfig:
 
     def selected(self) -> list[Experiment]:
         """The experiments to run, in table order (the reference always first). By
-        default every registered one, but the tensor-parallel ones only on a transformer
+        default every registered one, but the tensor-parallel ones only on a transformer and
+        expert parallelism only on a model with experts
         (named explicitly, they run, or are refused with the reason); those that cannot run
         here are left out (:meth:`skipped` says why)."""
         known = experiments()
@@ -216,7 +219,8 @@ class BenchConfig:
 
     def _default(self) -> list[str]:
         return [n for n, e in experiments().items()
-                if not e.needs_transformer or self.model in TRANSFORMER_MODELS]
+                if (not e.needs_transformer or self.model in TRANSFORMER_MODELS)
+                and (not e.needs_experts or self.model in MOE_MODELS)]
 
     def skipped(self) -> list[tuple[str, str]]:
         """(name, reason) of the wanted experiments that cannot run here."""

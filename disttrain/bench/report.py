@@ -143,7 +143,8 @@ def ps_notes(rows: list[Row]) -> list[str]:
 
 
 def mesh_notes(rows: list[Row]) -> list[str]:
-    """One line per tensor-parallel row: its mesh and its activation bytes per block."""
+    """One line per tensor- or context-parallel row: its mesh and its activation bytes per
+    block."""
     notes = []
     for r in rows:
         x = r.get("extras") or {}
@@ -154,8 +155,9 @@ def mesh_notes(rows: list[Row]) -> list[str]:
         if x.get("activation_bytes_per_block") is not None:
             acts = (f"; activations per block {_size(x['activation_bytes_per_block'])} "
                     f"(formula {_size(x.get('activation_bytes_per_block_formula'))})")
+        cp = f" × cp {x['cp_size']} ({x.get('cp_variant')})" if x.get("cp_size", 1) > 1 else ""
         notes.append(f"{r['strategy']} n={r['world_size']}: dp {x.get('dp_size')} × pp "
-                     f"{x.get('pp_size')} × tp {x['tp_size']}, {sp}{acts}")
+                     f"{x.get('pp_size')}{cp} × tp {x['tp_size']}, {sp}{acts}")
     return notes
 
 

@@ -206,9 +206,23 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
                            "every rank)")
     mesh.add_argument("--dp", type=int, default=None, dest="dp_size",
                       help="3d: data-parallel replicas (default: -n / (tp · pp))")
+    mesh.add_argument("--dp-shard", type=int, default=None,
+                      help="zero1-3: hybrid sharding, ZeRO inside groups of this many ranks "
+                           "(a node), replicated across the groups (default: shard over all)")
+    mesh.add_argument("--dp-replicate", type=int, default=None,
+                      help="zero1-3: how many replica groups (default: -n / --dp-shard)")
     mesh.add_argument("--sequence-parallel", action="store_true",
                       help="split LayerNorm regions along the sequence (tp, 3d, torch-tp; "
                            "tp-sp implies it)")
+    mesh.add_argument("--cp", type=int, default=None, dest="cp_size",
+                      help="cp, 3d: ranks each sequence is split over (context parallelism; "
+                           "cp: default every rank)")
+    mesh.add_argument("--cp-variant", default="ring", choices=("ring", "ulysses"),
+                      help="cp: key/value blocks passed around a ring, or an all-to-all over "
+                           "heads (Ulysses)")
+    mesh.add_argument("--ep", type=int, default=None, dest="ep_size",
+                      help="ep: ranks the experts of each MoE layer are spread over (default: "
+                           "every rank; the rest are data-parallel replicas)")
     mesh.add_argument("--zero", type=int, default=None, choices=(1, 2),
                       help="3d: ZeRO stage 1 or 2 over the dp groups (default: plain data "
                            "parallel)")
@@ -265,7 +279,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                microbatches=args.microbatches,
                                partition=parse_partition(args.partition),
                                pp_size=args.pp_size, tp_size=args.tp_size,
-                               dp_size=args.dp_size, sequence_parallel=args.sequence_parallel,
+                               dp_size=args.dp_size, cp_size=args.cp_size,
+                               cp_variant=args.cp_variant, ep_size=args.ep_size,
+                               dp_shard=args.dp_shard, dp_replicate=args.dp_replicate,
+                               sequence_parallel=args.sequence_parallel,
                                zero=args.zero, servers=args.servers,
                                staleness=args.staleness, staleness_lr=args.staleness_lr,
                                **straggler_options(args.straggler))

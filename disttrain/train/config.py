@@ -51,6 +51,10 @@ class ParallelOptions:
     cp_size: int | None = None  # "cp", "3d": ranks a sequence is split over (context parallel)
     cp_variant: str = "ring"  # "ring" (key/value blocks around a ring) or "ulysses" (heads)
     ep_size: int | None = None  # "ep": ranks the experts are spread over (expert parallel)
+    # "zero1-3": hybrid sharding, shard inside groups of dp_shard ranks and replicate across
+    # dp_replicate groups (None: plain ZeRO over every data-parallel rank)
+    dp_shard: int | None = None
+    dp_replicate: int | None = None
     zero: int | None = None  # "3d": ZeRO stage 1 or 2 over the dp groups (None: plain DP)
     # parameter server ("ps-sync", "ps-async", "ps-ssp")
     servers: int | None = None  # server processes beside the workers (None: 1)
@@ -66,7 +70,7 @@ class ParallelOptions:
             raise ValueError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got "
                              f"{self.schedule!r}")
         for name in ("microbatches", "pp_size", "servers", "tp_size", "dp_size", "cp_size",
-                     "ep_size"):
+                     "ep_size", "dp_shard", "dp_replicate"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.cp_variant not in ("ring", "ulysses"):

@@ -206,6 +206,7 @@ def transformer_moe(info: DataInfo) -> nn.Module:
 
 
 TRANSFORMER_MODELS = ("transformer", "transformer-d128")  # TransformerLMs: tp can split them
+MOE_MODELS = ("transformer-moe",)  # with mixture-of-experts layers: ep spreads their experts
 MODELS: dict[str, Callable[[DataInfo], nn.Module]] = {
     "lenet": lenet,
     "resnet": resnet,

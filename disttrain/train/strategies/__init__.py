@@ -68,6 +68,7 @@ OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
     "partition": "--partition", "pp_size": "--pp", "servers": "--servers",
     "tp_size": "--tp", "dp_size": "--dp", "sequence_parallel": "--sequence-parallel",
     "zero": "--zero", "cp_size": "--cp", "cp_variant": "--cp-variant", "ep_size": "--ep",
+    "dp_shard": "--dp-shard", "dp_replicate": "--dp-replicate",
     "staleness": "--staleness", "staleness_lr": "--staleness-lr", "straggler": "--straggler",
     "straggler_every": "--straggler RANK:FACTOR:EVERY",
 }
@@ -276,6 +277,10 @@ def ranks_needed(config: TrainConfig, workers: int) -> int:
         workers)
 
 
+def _check_data_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
+    mesh_settings(config, world_size)  # --dp-shard × --dp-replicate must equal dp
+
+
 def spec_for(preset: Preset) -> StrategySpec:
     """How the loop builds and checks a preset: the composer for every composition, the
     servers' builder for the parameter servers; its layout, checks and workload follow
@@ -291,8 +296,9 @@ def spec_for(preset: Preset) -> StrategySpec:
     if kind == "mesh":
         return StrategySpec(compose, preset.description, options, "mesh", check=check_mesh,
                             workload=mesh_workload)
-    if kind == "data":
-        return StrategySpec(compose, preset.description, options, workload="collectives")
+    if kind == "data":  # the mesh's sizes (hybrid sharding's) checked before ranks start
+        return StrategySpec(compose, preset.description, options, workload="collectives",
+                            check=_check_data_mesh)
     return StrategySpec(compose, preset.description, options, kind,
                         check=check_pipeline if preset.microbatches is None else None)
 

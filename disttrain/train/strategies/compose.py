@@ -88,6 +88,11 @@ def data_parallel(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings) -
 
     comm = mesh.dp if mesh.dp is not None else mesh.world
     if settings.zero:
+        if mesh.size("dp_shard") > 1 and mesh.size("dp_replicate") > 1:  # hybrid sharding
+            from disttrain.parallel.zero import zero_groups
+
+            shard, replicate = zero_groups(mesh)
+            return ZeroStrategy(ctx, settings.zero, shard, replicate=replicate)
         return ZeroStrategy(ctx, settings.zero, comm)
     return build_ddp(ctx, comm)
 

@@ -38,14 +38,36 @@ def mesh_settings(config: TrainConfig, world_size: int) -> MeshSettings:
     preset = get_preset(name if name in PRESETS else name.removeprefix("torch-"))
     sizes = degrees(preset, world_size, dp=opts.dp_size, pp=opts.pp_size, tp=opts.tp_size,
                     cp=opts.cp_size, ep=opts.ep_size)
-    shape = MeshShape(dp=sizes["dp"], pp=sizes["pp"], tp=sizes["tp"], cp=sizes["cp"],
-                      ep=sizes["ep"])
+    replicate, shard = dp_split(sizes["dp"], opts.dp_shard, opts.dp_replicate)
+    shape = MeshShape(dp_replicate=replicate, dp_shard=shard, pp=sizes["pp"], tp=sizes["tp"],
+                      cp=sizes["cp"], ep=sizes["ep"])
     sp = opts.sequence_parallel or preset.sequence_parallel
     zero = opts.zero if opts.zero is not None else (preset.zero or None)
     schedule = opts.schedule or preset.schedule
     m = preset.microbatches or opts.microbatches or DEFAULT_MICROBATCHES
     return MeshSettings(shape, sp, zero, opts.algorithm, schedule, m,
                         model_parallel=preset.microbatches == 1, cp_variant=opts.cp_variant)
+
+
+def dp_split(dp: int, shard: int | None, replicate: int | None) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) of ``dp`` data-parallel ranks: hybrid sharding when
+    ``--dp-shard`` or ``--dp-replicate`` is given (the other one takes the rest), else all
+    of dp unsplit; sizes that do not multiply to dp are a one-line ValueError."""
+    if shard is None and replicate is None:
+        return dp, 1
+    if shard is None:
+        assert replicate is not None
+        shard = dp // replicate if dp % replicate == 0 else 0
+    if replicate is None:
+        replicate = dp // shard if dp % shard == 0 else 0
+    if shard == 1 and dp > 1:
+        raise ValueError("--dp-shard 1 shards nothing (every rank a replica): use --strategy "
+                         "ddp, or a --dp-shard of 2 or more")
+    if shard * replicate != dp:
+        raise ValueError(f"--dp-shard × --dp-replicate must equal the {dp} data-parallel "
+                         f"ranks; got shard {shard or '?'} × replicate {replicate or '?'}: "
+                         f"choose sizes whose product is {dp}")
+    return replicate, shard
 
 
 def mesh_workload(config: TrainConfig, world_size: int) -> str | None:

@@ -162,6 +162,8 @@ class TensorParallelStrategy(Strategy):
         self._sp_params = sequence_parallel_parameters(module) if settings.sequence_parallel \
             and shard is not None else []
         self.probe = probe_first_block(module, mesh.tp_size, settings.sequence_parallel)
+        if shard is None:  # cp alone: the whole model on every rank, as DDP or ZeRO-1 keeps it
+            self.zero_stage = settings.zero or 0
         self.theory_bytes_per_step = self._theory(ctx)
 
     def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]:
@@ -324,6 +326,7 @@ class TensorParallelStrategy(Strategy):
     def extras(self, warmup_steps: int) -> dict[str, Any]:
         out: dict[str, Any] = {"dp_size": self.mesh.dp_size, "pp_size": 1,
                                "tp_size": self.mesh.tp_size, "cp_size": self.mesh.cp_size,
+                               "cp_variant": self.settings.cp_variant,
                                "sequence_parallel": self.settings.sequence_parallel,
                                "zero_stage": self.settings.zero}
         if self.probe is not None:

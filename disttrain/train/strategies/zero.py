@@ -37,26 +37,28 @@ def _element(dtype: torch.dtype) -> int:
 class ZeroStrategy(Strategy):
     """One ZeRO stage; ``zero`` is the wrapper (also the loop's optimizer)."""
 
-    def __init__(self, ctx: BuildContext, stage: int, comm: Communicator | None = None
-                 ) -> None:
+    def __init__(self, ctx: BuildContext, stage: int, comm: Communicator | None = None, *,
+                 replicate: Communicator | None = None) -> None:
+        """ZeRO stage ``stage`` over ``comm`` (default: every rank); ``replicate``: hybrid
+        sharding, ``comm`` the shard group and ``replicate`` the ranks holding the same
+        shard (:func:`~disttrain.parallel.zero.zero_groups`)."""
         from disttrain.parallel.zero import ZeRO1, ZeRO2, ZeRO3, ZeroConfig
 
         comm = comm if comm is not None else ctx.require_comm(ctx.config.strategy)
+        self.replicate = replicate
         algorithm = ctx.config.parallel.algorithm
-        if algorithm is not None and comm.world_size > 1:
+        if algorithm is not None:
             # ZeroConfig.algorithm applies to every call, including the initial broadcast,
             # which has no ring algorithm: broadcast here with the default, then skip theirs
             with torch.no_grad():
                 for param in ctx.module.parameters():
-                    comm.broadcast(param.data, 0)
+                    for group in (comm, replicate):
+                        if group is not None and group.world_size > 1:
+                            group.broadcast(param.data, 0)
         config = ZeroConfig(algorithm=algorithm, broadcast_from_rank0=algorithm is None)
         wrapper: ZeRO1 | ZeRO2 | ZeRO3
-        if stage == 1:
-            wrapper = ZeRO1(ctx.module, comm, ctx.make_optimizer, config)
-        elif stage == 2:
-            wrapper = ZeRO2(ctx.module, comm, ctx.make_optimizer, config)
-        else:
-            wrapper = ZeRO3(ctx.module, comm, ctx.make_optimizer, config)
+        kind = ZeRO1 if stage == 1 else ZeRO2 if stage == 2 else ZeRO3
+        wrapper = kind(ctx.module, comm, ctx.make_optimizer, config, replicate=replicate)
         model = wrapper if isinstance(wrapper, nn.Module) else ctx.module
         super().__init__(ctx.module, wrapper, comm, model)
         self.zero = wrapper
@@ -65,12 +67,43 @@ class ZeroStrategy(Strategy):
         self.zero_stage = stage
         self.theory_bytes_per_step = self._theory(ctx.config.accumulate)
 
+    @property
+    def dp_rank(self) -> int:
+        """Hybrid: rank = replica · S + shard, the mesh's order (:mod:`~disttrain.parallel.
+        zero.hybrid`); plain: the rank in the group."""
+        shard = self.zero.comm
+        if self.replicate is None:
+            return shard.rank
+        return self.replicate.rank * shard.world_size + shard.rank
+
+    @property
+    def dp_size(self) -> int:
+        replicas = self.replicate.world_size if self.replicate is not None else 1
+        return self.zero.comm.world_size * replicas
+
+    def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
+        """Summed over every data-parallel rank: the shard group, then the replicas."""
+        for group in (self.zero.comm, self.replicate):
+            if group is not None and group.world_size > 1:
+                group.all_reduce(totals)
+        return totals
+
+    def communicators(self) -> list[Communicator]:
+        groups = [self.zero.comm, self.replicate, self.comm]
+        unique = {id(c): c for c in groups if c is not None}
+        return list(unique.values())
+
     def _theory(self, accumulate: int) -> float:
         """Per step: one reduce-scatter of the padded gradients (stage 2 and 3: one per
         micro-batch) and one all-gather of the parameters (stage 3: two per micro-batch),
         each at the bytes of the algorithm the communicator runs for it (a ring: (p−1)/p
         of the buffer; ``shm``: what the rank writes, the whole buffer to reduce-scatter
         and its shard to gather)."""
+        if self.replicate is not None:  # both communicators' figures
+            from disttrain.parallel.zero import step_bytes
+
+            sent_by = step_bytes(self.zero, accumulate)
+            return sent_by.intra + sent_by.inter
         comm, algorithm = self.zero.comm, self.zero.config.algorithm
         padded = sum(g.layout.padded_total for g in self.zero.shard_groups())
         red, par = _element(self.zero.reduce_dtype), _element(self.zero.param_dtype)
