@@ -75,7 +75,7 @@ class Preset:
 
 def _zero(stage: int, what: str) -> Preset:
     return Preset(f"ZeRO stage {stage}: {what} sharded", (("dp", ALL),), zero=stage,
-                  options=frozenset({"algorithm", "dp_shard", "dp_replicate"}))
+                  options=frozenset({"algorithm", "dp_shard", "dp_replicate", "meta_init"}))
 
 
 def _pipeline(schedule: str, what: str) -> Preset:

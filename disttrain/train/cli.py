@@ -211,6 +211,10 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
                            "(a node), replicated across the groups (default: shard over all)")
     mesh.add_argument("--dp-replicate", type=int, default=None,
                       help="zero1-3: how many replica groups (default: -n / --dp-shard)")
+    mesh.add_argument("--meta-init", action="store_true",
+                      help="zero1-3: build the model on the meta device; each rank "
+                           "materialises its shards one unit at a time (a model larger than "
+                           "one rank; equal to eager initialisation)")
     mesh.add_argument("--sequence-parallel", action="store_true",
                       help="split LayerNorm regions along the sequence (tp, 3d, torch-tp; "
                            "tp-sp implies it)")
@@ -282,6 +286,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                dp_size=args.dp_size, cp_size=args.cp_size,
                                cp_variant=args.cp_variant, ep_size=args.ep_size,
                                dp_shard=args.dp_shard, dp_replicate=args.dp_replicate,
+                               meta_init=args.meta_init,
                                sequence_parallel=args.sequence_parallel,
                                zero=args.zero, servers=args.servers,
                                staleness=args.staleness, staleness_lr=args.staleness_lr,

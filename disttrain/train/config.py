@@ -55,6 +55,9 @@ class ParallelOptions:
     # dp_replicate groups (None: plain ZeRO over every data-parallel rank)
     dp_shard: int | None = None
     dp_replicate: int | None = None
+    # "zero1-3": build the model on the meta device; the wrapper materialises each rank's
+    # shards one unit at a time (equal to eager initialisation; docs/zero.md)
+    meta_init: bool = False
     zero: int | None = None  # "3d": ZeRO stage 1 or 2 over the dp groups (None: plain DP)
     # parameter server ("ps-sync", "ps-async", "ps-ssp")
     servers: int | None = None  # server processes beside the workers (None: 1)

@@ -140,7 +140,7 @@ class _Run:
         self.data: DatasetSplits = build_dataset(config.dataset, config.data)
         torch.manual_seed(config.seed)  # identical initial parameters on every rank
         self.dtype: torch.dtype = getattr(torch, config.dtype)
-        module = build_model(config.model, self.data.info).to(self.device, self.dtype)
+        module = _build_module(config, self.data.info, self.device, self.dtype)
         self.numel = sum(p.numel() for p in module.parameters() if p.requires_grad)  # Ψ
         self.throughput = throughput_of(module, self.data.info, self.world_size, self.device,
                                         config.peak_tflops)  # tokens/s and MFU
@@ -425,6 +425,16 @@ def _wrap_blocks(config: TrainConfig, strategy: Strategy) -> None:
     if config.compile:
         compile_blocks(strategy.module, config.compile_backend)
     apply_activation_checkpointing(strategy.module, config.activation_checkpointing)
+
+
+def _build_module(config: TrainConfig, info: Any, device: torch.device,
+                  dtype: torch.dtype) -> torch.nn.Module:
+    """The model, the same on every rank (the seed is set); ``--meta-init``: shapes only,
+    on the meta device, for ZeRO to materialise each rank's shards one unit at a time."""
+    if not config.parallel.meta_init:
+        return build_model(config.model, info).to(device, dtype)
+    with torch.device("meta"):
+        return build_model(config.model, info).to(dtype)
 
 
 def _grad_clipper(config: TrainConfig, strategy: Strategy, scaler: Any) -> Any:

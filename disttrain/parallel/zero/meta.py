@@ -178,6 +178,16 @@ def bind(params: Sequence[nn.Parameter], views: Sequence[torch.Tensor]) -> None:
             torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
 
 
+def detach_from_buffer(params: Sequence[nn.Parameter]) -> None:
+    """Give each parameter bound by :func:`bind` a fresh tensor of its own: a view shares
+    its buffer's version counter, so a later in-place write to the buffer (ZeRO-3's
+    all-gather before backward) would look to autograd like a change to every parameter
+    that forward saved. Eager parameters have counters of their own; so do these now."""
+    for p in params:
+        empty = torch.empty(0, dtype=p.dtype, device=p.device)
+        torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
+
+
 def bind_flat(params: Sequence[nn.Parameter], layout: ShardLayout, dtype: torch.dtype,
               device: torch.device, memory: WrapMemory) -> torch.Tensor:
     """A padded flat buffer (padding zeros) whose views become the parameters' memory."""

@@ -155,6 +155,7 @@ class ZeRO3(nn.Module):
 
         def close_unit(k: int) -> None:
             built[k] = self._make_unit(k, *assigned[k], full=fulls.pop(k))
+            meta.detach_from_buffer(built[k].params)  # its shard is kept; views point there
 
         groups = [(m, [p for _, p in group]) for m, group in assigned]
         meta.materialise(plan, groups, self.wrap_memory, open_unit, close_unit)

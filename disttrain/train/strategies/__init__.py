@@ -68,7 +68,7 @@ OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
     "partition": "--partition", "pp_size": "--pp", "servers": "--servers",
     "tp_size": "--tp", "dp_size": "--dp", "sequence_parallel": "--sequence-parallel",
     "zero": "--zero", "cp_size": "--cp", "cp_variant": "--cp-variant", "ep_size": "--ep",
-    "dp_shard": "--dp-shard", "dp_replicate": "--dp-replicate",
+    "dp_shard": "--dp-shard", "dp_replicate": "--dp-replicate", "meta_init": "--meta-init",
     "staleness": "--staleness", "staleness_lr": "--staleness-lr", "straggler": "--straggler",
     "straggler_every": "--straggler RANK:FACTOR:EVERY",
 }

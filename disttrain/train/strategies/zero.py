@@ -42,12 +42,13 @@ class ZeroStrategy(Strategy):
         """ZeRO stage ``stage`` over ``comm`` (default: every rank); ``replicate``: hybrid
         sharding, ``comm`` the shard group and ``replicate`` the ranks holding the same
         shard (:func:`~disttrain.parallel.zero.zero_groups`)."""
-        from disttrain.parallel.zero import ZeRO1, ZeRO2, ZeRO3, ZeroConfig
+        from disttrain.parallel.zero import MetaInit, ZeRO1, ZeRO2, ZeRO3, ZeroConfig
 
         comm = comm if comm is not None else ctx.require_comm(ctx.config.strategy)
         self.replicate = replicate
         algorithm = ctx.config.parallel.algorithm
-        if algorithm is not None:
+        on_meta = any(p.is_meta for p in ctx.module.parameters())  # --meta-init
+        if algorithm is not None and not on_meta:
             # ZeroConfig.algorithm applies to every call, including the initial broadcast,
             # which has no ring algorithm: broadcast here with the default, then skip theirs
             with torch.no_grad():
@@ -55,13 +56,17 @@ class ZeroStrategy(Strategy):
                     for group in (comm, replicate):
                         if group is not None and group.world_size > 1:
                             group.broadcast(param.data, 0)
-        config = ZeroConfig(algorithm=algorithm, broadcast_from_rank0=algorithm is None)
+        config = ZeroConfig(algorithm=algorithm,
+                            broadcast_from_rank0=algorithm is None and not on_meta)
         wrapper: ZeRO1 | ZeRO2 | ZeRO3
         kind = ZeRO1 if stage == 1 else ZeRO2 if stage == 2 else ZeRO3
-        wrapper = kind(ctx.module, comm, ctx.make_optimizer, config, replicate=replicate)
+        # on the meta device: each module's own initialiser, from the seed every rank shares
+        init = MetaInit(device=ctx.sample[0].device) if on_meta else None
+        wrapper = kind(ctx.module, comm, ctx.make_optimizer, config, replicate=replicate,
+                       meta_init=init)
         model = wrapper if isinstance(wrapper, nn.Module) else ctx.module
         super().__init__(ctx.module, wrapper, comm, model)
-        self.zero = wrapper
+        self.zero, self.meta_init = wrapper, on_meta
         self.stage = stage
         self.collective_eval = stage == 3  # forward gathers parameters: a collective
         self.zero_stage = stage
@@ -160,7 +165,12 @@ class ZeroStrategy(Strategy):
         from disttrain.parallel.zero import zero_formula, zero_measured
 
         out: dict[str, Any] = {"zero_stage": self.stage,
-                               "model_state_bytes": zero_measured(self.zero).as_dict()}
+                               "model_state_bytes": zero_measured(self.zero).as_dict(),
+                               "wrap_peak_bytes": self.zero.wrap_memory.peak_bytes,
+                               "meta_init": self.meta_init}
+        if self.replicate is not None:
+            out.update(dp_shard=self.zero.comm.world_size,
+                       dp_replicate=self.replicate.world_size)
         try:
             out["model_state_bytes_formula"] = zero_formula(self.zero).as_dict()
         except ValueError:  # an optimizer whose state size the formula does not know
