@@ -37,3 +37,27 @@ def test_meta_init_in_the_loop_trains_as_eager_init(pools, reference, strategy, 
     per_rank = pools(world).run(rank_train, config)
     check(per_rank, reference)
     assert all(result.extras["meta_init"] for _, result in per_rank)
+
+
+def test_the_benchmark_plans_a_meta_row_beside_each_eager_zero_row():
+    """``disttrain bench --meta-init --dp-shard 2``: every ZeRO row twice, the second built on
+    the meta device (named +meta), both hybrid; the rows pass the checks made before any
+    rank starts; the note names what wrapping held and how the model was initialised."""
+    from disttrain.bench.experiments import BenchConfig, plan
+    from disttrain.bench.report import zero_notes
+    from disttrain.bench.strategy_bench import train_config
+    from disttrain.train.loop import checked_setup
+
+    config = BenchConfig.from_preset("transformer", strategies=("ddp", "zero3"),
+                                     world_sizes=(4,), meta_init=True, dp_shard=2)
+    runs = [r for r in plan(config) if r.world_size == 4]
+    assert [r.name for r in runs] == ["ddp", "zero3", "zero3+meta"]
+    for run in runs:
+        checked_setup(train_config(config, run), run.ranks)
+    meta = train_config(config, runs[2]).parallel
+    assert meta.meta_init and meta.dp_shard == 2 and not train_config(
+        config, runs[1]).parallel.meta_init
+    row = {"strategy": "zero3+meta", "world_size": 4, "error": None, "extras": {
+        "wrap_peak_bytes": 2048, "meta_init": True, "dp_shard": 2, "dp_replicate": 2}}
+    assert zero_notes([row]) == ["zero3+meta n=4: hybrid: shard 2 × replicate 2; wrapping "
+                                 "held 2 KiB at its peak (meta-device init)"]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from disttrain.bench.presets import DEFAULT_PRESET, get_preset
+from disttrain.parallel.presets import zero_presets
 from disttrain.train.config import OPTIMIZERS
 from disttrain.train.data import DataOptions
 from disttrain.train.device import check_device
@@ -124,6 +125,8 @@ class BenchConfig:
     bind_cores: bool = False  # pin each rank to a core of its own (when ranks ≤ cores)
     tp_size: int = 2  # "3d" rows: ranks per tensor-parallel group
     pp_size: int = 1  # "3d" rows: pipeline stages (dp = world / (tp · pp))
+    dp_shard: int | None = None  # ZeRO rows: hybrid sharding in groups of this many ranks
+    meta_init: bool = False  # ZeRO rows: each also run built on the meta device
     device: str = "auto"  # where every rank trains (disttrain.train.device)
     backend: str = "auto"  # torch.distributed backend of the ranks (auto: by the device)
     extra: dict[str, str] = field(default_factory=dict)  # recorded in the environment
@@ -237,11 +240,17 @@ class Run:
     experiment: Experiment
     world_size: int
     servers: int = 0  # parameter-server rows: server ranks started beside the workers
+    meta_init: bool = False  # ZeRO rows: the model built on the meta device
+
+    @property
+    def name(self) -> str:
+        """The row's name: the strategy's (``+meta`` for a meta-device-initialised run)."""
+        return self.experiment.name + ("+meta" if self.meta_init else "")
 
     @property
     def label(self) -> str:
         extra = f"+{self.servers}" if self.servers else ""
-        return f"{self.experiment.name} n={self.world_size}{extra}"
+        return f"{self.name} n={self.world_size}{extra}"
 
     @property
     def ranks(self) -> int:
@@ -260,4 +269,6 @@ def plan(config: BenchConfig) -> list[Run]:
         for n in config.world_sizes:
             if exp.max_world_size is None or n <= exp.max_world_size:
                 runs.append(Run(exp, n, config.servers if exp.parameter_server else 0))
+                if config.meta_init and exp.name in zero_presets():  # beside the eager row
+                    runs.append(Run(exp, n, meta_init=True))
     return runs

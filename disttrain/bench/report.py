@@ -114,7 +114,7 @@ def text_table(rows: list[Row]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in grid]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    notes = ps_notes(rows) + mesh_notes(rows)
+    notes = ps_notes(rows) + mesh_notes(rows) + zero_notes(rows)
     if notes:
         lines += ["", *notes]
     failed = [r for r in rows if r.get("error")]
@@ -161,6 +161,22 @@ def mesh_notes(rows: list[Row]) -> list[str]:
     return notes
 
 
+def zero_notes(rows: list[Row]) -> list[str]:
+    """One line per ZeRO row: what wrapping the model held at its peak (built eagerly, or on
+    the meta device with --meta-init) and, under hybrid sharding, the groups."""
+    notes = []
+    for r in rows:
+        x = r.get("extras") or {}
+        if r.get("error") or x.get("wrap_peak_bytes") is None:
+            continue
+        how = "meta-device init" if x.get("meta_init") else "eager init"
+        hybrid = (f"hybrid: shard {x['dp_shard']} × replicate {x['dp_replicate']}; "
+                  if x.get("dp_shard") else "")
+        notes.append(f"{r['strategy']} n={r['world_size']}: {hybrid}wrapping held "
+                     f"{_size(x['wrap_peak_bytes'])} at its peak ({how})")
+    return notes
+
+
 def skipped_notes(env: dict[str, Any]) -> list[str]:
     """One line per row left out because it cannot run here (a missing optional package)."""
     return [f"{name} skipped: {why}" for name, why in env.get("skipped", [])]
@@ -177,7 +193,7 @@ def markdown_table(rows: list[Row], env: dict[str, Any]) -> str:
            "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r, columns)) + " |"
             for r in rows]
-    notes = ps_notes(rows) + mesh_notes(rows) + skipped_notes(env)
+    notes = ps_notes(rows) + mesh_notes(rows) + zero_notes(rows) + skipped_notes(env)
     if notes:
         out += ["", *[f"* {note}" for note in notes]]
     failed = [r for r in rows if r.get("error")]

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.bench.experiments import REFERENCE, BenchConfig, Run, plan
-from disttrain.bench.ranks import BenchError, RankGroup
+from disttrain.bench.ranks import BenchError, Heartbeat, RankGroup
 from disttrain.comm import Communicator
+from disttrain.parallel.presets import zero_presets
 from disttrain.train import (
     STRATEGIES,
     ParallelOptions,
@@ -67,6 +68,9 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
     if exp.name == "3d":
         parallel = ParallelOptions(algorithm=config.algorithm, tp_size=config.tp_size,
                                    pp_size=config.pp_size)
+    if exp.name in zero_presets():
+        parallel = ParallelOptions(algorithm=config.algorithm, dp_shard=config.dp_shard,
+                                   meta_init=run.meta_init)
     epochs, steps = config.length
     return TrainConfig(model=config.model, dataset=config.dataset, data=config.data,
                        strategy=exp.name, parallel=parallel, epochs=epochs, steps=steps,
@@ -121,7 +125,7 @@ def _train_job(comm: Communicator, emit: Callable[[Any], None], config: TrainCon
 
     def hook(record: StepRecord) -> None:
         if record.step % HEARTBEAT_STEPS == 0:  # the parent's silence backstop resets
-            emit({"heartbeat": record.step})
+            emit(Heartbeat(record.step))
         if trace:
             end = time.time()
             steps.append((record.step, end - record.seconds, end))
@@ -140,19 +144,22 @@ Progress = Callable[[Run, int], None]  # (run, steps done) every HEARTBEAT_STEPS
 def run_once(config: BenchConfig, run: Run, trace: bool,
              on_progress: Progress | None = None) -> list[dict[str, Any]]:
     """One run in fresh processes; every rank's report (rank order). Raises BenchError.
-    ``on_progress`` hears the steps done every ``HEARTBEAT_STEPS`` steps (all ranks there)."""
+    ``on_progress`` hears rank 0's steps done every ``HEARTBEAT_STEPS`` steps."""
     tconfig = train_config(config, run)
+
+    def heard(rank: int, step: int) -> None:  # rank 0's steps (a parameter server takes none)
+        if rank == 0 and on_progress is not None:
+            on_progress(run, step)
+
     with RankGroup(run.ranks, _train_job, (tconfig, trace),
                    transport=transport_of(config, run), timeout_s=config.timeout_s,
                    describe=lambda _: f"{run.label}: training",
                    bind_cores=config.bind_cores, threads=config.threads_of(run),
-                   backend=backend_of(config, run), device=config.device) as group:
+                   backend=backend_of(config, run), device=config.device,
+                   on_heartbeat=heard) as group:
         final = None
         for reports in group.reports():  # to the end: the ranks then exit on their own
-            if "result" in reports[0]:
-                final = list(reports)
-            elif "heartbeat" in reports[0] and on_progress is not None:
-                on_progress(run, reports[0]["heartbeat"])
+            final = list(reports)
     if final is None:
         raise BenchError(f"{run.label}: the ranks finished without a result")
     return final
@@ -169,7 +176,7 @@ def _error_text(exc: BaseException) -> str:
 
 
 def base_row(config: BenchConfig, run: Run) -> Row:
-    return {"strategy": run.experiment.name, "world_size": run.world_size,
+    return {"strategy": run.name, "world_size": run.world_size,
             "servers": run.servers, "threads": config.threads_of(run),
             "global_batch": config.global_batch,
             "transport": transport_of(config, run),

@@ -129,6 +129,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "and tp-sp use every rank)")
     mesh.add_argument("--pp", type=int, default=d.pp_size, dest="pp_size",
                       help="3d rows: pipeline stages (default %(default)s); dp takes the rest")
+    zero = parser.add_argument_group("ZeRO rows (zero1, zero2, zero3)")
+    zero.add_argument("--dp-shard", type=int, default=None,
+                      help="hybrid sharding: ZeRO inside groups of this many ranks, "
+                           "replicated across the groups (default: shard over all)")
+    zero.add_argument("--meta-init", action="store_true",
+                      help="also run each ZeRO row with the model built on the meta device "
+                           "(row name +meta): its wrap-time peak beside the eager one")
     timeout = parser.add_argument(
         "--comm-timeout", type=float, default=d.timeout_s,
         help="seconds any collective may wait; a rank silent for 4× this is stopped "
@@ -189,7 +196,8 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
         reference_threads=args.reference_threads, timeout_s=args.comm_timeout,
         eval_every=args.eval_every, servers=args.servers, staleness=args.staleness,
         staleness_lr=args.staleness_lr, bind_cores=args.bind_cores, tp_size=args.tp_size,
-        pp_size=args.pp_size, device=args.device, backend=args.backend,
+        pp_size=args.pp_size, dp_shard=args.dp_shard, meta_init=args.meta_init,
+        device=args.device, backend=args.backend,
         peak_tflops=_measured_peak(args.peak_tflops, args.device),
         data=_data_options(PRESETS[args.preset].data, token_options(args)),
         **straggler_options(args.straggler))
