@@ -29,6 +29,9 @@ VOCABULARY: dict[str, str] = {
     "--microbatches": "micro-batches per pipeline step (a comma list where the command sweeps)",
     "--pp": "pipeline stages",
     "--tp": "ranks per tensor-parallel group",
+    "--dp-shard": "ZeRO's hybrid sharding: ranks per shard group, replicated across groups",
+    "--meta-init": "ZeRO: the model built on the meta device, each rank materialising its "
+                   "shards",
     "--comm-timeout": "seconds any collective (any rank waiting for a peer) may wait",
     "--timeout": "seconds the whole run may take",
     "--bucket-cap-mb": "megabytes per gradient bucket (torch DDP's word)",
