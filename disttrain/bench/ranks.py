@@ -5,7 +5,9 @@
 meeting through a ``file://`` store in a fresh temp dir) that initialize Gloo (or NCCL) and
 run ``job(comm, emit, *args)`` with a :class:`~disttrain.comm.Communicator`. Each call of
 ``emit(payload)`` on a rank is one report; :meth:`RankGroup.reports` yields, in order, the
-list of every rank's k-th payload (rank order).
+list of every rank's k-th payload (rank order). A :class:`Heartbeat` payload is no report: it
+goes to ``on_heartbeat`` as it comes, so ranks may send as many as they have (a parameter
+server's rank, which takes no steps, sends none).
 
 Nothing hangs: ranks' own waits time out (``timeout_s``), a rank that dies or raises is
 reported by number with its traceback and what it was running, the parent gives up after
@@ -22,6 +24,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from disttrain.bench.transports import make_communicator
@@ -34,6 +37,14 @@ _BACKSTOP = 4.0  # the parent waits this many rank timeouts for a report before 
 
 class BenchError(RuntimeError):
     """A benchmark rank failed, died or stopped reporting; the message names it."""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """How far a rank got (``done``: steps, say), sent with ``emit`` between its reports:
+    it resets the parent's silence backstop and is handed to the group's ``on_heartbeat``."""
+
+    done: int
 
 
 def bind_plan(world_size: int) -> list[int] | None:
@@ -123,16 +134,18 @@ class RankGroup:
     def __init__(self, world_size: int, job: Job, args: tuple[Any, ...], *, transport: str,
                  timeout_s: float, describe: Callable[[int], str] = str,
                  bind_cores: bool = False, threads: int = 1, backend: str = "gloo",
-                 device: str = "cpu") -> None:
+                 device: str = "cpu",
+                 on_heartbeat: Callable[[int, int], None] | None = None) -> None:
         """``bind_cores``: pin rank r to one core of its own (:func:`bind_plan`), as
         DeepSpeed's ``--bind_cores_to_rank`` does; otherwise the kernel may keep two ranks
         on one core for a whole run while the other idles, which makes runs bimodal.
         ``threads``: intra-op threads of every rank (bound: that many cores each).
-        ``backend`` and ``device`` (``disttrain.train.device``): rank r on ``cuda:r``."""
+        ``backend`` and ``device`` (``disttrain.train.device``): rank r on ``cuda:r``.
+        ``on_heartbeat(rank, done)`` hears each :class:`Heartbeat` a rank sends."""
         if threads < 1:
             raise ValueError(f"threads must be ≥ 1, got {threads}")
         self.world_size, self.timeout_s, self._describe = world_size, timeout_s, describe
-        self._finished = False
+        self._finished, self._on_heartbeat = False, on_heartbeat
         self._received = [0] * world_size  # reports received from each rank so far
         cores = thread_cores(world_size, threads) if bind_cores else None
         self.ranks = LocalRanks(
@@ -172,7 +185,10 @@ class RankGroup:
                     self._fail(event.rank, f"raised:\n{event.value}")
                 if event.kind == "died":
                     self._fail(event.rank, f"died (exit code {event.value})")
-                if event.kind == "report":
+                if event.kind == "report" and isinstance(event.value, Heartbeat):
+                    if self._on_heartbeat is not None:
+                        self._on_heartbeat(event.rank, event.value.done)
+                elif event.kind == "report":
                     queues[event.rank].append(event.value)
                     self._received[event.rank] += 1
             if events:
