@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from disttrain.simulate.analytic import ANALYTIC
 from disttrain.simulate.base import Case, explain_efficiency
 from disttrain.simulate.cluster import get_cluster
@@ -44,3 +46,24 @@ def test_expert_parallelism_holds_a_share_of_the_experts():
     assert "a simulator error" not in " ".join(explain_efficiency(case, ep).notes)
     assert "do not divide" in (row("ep", "gpt-1.3b-moe8", 16, 64).error or "")
     assert "none" in (row("ep", "gpt-1.3b", 8, 64).error or "")
+
+
+def test_hybrid_sharding_keeps_zero3s_gathers_inside_a_node():
+    """zero3 on 64 GPUs of cluster-400g with --dp-shard 8: each node's GPUs shard the model
+    and the nodes replicate it; the step is shorter (the gathers stay on NVLink), each
+    device holds 1/8 of the states instead of 1/64, and the row says how it is split."""
+    from disttrain.simulate import memory
+
+    profile = ANALYTIC["gpt-1.3b"](CLUSTER.device_flops)
+
+    def zero3(shard: int | None):
+        workload = Workload(batch_per_worker=2, precision="bf16", dp_shard=shard)
+        return STRATEGIES["zero3"](Case(profile, CLUSTER, workload, 64))
+
+    plain, hybrid = zero3(None), zero3(8)
+    assert hybrid.step_s < plain.step_s and hybrid.memory_bytes > plain.memory_bytes
+    k = Workload(precision="bf16").k_bytes  # the optimizer's state bytes per parameter
+    states = [memory.model_states(3, profile.params, n, 2, k).total for n in (64, 8)]
+    assert hybrid.memory_bytes - plain.memory_bytes == pytest.approx(states[1] - states[0])
+    assert hybrid.notes[0] == "hybrid: shard 8 × replicate 8"
+    assert "does not divide" in (zero3(7).error or "")

@@ -114,6 +114,9 @@ def _workload_arguments(p: argparse.ArgumentParser) -> None:
     pp = p.add_argument("--pp", type=int, default=None, dest="pp_size",
                         help="pipeline stages (default: min(workers, layers, 8))")
     add_alias(p, "--pp-size", new=pp)
+    p.add_argument("--dp-shard", type=int, default=None,
+                   help="ZeRO rows: hybrid sharding, shard groups of this many ranks (a "
+                        "node's) replicated across the groups (default: shard over all)")
     p.add_argument("--partition", default="params", choices=PARTITIONS,
                    help="how pipeline stages are cut: params (disttrain's default) or time "
                         "(balance the profiled compute)")
@@ -159,6 +162,7 @@ def workload(args: argparse.Namespace) -> Workload:
                     precision=args.precision, optimizer=args.optimizer,
                     algorithm=args.algorithm, bucket_mb=args.bucket_cap_mb,
                     microbatches=args.microbatches, pp_size=args.pp_size,
+                    dp_shard=args.dp_shard,
                     partition=args.partition,
                     servers=args.servers, staleness=args.staleness, speeds=args.worker_speeds)
 

@@ -34,11 +34,13 @@ engine slows it when p exceeds the cores.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import pairwise
 
 from disttrain.parallel.ddp.buckets import MIB, plan_buckets
 from disttrain.simulate import memory
 from disttrain.simulate.base import Case, StepResult, not_applicable
+from disttrain.simulate.collectives import Group
 from disttrain.simulate.events import Simulation
 
 
@@ -92,10 +94,11 @@ def issue_collective(sim: Simulation, case: Case, name: str, seconds: float, dep
     return sim.add(name, "link", seconds, deps, "comm")
 
 
-def _bucketed(sim: Simulation, case: Case, op: str, bwd: list[int]) -> tuple[list[int], float,
-                                                                            set[str]]:
-    """One ``op`` per bucket on "link", each after its last layer's backward."""
-    group = case.group(case.workers)
+def _bucketed(sim: Simulation, case: Case, op: str, bwd: list[int],
+              size: int | None = None) -> tuple[list[int], float, set[str]]:
+    """One ``op`` per bucket on "link" over ``size`` ranks (default: all), each after its
+    last layer's backward."""
+    group = case.group(size or case.workers)
     tasks: list[int] = []
     sent, algorithms = 0.0, set[str]()
     for bucket in _buckets(case):
@@ -130,8 +133,28 @@ def _result(case: Case, name: str, sim: Simulation, states: float, extra_memory:
 
 def _states(case: Case, stage: int) -> float:
     wl = case.workload
-    return memory.model_states(stage, case.profile.params, case.workers, wl.element_bytes,
+    return memory.model_states(stage, case.profile.params, _shard(case)[0], wl.element_bytes,
                                wl.k_bytes).total
+
+
+def _shard(case: Case) -> tuple[int, Group | None]:
+    """(ranks a ZeRO shard group spans, the replicate group or None): hybrid sharding
+    (``Workload.dp_shard``: S consecutive ranks, a node's, replicated across the R groups,
+    whose members sit S apart), else every rank in one shard group."""
+    s = case.workload.dp_shard
+    if s is None or s >= case.workers:
+        return case.workers, None
+    return s, case.group(case.workers // s, stride=s)
+
+
+def _replicate(sim: Simulation, case: Case, after: int, shard_bytes: float,
+               tag: str) -> tuple[int, float, set[str]]:
+    """Hybrid sharding: the reduced gradient shard all-reduced across the replicas."""
+    _, group = _shard(case)
+    if group is None:
+        return after, 0.0, set()
+    seconds, sent, algorithm = case.collective("all_reduce", group, shard_bytes)
+    return issue_collective(sim, case, tag, seconds, (after,)), sent, {algorithm}
 
 
 def simulate_data_parallel(case: Case, name: str, zero: int) -> StepResult:
@@ -142,9 +165,16 @@ def simulate_data_parallel(case: Case, name: str, zero: int) -> StepResult:
                                           f"sample (cp splits each sample's sequence)")
     if zero == 0:
         return simulate_ddp(case, name)
-    if zero == 3:
-        return simulate_zero3(case, name)
-    return simulate_zero12(case, zero, name)
+    s = case.workload.dp_shard
+    if s is not None and s < case.workers and case.workers % s:
+        return not_applicable(case, name, f"--dp-shard {s} does not divide {case.workers} "
+                                          f"ranks into shard groups")
+    row = simulate_zero3(case, name) if zero == 3 else simulate_zero12(case, zero, name)
+    size, replicas = _shard(case)
+    if replicas is None or row.error is not None:
+        return row
+    return replace(row, notes=(f"hybrid: shard {size} × replicate {case.workers // size}",
+                               *row.notes))
 
 
 def simulate_ddp(case: Case, name: str = "ddp") -> StepResult:
@@ -162,12 +192,13 @@ def simulate_ddp(case: Case, name: str = "ddp") -> StepResult:
 def simulate_zero12(case: Case, stage: int, name: str | None = None) -> StepResult:
     factor = case.workload.speeds.slowest(case.workers)
     batch = case.global_batch / case.workers
-    group = case.group(case.workers)
+    size, _ = _shard(case)
+    group = case.group(size)
     sim = case.simulation()
     _, bwd = _forward_backward(sim, case, batch, factor)
     grads = case.grad_bytes()
     if stage == 2:
-        reduces, sent, algorithms = _bucketed(sim, case, "reduce_scatter", bwd)
+        reduces, sent, algorithms = _bucketed(sim, case, "reduce_scatter", bwd, size)
     else:
         seconds, sent, algorithm = case.collective("reduce_scatter", group, grads)
         # called synchronously right after backward, as the all-reduce probe is, so it pays
@@ -176,7 +207,9 @@ def simulate_zero12(case: Case, stage: int, name: str | None = None) -> StepResu
         # read 0.61-0.86 of its runs; charged this one, 0.91-1.17)
         reduces = [issue_collective(sim, case, "rs", seconds, (bwd[0],))]
         algorithms = {algorithm}
-    opt_s = case.optimizer(case.profile.params / case.workers)
+    last, across, more = _replicate(sim, case, reduces[-1], grads / size, "ar-shard")
+    reduces, sent, algorithms = [*reduces, last], sent + across, algorithms | more
+    opt_s = case.optimizer(case.profile.params / size)
     opt = sim.add("opt", "compute", opt_s, tuple(reduces), "optimizer")
     seconds, ag_bytes, algorithm = case.collective("all_gather", group, grads)
     ag = issue_collective(sim, case, "ag", seconds, (opt,))
@@ -191,7 +224,8 @@ def simulate_zero3(case: Case, name: str | None = None) -> StepResult:
     """Per unit (a layer with parameters; the wrapper has none for the others): gathered
     before forward and again before backward, one unit ahead, reduce-scattered after."""
     factor = case.workload.speeds.slowest(case.workers)
-    batch, group, n = case.global_batch / case.workers, case.group(case.workers), case.layers
+    size, _ = _shard(case)
+    batch, group, n = case.global_batch / case.workers, case.group(size), case.layers
     sim = case.simulation()
     case.compute(sim, "compute", case.workers)
     case.link(sim)
@@ -231,8 +265,10 @@ def simulate_zero3(case: Case, name: str | None = None) -> StepResult:
         bwd[i] = sim.add(f"B{i}", "compute", case.backward(i, batch, factor) +
                          (own if i in back else 0.0), _only(back, i), "backward")
         if i in back:
-            collective(f"rs{i}", "reduce_scatter", i, (bwd[i],))
-    opt_s = case.optimizer(case.profile.params / case.workers)
+            rs = collective(f"rs{i}", "reduce_scatter", i, (bwd[i],))
+            _, across, more = _replicate(sim, case, rs, case.grad_bytes([i]) / size, f"ar{i}")
+            sent, algorithms = sent + across, algorithms | more
+    opt_s = case.optimizer(case.profile.params / size)
     sim.add("opt", "compute", opt_s, (len(sim) - 1,), "optimizer")
     largest = sorted((lay.params for lay in case.profile.layers), reverse=True)[:2]
     gathered = sum(largest) * case.workload.element_bytes

@@ -108,6 +108,7 @@ class Workload:
     first_bucket_mb: float = 1.0
     microbatches: int = 8
     pp_size: int | None = None  # None: min(workers, layers, 8)
+    dp_shard: int | None = None  # ZeRO: hybrid sharding in groups of this many ranks (None: all)
     partition: str = "params"  # pipeline stages: as disttrain's pipelines split (PARTITIONS)
     servers: int | None = None  # parameter servers; None: max(1, workers // 8)
     staleness: int = 2
@@ -119,7 +120,7 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
-        for name in ("global_batch", "pp_size", "servers"):
+        for name in ("global_batch", "pp_size", "servers", "dp_shard"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
