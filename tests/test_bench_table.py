@@ -269,15 +269,18 @@ def test_a_parameter_server_row_reports_the_workers_rate_and_staleness():
     from disttrain.bench.strategy_bench import add_comparisons, make_row, run_once
 
     config = BenchConfig.from_preset("lenet-digits", strategies=("ps-async",),
-                                     world_sizes=(2,), steps=6, eval_every=0, model="mlp",
+                                     world_sizes=(2,), steps=10, eval_every=0, model="mlp",
                                      untimed_steps=1, timeout_s=30.0, straggler=((1, 2.0),))
     run = plan(config)[1]  # the reference is left out: it is not what this test is about
-    row = make_row(config, run, [run_once(config, run, False)])
+    progress: list[int] = []  # rank 0's heartbeat; the server's rank takes no steps
+    row = make_row(config, run, [run_once(config, run, False,
+                                          on_progress=lambda _, step: progress.append(step))])
     add_comparisons(row, [row])
     rows = [row]
     assert row["error"] is None and (row["world_size"], row["servers"]) == (2, 1)
+    assert progress == [10]
     assert row["samples_per_s"] == row["extras"]["samples_per_s"] > 0
-    assert sum(row["extras"]["staleness"].values()) == 2 * 6  # one update per worker step
+    assert sum(row["extras"]["staleness"].values()) == 2 * 10  # one update per worker step
     assert row["bytes_sent_per_rank_per_step"] == row["theory_bytes_per_rank_per_step"]
     table = text_table(rows)
     assert "ps-async  2+1" in table and "ps-async n=2+1: staleness {" in table

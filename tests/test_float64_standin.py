@@ -23,7 +23,8 @@ from torch import nn
 from disttrain.comm import Communicator
 from disttrain.train import ParallelOptions, TrainConfig
 from disttrain.train.data import DataOptions
-from disttrain.train.loop import _Run
+from disttrain.train.loop import _Run, checked_setup, loss_fn
+from disttrain.train.ps_server import ServerRun, serves_parameters
 
 DATA = DataOptions(num_samples=96, input_shape=(1, 4, 4), seq_len=8, vocab_size=16)
 MLP = ["ddp", "zero1", "zero2", "zero3", "gpipe", "1f1b", "model-parallel", "ps-sync",
@@ -77,6 +78,8 @@ def floating_tensors(root: Any) -> list[tuple[str, torch.dtype]]:
 
 
 def train_and_inspect(comm: Communicator, cfg: TrainConfig) -> dict[str, Any]:
+    if serves_parameters(cfg, comm):
+        return serve_and_inspect(comm, cfg)
     run = _Run(cfg, comm)
     losses: list[torch.dtype] = []
     step = run.strategy.train_step
@@ -95,6 +98,18 @@ def train_and_inspect(comm: Communicator, cfg: TrainConfig) -> dict[str, Any]:
     wrong = sorted({(path, str(dtype)) for path, dtype in tensors if dtype != torch.float64})
     return {"checked": len(tensors), "wrong": wrong[:10],
             "losses": sorted({str(d) for d in losses})}
+
+
+def serve_and_inspect(comm: Communicator, cfg: TrainConfig) -> dict[str, Any]:
+    """A parameter server's rank: its shard, optimizer state and final model (no loss)."""
+    run = ServerRun(cfg, comm, checked_setup(cfg, comm.world_size))
+    try:
+        run.execute(loss_fn)
+        tensors = floating_tensors([run.server, run.module])
+    finally:
+        run.close()
+    wrong = sorted({(path, str(dtype)) for path, dtype in tensors if dtype != torch.float64})
+    return {"checked": len(tensors), "wrong": wrong[:10], "losses": []}
 
 
 def check(per_rank: list[dict[str, Any]], strategy: str) -> None:

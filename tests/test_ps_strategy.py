@@ -1,8 +1,9 @@
 """The parameter-server strategies in the shared training loop: ``ps-sync`` trains exactly the
 single process's model on the global batch (workers and servers all end with it), with
-gradient accumulation and an evaluation in the middle of training; ``ps-ssp`` with a
-straggler keeps its staleness bound; the loop's results and extras add up over workers and
-servers; a run's end checkpoint resumes ``ps-sync`` exactly."""
+gradient accumulation and an evaluation in the middle of training; a server's rank runs no
+loop and builds no strategy (disttrain.train.ps_server); ``ps-ssp`` with a straggler keeps
+its staleness bound; the loop's results and extras add up over workers and servers; a run's
+end checkpoint resumes ``ps-sync`` exactly."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 from disttrain.parallel.parameter_server import assign_roles
 from disttrain.parallel.parameter_server.channel import TRAILER_BYTES
 from disttrain.train import ParallelOptions, TrainConfig, train
+from disttrain.train.loop import _Run
+from disttrain.train.strategies import Strategy
 from disttrain.train.strategies.parameter_server import (
     HEADER_BYTES,
     resume_from,
@@ -70,6 +73,51 @@ def test_ps_sync_strategy_equals_single_on_the_global_batch(pools: Any) -> None:
     assert extras["staleness"] == {"0": 2 * 6} and extras["staleness_max"] == 0
     assert extras["samples_per_s"] > 0 and extras["workers"] == 2
     assert extras["dense_bytes_per_step"] == 2 * params  # push and pull of every value
+
+
+def spied_rank_train(comm: Any, config: TrainConfig) -> tuple[list[str], Any, Any, str]:
+    """``rank_train`` recording every Strategy this rank builds; on a server's rank, then
+    what the loop says when asked to run there."""
+    built: list[str] = []
+    real = Strategy.__init__
+
+    def spy(self: Strategy, *args: Any, **kwargs: Any) -> None:
+        built.append(type(self).__name__)
+        real(self, *args, **kwargs)
+
+    Strategy.__init__ = spy  # type: ignore[method-assign]
+    try:
+        state, result = rank_train(comm, config)
+    finally:
+        Strategy.__init__ = real  # type: ignore[method-assign]
+    refusal = ""
+    if comm.rank == 2:  # the server: the loop's strategy refuses before any message
+        with pytest.raises(ValueError) as refused:
+            _Run(config, comm)
+        refusal = str(refused.value)
+    return built, state, result, refusal
+
+
+def test_a_server_rank_runs_no_loop_and_builds_no_strategy(pools: Any) -> None:
+    # 2 workers + 1 server: the workers build their strategy and step through the loop;
+    # the server serves, then meets their ending, and reports what was gathered
+    config = quiet(strategy="ps-sync", steps=4, global_batch=32, eval_every=2)
+    per_rank = pools(3).run(spied_rank_train, config)
+    (_, want, worker, _), (_, _, other, _) = per_rank[:2]
+    built, got, server, refusal = per_rank[2]
+    assert built == [] and [r[0] for r in per_rank[:2]] == [["WorkerRankStrategy"]] * 2
+    assert len(worker.step_times) == len(worker.losses) == 4
+    assert server.step_times == server.losses == server.learning_rates == []
+    assert server.steps == 4 and server.dp_size == 2 and server.rank == 2
+    assert [e.step for e in worker.evaluations] == [2, 4]  # the server scores the last only
+    assert server.evaluations == [worker.evaluations[-1]] == [other.evaluations[-1]]
+    assert (server.accuracy, server.eval_loss, server.final_loss) == (
+        worker.accuracy, worker.eval_loss, worker.final_loss)
+    assert server.bytes_sent_per_step_max == worker.bytes_sent_per_step_max > 0
+    assert server.extras == worker.extras  # sums over every survivor
+    for name, tensor in got.items():  # the final model, as the workers hold it
+        torch.testing.assert_close(tensor, want[name], rtol=0, atol=0, msg=name)
+    assert refusal.startswith("server 0 (rank 2) serves parameters") and "\n" not in refusal
 
 
 @pytest.mark.nccl_rules

@@ -15,16 +15,42 @@ into its micro-batches).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from disttrain.train.data import fetch, size
 from disttrain.train.device import to_device
 from disttrain.train.sampler import DistributedSampler
-from disttrain.train.strategies import LossFn, Strategy
+from disttrain.train.strategies import LossFn
 from disttrain.train.strategies.base import Autocast
+
+
+class Scorer(Protocol):
+    """What :func:`evaluate` needs: a strategy (:class:`~disttrain.train.strategies.Strategy`
+    has every member), or a parameter server's final model (:mod:`disttrain.train.ps_server`)."""
+
+    @property
+    def eval_shards(self) -> int: ...
+
+    @property
+    def eval_shard(self) -> int: ...
+
+    @property
+    def eval_min_rows(self) -> int: ...
+
+    @property
+    def collective_eval(self) -> bool: ...
+
+    def before_eval(self) -> None: ...
+
+    def eval_modules(self) -> list[nn.Module]: ...
+
+    def predict(self, inputs: Any) -> torch.Tensor | None: ...
+
+    def combine_scores(self, totals: torch.Tensor) -> torch.Tensor: ...
 
 
 def batch_count(total: int, shards: int, batch_size: int, min_rows: int) -> int:
@@ -39,7 +65,7 @@ def batch_count(total: int, shards: int, batch_size: int, min_rows: int) -> int:
     return max(1, min(count, smallest // min_rows)) if smallest else count
 
 
-def evaluate(strategy: Strategy, dataset: Dataset[Any], loss_fn: LossFn, autocast: Autocast,
+def evaluate(strategy: Scorer, dataset: Dataset[Any], loss_fn: LossFn, autocast: Autocast,
              batch_size: int = 256, device: torch.device | None = None,
              dtype: torch.dtype | None = None) -> tuple[float, float]:
     """``(accuracy, mean loss)`` over all of ``dataset``, the same on every rank (batches

@@ -64,6 +64,7 @@ from disttrain.train.metrics import (
 )
 from disttrain.train.models import build_model
 from disttrain.train.precision import autocast_factory
+from disttrain.train.ps_server import serve_run, serves_parameters
 from disttrain.train.result import EvalPoint, TrainResult
 from disttrain.train.sampler import DistributedSampler
 from disttrain.train.schedule import LRSchedule, LRScheduler, check_schedule, torch_optimizers
@@ -84,7 +85,12 @@ def train(config: TrainConfig, comm: Communicator | None = None, *,
 
     ``phases``, when given, records every step's compute spans (forward, backward,
     optimizer; or the whole ``train_step`` of a strategy that overrides it) and receives the
-    strategy's communicators, for timelines (``disttrain bench --trace``)."""
+    strategy's communicators, for timelines (``disttrain bench --trace``).
+
+    A parameter server's rank (``ps-*``) runs no loop: it serves the workers, then ends the
+    run with them (:func:`~disttrain.train.ps_server.serve_run`; ``hooks`` hear no step)."""
+    if comm is not None and serves_parameters(config, comm):
+        return serve_run(config, comm, checked_setup(config, comm.world_size), loss_fn, phases)
     run = _Run(config, comm, phases)
     try:
         return run.execute(hooks)

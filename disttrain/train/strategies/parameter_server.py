@@ -1,23 +1,26 @@
-"""The parameter-server strategies ``ps-sync``, ``ps-async`` and ``ps-ssp`` in the shared loop.
+"""The parameter-server strategies ``ps-sync``, ``ps-async`` and ``ps-ssp``: the workers' side.
 
 A run with ``-n W --servers S`` has W + S ranks: workers on ranks 0..W−1 read the data and
 train, servers on ranks W..W+S−1 hold the parameters and apply the config's optimizer
-(:mod:`disttrain.parallel.parameter_server`). Every rank runs the same loop; what it does
-there depends on its role::
+(:mod:`disttrain.parallel.parameter_server`). The workers run the shared loop with
+:class:`WorkerRankStrategy`; a server's rank runs no loop and no strategy:
+``train()`` hands it to :func:`disttrain.train.ps_server.serve_run`, which serves until every
+worker is done and then meets the workers' ending, collective for collective::
 
-    worker rank (W of them)                       server rank (S of them)
-    build:  PSWorker: HELLO, pull every value     build:  serve until every worker is DONE
-    step:   pull → forward/backward → push                (the workers' steps happen here)
-    after its last step: DONE ────────────────────────────► serving ends
-    finish (every surviving rank): one all_reduce (the workers' last losses, their mean
-            buffers) and S broadcasts (each server's final values): all hold the final model
-    eval:   pull, score the split (ps-sync: this  steps: no-ops; evaluations before the
-            worker's shard, summed over the       last: NaN (a server holds no model
-            workers' group; async, ssp: all of    until the end)
-            it, alone)
-    last eval and result (every surviving rank): each scores 1/(W + S) of the split on the
-            final model, summed over all; the loop's all-reduces; a server's "loss" is the
-            workers' mean, so the loop's average over ranks is the workers' average
+    worker rank (the loop, W of them)              server rank (ps_server, S of them)
+    build:  PSWorker: HELLO, pull every value      the same model; its shard of the keys
+    step:   pull → forward/backward → push  ◄────► serve the pushes and pulls
+    after its last step: DONE ─────────────────────► serving ends
+    eval during training: pull, score the split    (nothing: no model until the end)
+            (ps-sync: this worker's shard, summed
+            over the workers' group; async, ssp:
+            all of it, alone)
+    ── every surviving rank, in this order ──────────────────────────────────────────
+    finish: one all_reduce (the workers' last losses, their mean buffers) and S
+            broadcasts (each server's final values): all hold the final model
+    last evaluation: each scores 1/(W + S) of the split on the final model, summed
+    end checkpoint, then the result's all-reduces (a server gives the workers' mean
+            loss, so the average over every rank is the workers'), then the extras'
 
 **A lost worker.** ``ps-async`` and ``ps-ssp`` (with staleness > 0) outlive a worker that
 dies: the servers drop it and answer every DONE with the workers they lost, and the
@@ -34,10 +37,10 @@ learning rate divided by W (:func:`server_optimizer`); ``ps-ssp`` applies on arr
 async but lets a worker run at most ``staleness`` steps ahead of the slowest (``--staleness
 0`` is ps-sync exactly).
 
-**Checkpoints** are written at the end of a run only (the servers serve the whole run while
-the strategy is built, so ranks cannot meet mid-run): each server its shard, rank 0 the mode,
-worker count and buffers. With ``resume`` the servers restore before serving
-(:func:`resume_from`) and the workers resume at the clock the servers report.
+**Checkpoints** are written at the end of a run only (the servers serve from the start of
+the run to its end, so ranks cannot meet mid-run): each server its shard, the first
+surviving worker the mode, worker count and buffers. With ``resume`` the servers restore
+before serving (:func:`resume_from`) and the workers resume at the clock the servers report.
 
 **Samples/s.** In async mode workers step at their own pace, so the loop's figure (global
 batch / rank 0's step time) would describe worker 0 only. ``extras["samples_per_s"]`` is
@@ -63,10 +66,8 @@ from disttrain.parallel.parameter_server import (
     PSConfig,
     PSRoles,
     PSWorker,
-    ServerReport,
     WorkerReport,
     assign_roles,
-    build_parameter_server,
 )
 from disttrain.parallel.parameter_server.channel import TRAILER_BYTES
 from disttrain.parallel.parameter_server.protocol import HEADER_FIELDS
@@ -169,8 +170,11 @@ def build_parameter_server_strategy(ctx: BuildContext) -> Strategy:
     comm = ctx.require_comm(ctx.config.strategy)
     roles = assign_roles(comm.world_size, num_servers(ctx.config))
     steps = total_steps(ctx.config, roles.num_workers)
-    if roles.role(comm.rank).kind == "server":
-        return ServerRankStrategy(ctx, comm, roles, steps)
+    role = roles.role(comm.rank)
+    if role.kind == "server":
+        raise ValueError(f"{role} serves parameters: its rank runs "
+                         f"disttrain.train.ps_server.serve_run, not the training loop "
+                         f"(train() calls it there)")
     return WorkerRankStrategy(ctx, comm, roles, steps)
 
 
@@ -182,7 +186,9 @@ def losable_ranks(config: TrainConfig, world_size: int) -> frozenset[int]:
     return frozenset(assign_roles(world_size, num_servers(config)).worker_ranks)
 
 
-def _score_over(team: Survivors, totals: torch.Tensor) -> torch.Tensor:
+def score_over(team: Survivors, totals: torch.Tensor) -> torch.Tensor:
+    """The final evaluation's totals ``(correct, count, loss_sum)`` summed over the ranks
+    that finish the run, each of which scored one shard (workers and servers alike)."""
     if team.comm.world_size > 1:
         team.comm.all_reduce(totals)
     return totals
@@ -290,7 +296,7 @@ class WorkerRankStrategy(Strategy):
 
     def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
         if self.team is not None:
-            return _score_over(self.team, totals)
+            return score_over(self.team, totals)
         if self.group is not None and self.roles.num_workers > 1:
             self.group.all_reduce(totals)
         return totals
@@ -317,95 +323,6 @@ class WorkerRankStrategy(Strategy):
         if self.group is not None:
             self.group.close()
             self.group = None
-        if self.team is not None and self.team.own_comm:
-            self.team.comm.close()
-        self.team = None
-
-
-class ServerRankStrategy(Strategy):
-    """A server: serves the whole run while its strategy is built, then idles through the
-    loop on the final model (the loop's steps and evaluations send nothing here)."""
-
-    def __init__(self, ctx: BuildContext, comm: Communicator, roles: PSRoles,
-                 steps: int) -> None:
-        super().__init__(ctx.module, None, comm)
-        self.roles, self.config = roles, ps_config(ctx.config)
-        server = build_parameter_server(comm, roles, ctx.module,
-                                        server_optimizer(ctx.config, roles.num_workers),
-                                        self.config, restore_dir=resume_from(ctx.config, roles))
-        self.server = server
-        self.report: ServerReport = server.serve()
-        self.team: Survivors | None = survivors(comm, roles, self.report.lost)
-        self.mean_loss = finish(self.team, roles, server.shard.partition, ctx.module, 0.0,
-                                server.shard.param)
-        self.total_steps, self.step = steps, 0  # the loop's step (its last evaluation's)
-
-    @property
-    def dp_rank(self) -> int:
-        return 0  # the loop's sampler needs a shard; a server reads it but trains nothing
-
-    @property
-    def dp_size(self) -> int:
-        return self.roles.num_workers
-
-    def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn,
-                   autocast: Autocast) -> torch.Tensor:
-        self.step += 1  # the workers' mean loss, in the dtype a worker would report it
-        return torch.tensor(self.mean_loss, dtype=self.server.shard.param.dtype)
-
-    @property
-    def final(self) -> bool:
-        """Is this the loop's last evaluation, the one the survivors make together? The
-        workers evaluated the ones before during training, when a server held no model."""
-        return self.step >= self.total_steps
-
-    @property
-    def eval_shards(self) -> int:
-        return self.team.comm.world_size if self.final and self.team is not None else 1
-
-    @property
-    def eval_shard(self) -> int:
-        return self.team.comm.rank if self.final and self.team is not None else 0
-
-    def predict(self, inputs: Any) -> torch.Tensor | None:
-        return super().predict(inputs) if self.final else None
-
-    def combine_scores(self, totals: torch.Tensor) -> torch.Tensor:
-        if not self.final or self.team is None:
-            return torch.full_like(totals, math.nan)  # no model to score before the end
-        return _score_over(self.team, totals)
-
-    def result_comm(self) -> Communicator | None:
-        return self.team.comm if self.team is not None else None
-
-    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """This server's shard and its optimizer state, plus the module the loop built
-        (it receives the final model)."""
-        from disttrain.train.memory import optimizer_tensors
-
-        shard = self.server.shard
-        return {"params": [shard.param, *self.module.parameters()], "grads": [],
-                "optimizer": optimizer_tensors(shard.optimizer)}
-
-    def save_state(self, path: str, rank: int) -> None:
-        """This server's shard: values, optimizer state, version and clock. The loop
-        checkpoints after the last step, when every push has been applied (in every mode)."""
-        self.server.checkpoint_dir = path
-        self.server.save()
-
-    def load_state(self, path: str, rank: int) -> None:
-        """The shard was restored before serving (:func:`resume_from`); only the loop's
-        step is read here (the last evaluation is the one at the end)."""
-        self.step = int(safe_load(os.path.join(path, "meta.pt"))["step"])
-
-    def extras(self, warmup_steps: int) -> dict[str, Any]:
-        assert self.team is not None
-        r = self.report
-        mine = [0.0] * 5 + [float(r.bytes_sent), float(r.bytes_recv)]
-        return gather_extras(self.team, self.roles, self.config,
-                             mine + [0.0] * self.roles.num_workers, r.staleness)
-
-    def close(self) -> None:
         if self.team is not None and self.team.own_comm:
             self.team.comm.close()
         self.team = None
