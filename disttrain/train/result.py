@@ -24,7 +24,8 @@ class TrainResult:
     """One rank's view of a finished run. Fields ending in ``_max`` or ``final_loss`` and the
     last evaluation are the same on every rank that finished the run (gathered), and so are
     the evaluations before it but for the parameter servers' (ps-async and ps-ssp workers
-    score alone, a server's are NaN: docs/parameter_server.md); the rest are this rank's."""
+    score alone; a server's rank takes no step and makes only the last evaluation:
+    docs/parameter_server.md); the rest are this rank's."""
 
     strategy: str
     rank: int
