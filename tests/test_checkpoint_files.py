@@ -95,7 +95,8 @@ def _tensors(obj: object) -> list[torch.Tensor]:
 STEP = "step-00000002"
 
 
-@pytest.mark.parametrize("name", ["state.pt", "meta.pt", "rank-00000.pt"])
+@pytest.mark.parametrize("name", ["universal/rank-00000.pt", "universal/rank-00000.json",
+                                  "meta.pt", "rank-00000.pt"])
 def test_truncated_file_is_named(saved, tmp_path, capfd, name):
     directory = damaged_copy(saved, tmp_path)
     truncate(directory / STEP / name)
@@ -107,7 +108,7 @@ def test_truncated_file_is_named(saved, tmp_path, capfd, name):
 @pytest.mark.parametrize("where", ["header", "tensor"])
 def test_flipped_bytes_are_detected(saved, tmp_path, capfd, where):
     directory = damaged_copy(saved, tmp_path)
-    state = directory / STEP / "state.pt"
+    state = directory / STEP / "universal" / "rank-00000.pt"
     flip(state, 0 if where == "header" else tensor_offset(state))
     line = resume_fails(directory, capfd)
     assert f"checkpoint file {state} is damaged: its SHA-256 differs" in line
@@ -184,9 +185,10 @@ def _escaping(step: Path, outside: Path) -> str:
 
 
 def _linked_file(step: Path, outside: Path) -> str:
-    shutil.move(step / "state.pt", outside / "state.pt")
-    (step / "state.pt").symlink_to(outside / "state.pt")  # the same bytes, through a link
-    return f"checkpoint file {step / 'state.pt'} is a symbolic link"
+    shard = step / "universal" / "rank-00000.pt"
+    shutil.move(shard, outside / "state.pt")
+    shard.symlink_to(outside / "state.pt")  # the same bytes, through a link
+    return f"checkpoint file {shard} is a symbolic link"
 
 
 def _linked_directory(step: Path, outside: Path) -> str:
@@ -252,12 +254,12 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 
 def test_zero_shard_damaged_on_two_ranks_is_refused(pools, tmp_path):
-    """The nested ZeRO checkpoint is verified by its own loader, inside the ranks: the
-    parent reports the rank's one line and exits 2."""
+    """Rank 1's slices are verified inside the ranks (each hashes its share of the
+    files): the parent reports the rank's one line and exits 2."""
     config = TrainConfig(model="mlp", strategy="zero2", global_batch=64, steps=1, log_every=0,
                          progress=False, eval_every=0, checkpoint_dir=str(tmp_path))
     pools(2).run(rank_train, config)
-    shard = tmp_path / "step-00000001" / "zero" / "rank00001.pt"
+    shard = tmp_path / "step-00000001" / "universal" / "rank-00001.pt"
     flip(shard, tensor_offset(shard))
     before = snapshot(tmp_path)
     proc = disttrain("run", "--strategy", "zero2", "-n", "2", "--model", "mlp",
@@ -292,7 +294,7 @@ def test_a_crash_while_saving_leaves_latest_loadable(tmp_path, monkeypatch):
         train(config)
     monkeypatch.undo()
     assert (tmp_path / "latest").read_text() == "step-00000002"
-    assert (tmp_path / "step-00000004" / "state.pt").exists()
+    assert (tmp_path / "step-00000004" / "universal" / "rank-00000.pt").exists()
     with pytest.raises(CheckpointError, match=r"step-00000004 has no manifest\.json"):
         checkpoint_files.verify(str(tmp_path / "step-00000004"))
     assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "step-00000002")

@@ -1,13 +1,16 @@
-"""Checkpoints that let a run continue exactly where it stopped.
+"""Checkpoints that let a run continue exactly where it stopped, under any strategy.
 
 Layout of ``checkpoint_dir`` (which every rank must see: one machine, or a shared filesystem)::
 
     step-00000040/
-        state.pt            model + optimizer (rank 0), or what the strategy writes instead:
-                            zero/ (ZeRO's resharding checkpoint: zero.json + a shard per rank),
-                            state-stage00001-of-00002.pt (one per pipeline stage)
-        rank-00000.pt       each rank's RNG state and sampler position
-        meta.pt             step, epoch, world size and the config fields that must not change
+        universal/          the model and optimizer state: each rank writes the slices it
+                            holds, by parameter name and global offsets, and any strategy on
+                            any number of ranks reads the slices it needs
+                            (:mod:`disttrain.parallel.universal`); a baseline of torch's or
+                            DeepSpeed's writes state.pt instead
+        rank-00000.pt       each rank's RNG state, sampler position and loss scale
+        meta.pt             step, world size, the loss scale and the config fields that must
+                            not change
         manifest.json       size and SHA-256 of every file above, written last
     latest                  the name of the newest complete checkpoint
 
@@ -17,7 +20,9 @@ temporary name, fsynced and renamed; the ranks then seal the directory with its 
 same way, so a crash at any moment of a save leaves ``latest`` naming a complete checkpoint.
 Loading verifies the manifest (sizes everywhere, digests shared out over the ranks) and reads
 with ``torch.load(weights_only=True)``; anything unusable is refused in one line that names
-the file and says what to do.
+the file and says what to do. On another world size the random-number streams start afresh
+(a warning says so); the step, and with it the sampler's position and the learning rate, the
+optimizer's state and fp16's loss scale continue.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,14 +76,16 @@ def save(directory: str, step: int, strategy: Strategy, comm: Communicator | Non
     rank = me if rank is None else rank
     world_size = comm.world_size if comm is not None else 1
     path = os.path.join(directory, f"step-{step:08d}")
-    os.makedirs(path, exist_ok=True)
+    barrier = comm.barrier if comm is not None and world_size > 1 else _no_barrier
+    if me == 0:
+        _clear(path)  # an earlier attempt's files at this step (other ranks, strategy)
+    barrier()
     strategy.save_state(path, rank)
     extra = {"loss_scaler": scaler.state_dict()} if scaler is not None else {}
     atomic_save({"rng": torch.get_rng_state(), "sampler": sampler, **extra},
                 os.path.join(path, f"rank-{rank:05d}.pt"))
-    if me == 0:
-        atomic_save({**meta, "step": step}, os.path.join(path, "meta.pt"))
-    barrier = comm.barrier if comm is not None and world_size > 1 else _no_barrier
+    if me == 0:  # the scale is the same on every rank: a resume on other ranks reads it here
+        atomic_save({**meta, **extra, "step": step}, os.path.join(path, "meta.pt"))
     checkpoint_files.seal(path, me, world_size, barrier)
     if me == 0:  # every rank's files are sealed: `latest` may move
         atomic_write_text(os.path.join(directory, LATEST), os.path.basename(path))
@@ -87,6 +95,20 @@ def save(directory: str, step: int, strategy: Strategy, comm: Communicator | Non
 
 def _no_barrier() -> object:
     return None
+
+
+def _clear(path: str) -> None:
+    """An empty ``path``: the manifest goes first (a half-cleared directory is no
+    checkpoint), then every file and directory in it (links removed, never followed)."""
+    os.makedirs(path, exist_ok=True)
+    manifest = os.path.join(path, checkpoint_files.MANIFEST)
+    if os.path.lexists(manifest):
+        os.unlink(manifest)
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
 
 
 def latest(directory: str) -> str | None:
@@ -161,6 +183,8 @@ def _load(path: str, strategy: Strategy, rank: int, meta: dict[str, Any],
         log.warning("checkpoint %s was written by %s rank(s), this run has %s: the data order "
                     "continues, but random number streams start afresh", path,
                     saved.get("world_size"), meta.get("world_size"))
+        if scaler is not None and "loss_scaler" in saved:
+            scaler.load_state_dict(saved["loss_scaler"])
         return Resumed(saved["step"], None, path)
     rank_state = checkpoint_files.load(rank_file)
     torch.set_rng_state(rank_state["rng"])

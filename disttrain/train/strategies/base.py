@@ -30,6 +30,7 @@ from disttrain.comm import Communicator
 from disttrain.parallel.checkpoint_files import atomic_save
 from disttrain.parallel.checkpoint_files import load as safe_load
 from disttrain.parallel.mixed_precision import accumulate
+from disttrain.parallel.universal import Layout, Split
 from disttrain.train.clipping import squares
 from disttrain.train.config import TrainConfig
 
@@ -91,6 +92,13 @@ def placed_like(module: nn.Module, like: nn.Module) -> nn.Module:
     from a shard's state keeps the shard's placement (a float64 run stays float64)."""
     param = next(like.parameters(), None)
     return module if param is None else module.to(param.device, param.dtype)
+
+
+def writes_once(lead: bool, tp_rank: int) -> Callable[[str, Split | None], bool]:
+    """Who writes a parameter into the universal checkpoint: ``lead`` (the first replica
+    of this rank's part, over dp and cp), and of a tensor-parallel group every rank its
+    split parameters but only tp rank 0 the ones each holds whole (LayerNorms, biases)."""
+    return lambda name, split: lead and (split is not None or tp_rank == 0)
 
 
 def missing_state(path: str, what: str) -> ValueError:
@@ -274,13 +282,47 @@ class Strategy:
         if isinstance(self.optimizer, torch.optim.Optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
 
+    def checkpoint_layout(self) -> Layout | None:
+        """What this rank holds of the model's state, for the universal checkpoint
+        (:mod:`disttrain.parallel.universal`): by default the module's parameters whole,
+        written by data-parallel rank 0 (the replicas hold the same). None: the strategy
+        writes ``state.pt`` instead (a baseline whose tensors or optimizer are torch's or
+        DeepSpeed's own: DTensors, an engine)."""
+        from disttrain.parallel import universal
+
+        optimizer = self.optimizer if isinstance(self.optimizer, torch.optim.Optimizer) else None
+        if (optimizer is None and self.optimizer is not None) or any(
+                type(p.data) is not torch.Tensor for p in self.module.parameters()):
+            return None
+        lead = self.dp_rank == 0
+        return universal.module_layout(self.module.named_parameters(), optimizer,
+                                       buffers=universal.persistent_buffers(self.module),
+                                       writes=lambda name, split: lead,
+                                       model_config=universal.model_config(self.module))
+
     def save_state(self, path: str, rank: int) -> None:
-        """Write this strategy's state into the checkpoint directory ``path`` (every rank
-        calls it; by default rank 0 writes ``state.pt``, the replicas being identical)."""
-        if rank == 0:
+        """Write this strategy's state into the checkpoint directory ``path``: every rank
+        its share of the universal checkpoint (``path/universal``, which any strategy on
+        any number of ranks loads), or rank 0 ``state.pt`` where there is no layout."""
+        from disttrain.parallel import universal
+
+        layout = self.checkpoint_layout()
+        if layout is not None:
+            universal.save(os.path.join(path, universal.DIRECTORY), layout, rank)
+        elif rank == 0:
             atomic_save(self.state_dict(), os.path.join(path, "state.pt"))
 
     def load_state(self, path: str, rank: int) -> None:
+        """Read this rank's share of the state from ``path``: the universal checkpoint, or
+        ``state.pt`` (what this strategy wrote before the universal format, or where it has
+        no layout)."""
+        from disttrain.parallel import universal
+
+        directory = os.path.join(path, universal.DIRECTORY)
+        layout = self.checkpoint_layout()
+        if layout is not None and universal.is_universal(directory):
+            universal.load(directory, layout)
+            return
         file = os.path.join(path, "state.pt")
         if not os.path.exists(file):
             raise missing_state(path, "state.pt")

@@ -106,9 +106,6 @@ def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
             raise ValueError("--zero 2 drops each gradient once it is reduce-scattered over "
                              "dp, before sequence parallelism sums its LayerNorm gradients "
                              "over tp: use --zero 1 with --sequence-parallel")
-        if config.checkpoint_dir is not None:
-            raise ValueError("checkpoints of ZeRO inside a mesh are not written yet; drop "
-                             "--checkpoint-dir or --zero")
     if shape.pp > 1:
         if config.accumulate != 1:
             raise ValueError(f"strategy {name!r} with --pp {shape.pp} runs each step as one "

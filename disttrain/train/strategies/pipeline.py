@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
-from disttrain.parallel.checkpoint_files import atomic_save
 from disttrain.parallel.checkpoint_files import load as safe_load
 from disttrain.parallel.pipeline.wire import HEADER_BYTES  # in front of every message
+from disttrain.parallel.universal import Layout, Split
 from disttrain.train.precision import autocast_factory
 from disttrain.train.strategies.base import (
     Autocast,
@@ -41,6 +41,7 @@ from disttrain.train.strategies.base import (
     Strategy,
     missing_state,
     ring_all_reduce_bytes,
+    writes_once,
 )
 
 DEFAULT_MICROBATCHES = 8
@@ -185,14 +186,39 @@ class PipelineStrategy(Strategy):
         s = self.settings
         return os.path.join(path, f"state-stage{s.stage:05d}-of-{s.pp_size:05d}.pt")
 
-    def save_state(self, path: str, rank: int) -> None:
-        if self.settings.dp_rank == 0:  # dp replicas of a stage are identical
-            optimizer = self.optimizer.state_dict() if isinstance(
-                self.optimizer, torch.optim.Optimizer) else None
-            atomic_save({"model": self.module.state_dict(), "optimizer": optimizer,
-                         "layers": list(stage_layers(self.module))}, self._state_file(path))
+    def checkpoint_layout(self) -> Layout:
+        """This stage's parameters under the whole model's names, written by the first
+        replica of the stage (a stage without parameters holds none)."""
+        from disttrain.parallel import universal
+
+        named = self.pipe.named_module()
+        optimizer = self.optimizer if isinstance(self.optimizer, torch.optim.Optimizer) else None
+        return universal.module_layout(named.named_parameters(), optimizer,
+                                       buffers=universal.persistent_buffers(named),
+                                       splits=self.tensor_splits(),
+                                       writes=writes_once(self.settings.dp_rank == 0,
+                                                          self.tensor_rank()))
+
+    def tensor_splits(self) -> dict[int, Split]:
+        """How tensor parallelism cut this stage's parameters (none: ``3d`` cuts them)."""
+        return {}
+
+    def tensor_rank(self) -> int:
+        """This stage's rank in its tensor-parallel group (0: it has none)."""
+        return 0
 
     def load_state(self, path: str, rank: int) -> None:
+        """The universal checkpoint, written under any strategy and split; or this stage's
+        ``state-stage*`` file (the format before it, which needs the same split)."""
+        from disttrain.parallel import universal
+
+        directory = os.path.join(path, universal.DIRECTORY)
+        if universal.is_universal(directory):
+            universal.load(directory, self.checkpoint_layout())
+            return
+        self._load_legacy(path)
+
+    def _load_legacy(self, path: str) -> None:
         file = self._state_file(path)
         if not os.path.exists(file):
             raise missing_state(path, f"{os.path.basename(file)} (stage {self.settings.stage} "

@@ -51,6 +51,7 @@ from disttrain.parallel.tensor.transformer import (
     reduce_sequence_parallel_grads,
     sequence_parallel_parameters,
 )
+from disttrain.parallel.universal import Layout
 from disttrain.train.strategies.base import (
     Autocast,
     Batch,
@@ -58,12 +59,12 @@ from disttrain.train.strategies.base import (
     LossFn,
     Stepper,
     Strategy,
-    atomic_save,
     missing_state,
     param_bytes,
     placed_like,
     ring_all_reduce_bytes,
     safe_load,
+    writes_once,
 )
 from disttrain.train.strategies.mesh import MeshSettings
 from disttrain.train.transformer import TransformerLM
@@ -250,15 +251,43 @@ class TensorParallelStrategy(Strategy):
         return totals
 
     # ------------------------------------------------------------------ checkpoints
-    def _state_file(self, path: str) -> str:
+    def _state_file(self, path: str) -> str:  # the format before the universal one
         return os.path.join(path, f"state-tp{self.mesh.tp_rank:05d}-of-{self.mesh.tp_size:05d}"
                                   f".pt")
 
-    def save_state(self, path: str, rank: int) -> None:
-        if self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0:  # dp and cp: identical
-            atomic_save(self.state_dict(), self._state_file(path))
+    def checkpoint_layout(self) -> Layout:
+        """This rank's tp slices (under ZeRO: its shard's pieces of them), each written by
+        one rank: the first dp and cp replica, and of a tp group, tp rank 0 alone for what
+        every tp rank holds whole."""
+        from disttrain.parallel import universal
+        from disttrain.parallel.zero import checkpoint
+
+        mesh, optimizer = self.mesh, self.update_optimizer()
+        splits = universal.tensor_parallel_splits(self.module, mesh.tp_rank, mesh.tp_size)
+        if self.zero is not None:  # dp: ZeRO's pieces, each written by its own rank
+            return checkpoint.layout(self.zero, splits, writes_once(mesh.cp_rank == 0,
+                                                                    mesh.tp_rank))
+        return universal.module_layout(
+            self.module.named_parameters(), optimizer,
+            buffers=universal.persistent_buffers(self.module), splits=splits,
+            writes=writes_once(mesh.dp_rank == 0 and mesh.cp_rank == 0, mesh.tp_rank),
+            model_config=universal.model_config(self.module))
 
     def load_state(self, path: str, rank: int) -> None:
+        """The universal checkpoint, written under any strategy; or this rank's
+        ``state-tp*`` file (the format before it, which needs the same tp)."""
+        from disttrain.parallel import universal
+        from disttrain.parallel.zero import checkpoint
+
+        directory = os.path.join(path, universal.DIRECTORY)
+        if universal.is_universal(directory) and self.zero is not None:
+            splits = universal.tensor_parallel_splits(self.module, self.mesh.tp_rank,
+                                                      self.mesh.tp_size)
+            checkpoint.read_into(self.zero, directory, splits=splits)
+            return
+        if universal.is_universal(directory):
+            universal.load(directory, self.checkpoint_layout())
+            return
         file = self._state_file(path)
         if not os.path.exists(file):
             raise missing_state(path, f"{os.path.basename(file)} (tp rank {self.mesh.tp_rank} "

@@ -40,6 +40,7 @@ from disttrain.parallel.tensor.transformer import (
     reduce_sequence_parallel_grads,
     sequence_parallel_parameters,
 )
+from disttrain.parallel.universal import Split
 from disttrain.train.strategies.base import (
     Autocast,
     Batch,
@@ -114,6 +115,14 @@ class TensorPipelineStrategy(PipelineStrategy):
         if output is None or self.shard is None:
             return output
         return gather_vocab(output, self.shard.group)  # every tp rank of the last stage
+
+    def tensor_splits(self) -> dict[int, Split]:
+        from disttrain.parallel.universal import tensor_parallel_splits
+
+        return tensor_parallel_splits(self.module, self.mesh.tp_rank, self.mesh.tp_size)
+
+    def tensor_rank(self) -> int:
+        return self.mesh.tp_rank
 
     def _state_file(self, path: str) -> str:
         s, m = self.settings, self.mesh

@@ -4,9 +4,10 @@
 The wrapper stands in for the optimizer (the loop only calls ``zero_grad(set_to_none=True)``
 and ``step()``). Forward runs on the plain module in stages 1 and 2 (its parameters are views
 of the wrapper's flat buffer) and on the wrapper in stage 3, whose module holds empty
-placeholders outside forward: evaluation calls the wrapper too. Checkpoints are the
-wrapper's own sharded files (``zero.save``/``zero.load``), so a run saved on N ranks resumes
-on M, or under another stage.
+placeholders outside forward: evaluation calls the wrapper too. Checkpoints are
+universal (each rank writes its shard's pieces by parameter name and offsets:
+:mod:`disttrain.parallel.zero.checkpoint`), so a run saved on N ranks resumes on M, under
+another stage or under any other strategy.
 
 Bytes per rank per step, with P the padded flat size (every group's shards are equal), for
 a ring: stage 1 reduce-scatters and all-gathers once per step, (p−1)/p·P·(b_reduce +
@@ -25,9 +26,10 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
+from disttrain.parallel.universal import Layout
 from disttrain.train.strategies.base import BuildContext, Strategy, missing_state
 
-ZERO_DIR = "zero"  # inside a loop checkpoint: zero.json + one shard file per rank
+ZERO_DIR = "zero"  # what a loop checkpoint held before the universal format
 
 
 def _element(dtype: torch.dtype) -> int:
@@ -145,17 +147,25 @@ class ZeroStrategy(Strategy):
         return output
 
     # ------------------------------------------------------------------ checkpoints
-    def save_state(self, path: str, rank: int) -> None:
-        from disttrain.parallel import zero
+    def checkpoint_layout(self) -> Layout:
+        """Each rank its master shard's pieces (a hybrid run: the first replica's)."""
+        from disttrain.parallel.zero import checkpoint
 
-        zero.save(self.zero, os.path.join(path, ZERO_DIR))
+        return checkpoint.layout(self.zero)
 
     def load_state(self, path: str, rank: int) -> None:
-        from disttrain.parallel import zero
+        """The universal checkpoint, written under any strategy; or ``zero/`` (ZeRO's own
+        format before it, resharded as well)."""
+        from disttrain.parallel import universal, zero
+        from disttrain.parallel.zero import checkpoint
 
+        directory = os.path.join(path, universal.DIRECTORY)
+        if universal.is_universal(directory):
+            checkpoint.read_into(self.zero, directory)
+            return
         directory = os.path.join(path, ZERO_DIR)
         if not os.path.exists(os.path.join(directory, "zero.json")):
-            raise missing_state(path, f"{ZERO_DIR}/zero.json (a ZeRO checkpoint)")
+            raise missing_state(path, f"{universal.DIRECTORY}/ (a universal checkpoint)")
         zero.load(self.zero, directory)
 
     # ------------------------------------------------------------------ measurements
