@@ -67,10 +67,15 @@ def _compiled(comm: Any, config: TrainConfig) -> list[dict[str, torch.Tensor]]:
             for flag in (False, True)]
 
 
-@pytest.mark.parametrize(("strategy", "world", "base"), [
-    ("single", 1, PIPELINE), ("ddp", 2, PIPELINE), ("zero2", 2, PIPELINE), ("tp", 2, MESH)])
-def test_compiled_blocks_train_as_eager_ones(pools, strategy, world, base):
-    config = dataclasses.replace(base, strategy=strategy)
+@pytest.mark.parametrize(("strategy", "world", "base", "options"), [
+    ("single", 1, PIPELINE, {}), ("ddp", 2, PIPELINE, {}), ("zero2", 2, PIPELINE, {}),
+    ("tp", 2, MESH, {}), ("tp", 2, MESH, {"algorithm": "ring"}),
+    ("cp", 2, MESH, {"algorithm": "ring"})],
+    ids=["single", "ddp", "zero2", "tp", "tp-ring", "cp-ring"])
+def test_compiled_blocks_train_as_eager_ones(pools, strategy, world, base, options):
+    """disttrain's own algorithms (ring) inside compiled blocks run between the graphs."""
+    config = dataclasses.replace(base, strategy=strategy,
+                                 parallel=ParallelOptions(**options))
     per_rank = [_compiled(None, config)] if world == 1 else pools(world).run(_compiled, config)
     for rank, (eager, compiled) in enumerate(per_rank):
         for name in eager:

@@ -127,6 +127,9 @@ class BenchConfig:
     pp_size: int = 1  # "3d" rows: pipeline stages (dp = world / (tp · pp))
     dp_shard: int | None = None  # ZeRO rows: hybrid sharding in groups of this many ranks
     meta_init: bool = False  # ZeRO rows: each also run built on the meta device
+    activation_checkpointing: str = "none"  # not none: every row also run with it (+ac)
+    compile: bool = False  # every row also run with its blocks compiled (+compile)
+    compile_backend: str = "inductor"
     device: str = "auto"  # where every rank trains (disttrain.train.device)
     backend: str = "auto"  # torch.distributed backend of the ranks (auto: by the device)
     extra: dict[str, str] = field(default_factory=dict)  # recorded in the environment
@@ -240,12 +243,16 @@ class Run:
     experiment: Experiment
     world_size: int
     servers: int = 0  # parameter-server rows: server ranks started beside the workers
-    meta_init: bool = False  # ZeRO rows: the model built on the meta device
+    variant: str = ""  # "", or a second row of the same strategy (VARIANTS)
 
     @property
     def name(self) -> str:
-        """The row's name: the strategy's (``+meta`` for a meta-device-initialised run)."""
-        return self.experiment.name + ("+meta" if self.meta_init else "")
+        """The row's name: the strategy's, ``+meta``, ``+ac`` or ``+compile`` for a variant."""
+        return self.experiment.name + (f"+{self.variant}" if self.variant else "")
+
+    @property
+    def meta_init(self) -> bool:
+        return self.variant == "meta"
 
     @property
     def label(self) -> str:
@@ -263,12 +270,36 @@ def plan(config: BenchConfig) -> list[Run]:
     each world size they accept (a strategy capped below a size is not planned there)."""
     runs = []
     for exp in config.selected():
-        if exp.name == REFERENCE:
-            runs.append(Run(exp, 1))
-            continue
-        for n in config.world_sizes:
-            if exp.max_world_size is None or n <= exp.max_world_size:
-                runs.append(Run(exp, n, config.servers if exp.parameter_server else 0))
-                if config.meta_init and exp.name in zero_presets():  # beside the eager row
-                    runs.append(Run(exp, n, meta_init=True))
+        sizes = [1] if exp.name == REFERENCE else [
+            n for n in config.world_sizes
+            if exp.max_world_size is None or n <= exp.max_world_size]
+        for n in sizes:
+            runs.append(Run(exp, n, config.servers if exp.parameter_server else 0))
+            runs += [Run(exp, n, variant=v) for v in variants(config, exp)]  # beside it
     return runs
+
+
+VARIANTS = {"meta": "the model built on the meta device (--meta-init; ZeRO rows)",
+            "ac": "activation checkpointing (--activation-checkpointing)",
+            "compile": "the blocks compiled (--compile; not under ZeRO-3)"}
+
+
+def variants(config: BenchConfig, exp: Experiment) -> list[str]:
+    """The second rows ``exp`` gets beside its plain one: disttrain's own strategies only
+    (the baselines and parameter servers train their own way)."""
+    if exp.is_baseline or exp.parameter_server:
+        return []
+    out = ["meta"] if config.meta_init and exp.name in zero_presets() else []
+    if config.activation_checkpointing != "none":
+        out.append("ac")
+    if config.compile and get_zero_stage(exp.name) != 3:
+        out.append("compile")
+    return out
+
+
+def get_zero_stage(name: str) -> int:
+    """The ZeRO stage a preset runs (0: none; a baseline or unknown name: 0)."""
+    from disttrain.parallel.presets import PRESETS
+
+    preset = PRESETS.get(name)
+    return preset.zero if preset is not None else 0

@@ -78,7 +78,11 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
                        lr=config.lr, momentum=config.momentum, seed=config.seed,
                        untimed_steps=config.untimed_steps, eval_every=config.eval_every,
                        log_every=0, progress=False, device=config.device,
-                       peak_tflops=config.peak_tflops)
+                       peak_tflops=config.peak_tflops,
+                       activation_checkpointing=config.activation_checkpointing
+                       if run.variant == "ac" else "none",
+                       compile=run.variant == "compile",
+                       compile_backend=config.compile_backend)
 
 
 def transport_of(config: BenchConfig, run: Run) -> str:

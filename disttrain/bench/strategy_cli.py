@@ -136,6 +136,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     zero.add_argument("--meta-init", action="store_true",
                       help="also run each ZeRO row with the model built on the meta device "
                            "(row name +meta): its wrap-time peak beside the eager one")
+    blocks = parser.add_argument_group("second rows of disttrain's strategies")
+    blocks.add_argument("--activation-checkpointing", choices=("none", "full", "selective"),
+                        default="none", help="also run every row with the blocks' "
+                        "activations recomputed in backward (row name +ac): the activation "
+                        "column's drop and the extra time beside the plain row")
+    blocks.add_argument("--compile", action="store_true",
+                        help="also run every row with its blocks torch.compiled (row name "
+                             "+compile; not under zero3)")
+    blocks.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend (inductor; aot_eager needs no C++ "
+                             "compiler)")
     timeout = parser.add_argument(
         "--comm-timeout", type=float, default=d.timeout_s,
         help="seconds any collective may wait; a rank silent for 4× this is stopped "
@@ -197,6 +208,8 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
         eval_every=args.eval_every, servers=args.servers, staleness=args.staleness,
         staleness_lr=args.staleness_lr, bind_cores=args.bind_cores, tp_size=args.tp_size,
         pp_size=args.pp_size, dp_shard=args.dp_shard, meta_init=args.meta_init,
+        activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+        compile_backend=args.compile_backend,
         device=args.device, backend=args.backend,
         peak_tflops=_measured_peak(args.peak_tflops, args.device),
         data=_data_options(PRESETS[args.preset].data, token_options(args)),

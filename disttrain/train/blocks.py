@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -52,7 +53,8 @@ def apply_activation_checkpointing(module: nn.Module, mode: str = "full") -> int
                          f"{mode!r}")
     if mode == "none":
         return 0
-    chosen = blocks_of(module)[::2 if mode == "selective" else 1]
+    blocks = blocks_of(module)
+    chosen = [blocks[i] for i in checkpointed(mode, len(blocks))]
     for block in chosen:
         if getattr(block, "_disttrain_checkpointed", False):
             continue
@@ -62,14 +64,52 @@ def apply_activation_checkpointing(module: nn.Module, mode: str = "full") -> int
     return len(chosen)
 
 
+def checkpointed(mode: str, n_blocks: int) -> list[int]:
+    """Which of ``n_blocks`` blocks ``mode`` checkpoints (0-based): all (``full``), every
+    second one from the first (``selective``), none. Their forwards run twice, and so do
+    the collectives inside them (the theory of tensor parallelism counts them)."""
+    if mode == "none":
+        return []
+    return list(range(0, n_blocks, 2 if mode == "selective" else 1))
+
+
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def compile_blocks(module: nn.Module, backend: str = "inductor") -> int:
     """Compile ``module``'s blocks in place with ``torch.compile`` (``backend``: TorchInductor
-    by default; ``aot_eager`` needs no C++ compiler); returns how many."""
+    by default; ``aot_eager`` needs no C++ compiler); returns how many. disttrain's
+    collectives inside a block (tensor, context and expert parallelism) run between the
+    compiled graphs (:func:`communication_breaks_graphs`)."""
+    communication_breaks_graphs()
     chosen = blocks_of(module)
     for block in chosen:
         block.compile(backend=backend)
     return len(chosen)
+
+
+ENTRY_POINTS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather",
+                "scatter", "all_to_all", "barrier", "isend", "irecv", "send", "recv",
+                "connect")
+
+
+def communication_breaks_graphs() -> None:
+    """Make every :class:`~disttrain.comm.Communicator` entry point and ``Work.wait`` a
+    graph break for ``torch.compile`` (once per process). Dynamo traces Python; disttrain's
+    algorithms are Python over torch.distributed's process groups and sockets, which it
+    cannot trace (it stops with an error inside them, or records a collective once and
+    replays a different order of them). Marked here, they run eagerly between the compiled
+    pieces, as torch's own c10d calls do. Done only when something is compiled: importing
+    the compiler costs seconds, which a run without --compile should not pay."""
+    from disttrain.comm import Communicator
+    from disttrain.comm import work as work_module
+
+    if getattr(Communicator, "_disttrain_graph_breaks", False):
+        return
+    for name in ENTRY_POINTS:
+        setattr(Communicator, name, torch.compiler.disable(getattr(Communicator, name)))
+    for cls in vars(work_module).values():
+        if isinstance(cls, type) and issubclass(cls, work_module.Work) and "wait" in vars(cls):
+            cls.wait = torch.compiler.disable(cls.wait)  # type: ignore[method-assign]
+    Communicator._disttrain_graph_breaks = True  # type: ignore[attr-defined]

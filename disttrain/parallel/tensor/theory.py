@@ -42,7 +42,7 @@ brings the 2sbh down to 2sbh/t; disttrain keeps them, so that SP moves exactly T
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from disttrain.comm.algorithms.chunking import segment_bounds
@@ -128,10 +128,15 @@ def tp_collectives(shape: LMShape, batch: int, seq: int, tp: int, sequence_paral
 
 def tp_step_collectives(shape: LMShape, batch: int, seq: int, tp: int,
                         sequence_parallel: bool, microbatches: int = 1,
-                        element_size: int = 4, grad_element_size: int = 4
-                        ) -> list[Collective]:
-    """One optimizer step of ``microbatches`` micro-batches of ``batch`` sequences each."""
-    out = tp_collectives(shape, batch, seq, tp, sequence_parallel, element_size) * microbatches
+                        element_size: int = 4, grad_element_size: int = 4,
+                        recomputed: Sequence[int] = ()) -> list[Collective]:
+    """One optimizer step of ``microbatches`` micro-batches of ``batch`` sequences each.
+    ``recomputed``: the blocks (1..L) whose forward runs again in backward (activation
+    checkpointing), forward collectives included."""
+    once = tp_collectives(shape, batch, seq, tp, sequence_parallel, element_size)
+    again = [c for c in once if c.where.endswith("forward") and c.where.startswith(
+        tuple(f"block {b} " for b in recomputed))] if recomputed else []
+    out = (once + again) * microbatches
     if sequence_parallel and tp > 1:
         out.append(Collective("all_reduce", shape.sequence_parallel_params(), grad_element_size,
                               "sequence-parallel gradients"))

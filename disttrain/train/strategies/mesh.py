@@ -149,14 +149,13 @@ def _check_context(config: TrainConfig, settings: MeshSettings) -> None:
     splits this rank's heads over cp; it does not run inside pipeline stages or beside
     ZeRO-2 (which drops gradients before cp sums them)."""
     from disttrain.parallel.context import check_sequence
+    from disttrain.parallel.context.api import lm_layers
     from disttrain.train.data import build_dataset
-    from disttrain.train.models import TRANSFORMER_MODELS, build_model
+    from disttrain.train.models import build_model
 
     shape, cp = settings.shape, settings.shape.size("cp")
-    if config.model not in TRANSFORMER_MODELS:
-        raise ValueError(f"context parallelism splits the sequences of disttrain's "
-                         f"TransformerLM; model {config.model!r} is not one: use --model "
-                         f"transformer --dataset synthetic-lm")
+    model = build_model(config.model, build_dataset(config.dataset, config.data).info)
+    lm_layers(model)  # a TransformerLM (or one shaped like it), else a one-line error
     if shape.pp > 1:
         raise ValueError(f"--cp {cp} inside pipeline stages is not built yet; use --pp 1 "
                          f"with --cp")
@@ -165,7 +164,6 @@ def _check_context(config: TrainConfig, settings: MeshSettings) -> None:
                          "before context parallelism sums it over cp: use --zero 1 with --cp")
     check_sequence(config.data.seq_len, cp)
     if settings.cp_variant == "ulysses":
-        model = build_model(config.model, build_dataset(config.dataset, config.data).info)
         heads = lm_shape(model)["n_heads"] // shape.tp
         if heads % cp:
             raise ValueError(f"Ulysses splits the {heads} attention heads of each tp rank "
