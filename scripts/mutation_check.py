@@ -97,7 +97,7 @@ FAULTS = (
           "[Forward(i) for i in range(m)] + [Backward(i) for i in reversed(range(m))]",
           ("tests/test_pipeline_schedules.py", f"{PIPE64}[gpipe-3-4]"),
           "GPipe's backwards run last micro-batch first"),
-    Fault("pipeline-loss-weight", "gpipe, 1f1b", "disttrain/parallel/pipeline/stage.py",
+    Fault("pipeline-loss-weight", "gpipe, 1f1b", "disttrain/parallel/pipeline/step.py",
           "weight = len(target) / self.total_rows  # 1/m for equal micro-batches",
           "weight = 1.0",
           (f"{PIPE64}[gpipe-3-4]", "tests/test_pipeline_runtime.py"),

@@ -10,6 +10,7 @@ import pytest
 
 from disttrain.bench.pipeline_bench import (
     PipelineBenchConfig,
+    cases,
     format_row,
     make_row,
     synthetic_model,
@@ -25,6 +26,15 @@ def _step(wall: float, idle: float, busy: float) -> dict[str, float]:
 def test_theory_is_the_bubble():
     assert theory(4, 8) == pytest.approx(3 / 11)
     assert theory(2, 1) == 0.5
+    assert theory(4, 8, 2) == pytest.approx(3 / 19)  # interleaved: v·m slots to fill
+
+
+def test_interleaved_rows_need_1f1b_and_m_a_multiple_of_p():
+    config = PipelineBenchConfig(microbatches=(1, 2, 4), virtual_stages=(1, 2))
+    assert cases(config, 2) == [("gpipe", 1, 1), ("gpipe", 1, 2), ("gpipe", 1, 4),
+                                ("1f1b", 1, 1), ("1f1b", 1, 2), ("1f1b", 1, 4),
+                                ("1f1b", 2, 2), ("1f1b", 2, 4)]
+    assert [case for case in cases(config, 4) if case[1] == 2] == [("1f1b", 2, 4)]
 
 
 def test_a_row_splits_each_stage_interval_into_idle_busy_and_overhead():
@@ -56,6 +66,10 @@ def test_a_row_splits_each_stage_interval_into_idle_busy_and_overhead():
     ({"forward_ms": 0, "backward_ms": 0}, "not both 0"),
     ({"steps": 0}, "steps must be ≥ 1"),
     ({"transport": "pigeon"}, "unknown transport 'pigeon'"),
+    ({"virtual_stages": (0,)}, "virtual stage counts must be ≥ 1"),
+    ({"virtual_stages": (2,), "schedules": ("gpipe",)}, "interleaves 1f1b; add 1f1b to "
+                                                        "--schedules"),
+    ({"virtual_stages": (1, 3)}, "2 layers per stage do not cut into 3 chunks"),
 ])
 def test_bad_settings_say_what_to_fix(changes, message):
     with pytest.raises(ValueError) as info:
@@ -73,23 +87,28 @@ def test_the_synthetic_model_is_balanced(compute):
 
 def test_command_prints_and_writes_every_row(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
-    code = main(["bench", "pipeline", "-p", "2", "--microbatches", "1,3", "--forward-ms", "1",
+    code = main(["bench", "pipeline", "-p", "2", "--microbatches", "2,3", "--forward-ms", "1",
                  "--backward-ms", "1", "--steps", "1", "--warmup", "0", "--microbatch-size", "2",
-                 "--width", "4", "--comm-timeout", "30", "--json", str(out)])
+                 "--width", "4", "--comm-timeout", "30", "--virtual-stages", "1,2", "--json",
+                 str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "over transport torch" in printed
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["schedule"], r["microbatches"]) for r in rows] == [
-        ("gpipe", 1), ("gpipe", 3), ("1f1b", 1), ("1f1b", 3)]
+    # interleaved (v = 2) only where m is a multiple of p = 2
+    assert [(r["schedule"], r["virtual_stages"], r["microbatches"]) for r in rows] == [
+        ("gpipe", 1, 2), ("gpipe", 1, 3), ("1f1b", 1, 2), ("1f1b", 1, 3), ("1f1b", 2, 2)]
     for row in rows:
-        assert row["theory"] == pytest.approx(theory(2, row["microbatches"]))
+        assert row["theory"] == pytest.approx(theory(2, row["microbatches"],
+                                                     row["virtual_stages"]))
         assert len(row["idle_per_stage"]) == 2
         assert all(0 <= idle <= 1 for idle in row["idle_per_stage"])
         assert format_row(row) in printed
         assert row["transport"] == "torch"
-    # what each stage held, measured: GPipe all m micro-batches, 1F1B at most p − s
+    # what each stage held, measured: GPipe all m micro-batches, 1F1B at most p − s,
+    # interleaved with m = p every chunk's forward first (v·m chunk-micro-batches)
     assert rows[1]["peak_stashed"] == [3, 3] and rows[3]["peak_stashed"] == [2, 1]
+    assert rows[4]["peak_stashed"] == [4, 4] and "1f1b v2" in printed
 
 
 def test_command_refuses_bad_flags(capsys):

@@ -1,5 +1,6 @@
 """Interleaved 1F1B as data, checked without processes: dependency order, no deadlock,
-every (micro-batch, chunk) once, and the bubble (p − 1)/(v·m + p − 1)."""
+every (micro-batch, chunk) once, and the bubble (p − 1)/(v·m + p − 1), for Megatron-LM's
+compute order and for the runtime's action lists with their messages round the ring."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from dataclasses import replace
 
 import pytest
 
+from disttrain.parallel.pipeline import ScheduleError, format_schedule, get_schedule, simulate
 from disttrain.parallel.pipeline.schedules import (
     ChunkAction,
     InterleavedScheduleError,
+    RecvAct,
+    interleaved,
     interleaved_1f1b,
     simulate_interleaved,
 )
@@ -117,3 +121,52 @@ def test_a_missing_or_repeated_action_is_refused():
 def test_bad_sizes_say_what_to_fix(args, message):
     with pytest.raises(ValueError, match=message):
         interleaved_1f1b(*args)
+
+
+# ---------------------------------------------------------------- the runtime's action lists
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (2, 3, 6), (3, 2, 6), (4, 2, 8),
+                                           (4, 3, 4), (2, 2, 2), (3, 3, 3)])
+@pytest.mark.parametrize("backward", [1.0, 2.0])
+def test_the_runtimes_actions_run_on_paper_with_the_interleaved_bubble(p, v, m, backward):
+    schedule = interleaved(p, v, m)
+    # the checker runs the runtime's semantics: a receive takes the next message of its
+    # channel (round the ring) and must be the micro-batch and chunk it expects
+    result = simulate(schedule, 1.0, backward)
+    expected = (p - 1) / (v * m + p - 1)
+    assert [result.idle_fraction(s) for s in range(p)] == pytest.approx([expected] * p)
+    order = interleaved_1f1b(p, v, m)
+    for rank in range(p):  # Megatron-LM's compute order, chunk 0 written without ".0"
+        assert [str(a) for a in schedule.compute(rank)] == [
+            str(a).removesuffix(".0") for a in order.ranks[rank]]
+
+
+def test_messages_wrap_from_the_last_rank_to_the_first():
+    # p = 2, v = 2, m = 2: virtual stages 0 and 2 on rank 0, 1 and 3 on rank 1. Rank 0's
+    # chunk 1 receives from rank 1's chunk 0 (rA0.1) and sends its gradient back (sG0.1);
+    # virtual stage 0 receives nothing and sends no gradient, stage 3 computes the loss
+    schedule = interleaved(2, 2, 2)
+    assert " ".join(map(str, schedule.actions(0))) == (
+        "F0 sA0 F1 sA1 rA0.1 F0.1 sA0.1 rA1.1 F1.1 sA1.1 rG0.1 B0.1 sG0.1 rG1.1 B1.1 sG1.1 "
+        "rG0 B0 rG1 B1")
+    assert " ".join(map(str, schedule.actions(1))) == (
+        "rA0 F0 sA0 rA1 F1 sA1 rA0.1 F0.1 rA1.1 F1.1 B0.1 sG0.1 B1.1 sG1.1 rG0 B0 sG0 rG1 B1 "
+        "sG1")
+    assert get_schedule("1f1b", 2, 2, 2) == schedule
+    grid = format_schedule(schedule)
+    assert grid.startswith("interleaved-1f1b: p=2, v=2, m=2, bubble 0.200")
+
+
+def test_receives_out_of_order_round_the_wrap_are_named():
+    schedule = interleaved(2, 2, 4)
+    actions = list(schedule.actions(0))
+    first, second = [i for i, a in enumerate(actions) if isinstance(a, RecvAct)][:2]
+    actions[first], actions[second] = actions[second], actions[first]
+    broken = replace(schedule, stages=(tuple(actions), schedule.actions(1)))
+    with pytest.raises(ScheduleError, match="the next message from stage 1 carries micro-batch "
+                                            "0 for chunk 1"):
+        simulate(broken)
+
+
+def test_gpipe_has_no_interleaved_form():
+    with pytest.raises(ValueError, match="schedule 'gpipe' has no interleaved form"):
+        get_schedule("gpipe", 2, 4, 2)

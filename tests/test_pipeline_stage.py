@@ -21,7 +21,7 @@ def stashed_bytes(stage: Stage, x: torch.Tensor, target: torch.Tensor | None = N
     key = () if target is None else (tuple(target.shape), target.dtype,
                                      target.untyped_storage().nbytes())
     stage.forward(microbatch, x, source="stage 0", loss=loss, loss_key=key)
-    return stage._stash[microbatch].nbytes
+    return stage._stash[(microbatch, 0)].nbytes
 
 
 def test_a_reused_count_equals_a_fresh_count():

@@ -1,11 +1,16 @@
-"""``disttrain bench pipeline``: the measured bubble of GPipe and 1F1B against (p − 1)/(m + p − 1).
+"""``disttrain bench pipeline``: the measured bubble of GPipe and 1F1B against (p − 1)/(m + p − 1),
+and of interleaved 1F1B (``--virtual-stages v``) against (p − 1)/(v·m + p − 1).
 
 For each number of stages p the parent starts p local ranks (:mod:`disttrain.bench.ranks`);
 they build a *balanced* synthetic model (the same layers on every stage), run each schedule
-with each micro-batch count m. Each stage runs ``steps`` consecutive steps as a training
-loop does (no barrier between them), takes each step's *period* (from its start to the
-start of the next: in steady state every stage's period is the pipeline's step) as
-``wall``, and splits it into::
+with each micro-batch count m. Interleaved, the same model is cut into p·v pieces of
+``layers / v`` layers (so ``layers`` must be a multiple of v): each rank computes as much as
+without chunks, in v chunks, and sends v times as many messages; rows whose m is not a
+multiple of p (which Megatron-LM's order needs) are left out.
+
+Each stage runs ``steps`` consecutive steps as a training loop does (no barrier between
+them), takes each step's *period* (from its start to the start of the next: in steady
+state every stage's period is the pipeline's step) as ``wall``, and splits it into::
 
     busy      inside its forwards and backwards (measured by the Stage)
     idle      blocked waiting for a neighbour: in a receive or the end-of-step send wait
@@ -13,7 +18,7 @@ start of the next: in steady state every stage's period is the pipeline's step) 
     overhead  the rest: packing, posting and unpacking messages, Python bookkeeping,
               the loop between steps
 
-and reports ``idle / wall`` per stage against theory, (p − 1)/(m + p − 1), as well as
+and reports ``idle / wall`` per stage against theory, (p − 1)/(v·m + p − 1), as well as
 ``1 − busy/wall`` (idle and overhead together) and the overhead per micro-batch. Overhead
 makes every micro-batch slot longer on every stage alike, so it stretches the step without
 changing the idle share; the time messages spend in flight does show up as idle. (Steps
@@ -61,6 +66,7 @@ class PipelineBenchConfig:
     stages: tuple[int, ...] = (2, 4)
     microbatches: tuple[int, ...] = (1, 2, 4, 8, 16)
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    virtual_stages: tuple[int, ...] = (1,)  # v: chunks per stage (v > 1: 1f1b interleaved)
     compute: str = "sleep"
     forward_ms: float = 20.0  # sleep: one stage's forward of one micro-batch
     backward_ms: float = 20.0  # sleep: its backward
@@ -84,6 +90,17 @@ class PipelineBenchConfig:
         if bad or not self.schedules:
             raise ValueError(f"unknown or missing schedules {bad}; choose from "
                              f"{', '.join(sorted(SCHEDULES))}")
+        if not self.virtual_stages or min(self.virtual_stages) < 1:
+            raise ValueError(f"virtual stage counts must be ≥ 1, got {list(self.virtual_stages)}")
+        chunked = [v for v in self.virtual_stages if v > 1]
+        if chunked and "1f1b" not in self.schedules:
+            raise ValueError(f"--virtual-stages {max(chunked)} interleaves 1f1b; add 1f1b to "
+                             f"--schedules")
+        uneven = [v for v in chunked if self.layers % v]
+        if uneven:
+            raise ValueError(f"{self.layers} layers per stage do not cut into {uneven[0]} "
+                             f"chunks: use a --layers that is a multiple of every virtual "
+                             f"stage count")
         if self.compute not in COMPUTES:
             raise ValueError(f"compute must be one of {', '.join(COMPUTES)}, got "
                              f"{self.compute!r}")
@@ -96,10 +113,11 @@ class PipelineBenchConfig:
         check_transport(self.transport)
 
 
-def theory(p: int, m: int) -> float:
+def theory(p: int, m: int, v: int = 1) -> float:
     """The bubble: each stage idles (p − 1)/(m + p − 1) of a step (balanced stages, free
-    messages; the same for GPipe and 1F1B)."""
-    return (p - 1) / (m + p - 1)
+    messages; the same for GPipe and 1F1B), (p − 1)/(v·m + p − 1) with v chunks per stage
+    (interleaved 1F1B)."""
+    return (p - 1) / (v * m + p - 1)
 
 
 class _Sleep(torch.autograd.Function):
@@ -145,7 +163,8 @@ def synthetic_model(config: PipelineBenchConfig, p: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def measure(comm: Communicator, config: PipelineBenchConfig, schedule: str, m: int) -> Row:
+def measure(comm: Communicator, config: PipelineBenchConfig, schedule: str, v: int,
+            m: int) -> Row:
     """One row on this rank: warm up, then ``steps + 1`` consecutive steps, as a training
     loop runs them (no barrier between steps). Each step's interval is this stage's period,
     from the start of the step to the start of the next; the first is left out (it starts
@@ -154,7 +173,7 @@ def measure(comm: Communicator, config: PipelineBenchConfig, schedule: str, m: i
 
     p = comm.world_size
     pipe = build_pipeline(synthetic_model(config, p), comm, schedule=schedule, microbatches=m,
-                          partition=[config.layers] * p)
+                          partition=[config.layers // v] * (p * v), virtual_stages=v)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(m * config.rows, config.width, generator=gen)
     y = torch.randn(m * config.rows, config.width, generator=gen)
@@ -177,21 +196,25 @@ def measure(comm: Communicator, config: PipelineBenchConfig, schedule: str, m: i
     samples = [{"wall_s": b[0] - a[0], "busy_s": b[1] - a[1], "inside_s": b[2] - a[2],
                 "wait_s": b[3] - a[3], "idle_s": b[3] - a[3]}
                for a, b in pairwise(marks[1:])]
-    return {"schedule": schedule, "microbatches": m, "stage": pipe.stage_index,
-            "steps": samples, "peak_stashed": totals.peak_stashed}
+    return {"schedule": schedule, "virtual_stages": v, "microbatches": m,
+            "stage": pipe.stage_index, "steps": samples, "peak_stashed": totals.peak_stashed}
 
 
 def bench_job(comm: Communicator, emit: Callable[[Any], None],
               config: PipelineBenchConfig) -> None:
-    """What each rank runs: every (schedule, m) case in order, one report each."""
+    """What each rank runs: every (schedule, v, m) case in order, one report each."""
     torch.set_num_threads(1)
     logging.getLogger("disttrain.parallel.pipeline").setLevel(logging.ERROR)  # m < p is meant
-    for schedule, m in cases(config):
-        emit(measure(comm, config, schedule, m))
+    for schedule, v, m in cases(config, comm.world_size):
+        emit(measure(comm, config, schedule, v, m))
 
 
-def cases(config: PipelineBenchConfig) -> list[tuple[str, int]]:
-    return [(schedule, m) for schedule in config.schedules for m in config.microbatches]
+def cases(config: PipelineBenchConfig, p: int) -> list[tuple[str, int, int]]:
+    """(schedule, virtual stages, micro-batches) of every row for p stages: chunks for 1f1b
+    only, and only where m is a multiple of p."""
+    return [(schedule, v, m) for schedule in config.schedules
+            for v in (config.virtual_stages if schedule == "1f1b" else (1,))
+            for m in config.microbatches if v == 1 or m % p == 0]
 
 
 def _median(values: list[float]) -> float:
@@ -209,13 +232,13 @@ def make_row(p: int, config: PipelineBenchConfig, per_rank: list[Row]) -> Row:
     """One row from every stage's report of one case (medians over the timed steps, which
     keeps a step disturbed by another process on a shared machine out of the figures)."""
     first = per_rank[0]
-    m = first["microbatches"]
+    m, v = first["microbatches"], first.get("virtual_stages", 1)
     # idle: blocked waiting for a neighbour (in a receive or in the final send wait)
     idle = _per_stage(per_rank, lambda s: s["idle_s"] / s["wall_s"])
-    expected = theory(p, m)
+    expected = theory(p, m, v)
     mean = sum(idle) / len(idle)
     return {"compute": config.compute, "transport": config.transport, "stages": p,
-            "microbatches": m,
+            "microbatches": m, "virtual_stages": v,
             "schedule": first["schedule"], "theory": expected, "idle_per_stage": idle,
             "idle_mean": mean, "relative_error": (mean - expected) / expected,
             "worst_relative_error": max(abs(i - expected) for i in idle) / expected,
@@ -232,10 +255,15 @@ def make_row(p: int, config: PipelineBenchConfig, per_rank: list[Row]) -> Row:
 def run(config: PipelineBenchConfig) -> Iterator[Row]:
     """Every row, stage count by stage count, as they are measured."""
     for p in config.stages:
-        plan = cases(config)
+        plan = cases(config, p)
+        if not plan:
+            continue
 
-        def describe(k: int, plan: list[tuple[str, int]] = plan, p: int = p) -> str:
-            return f"p={p} {plan[k][0]} m={plan[k][1]}" if k < len(plan) else "shutting down"
+        def describe(k: int, plan: list[tuple[str, int, int]] = plan, p: int = p) -> str:
+            if k >= len(plan):
+                return "shutting down"
+            schedule, v, m = plan[k]
+            return f"p={p} {schedule} v={v} m={m}"
 
         with RankGroup(p, bench_job, (config,), transport=config.transport,
                        timeout_s=config.timeout_s, describe=describe) as group:
@@ -250,7 +278,9 @@ def format_row(row: Row) -> str:
     stages = " ".join(f"{i:5.3f}" for i in row["idle_per_stage"])
     not_computing = sum(row["not_computing_per_stage"]) / row["stages"]
     overhead = max(row["overhead_per_microbatch_s"])
-    return (f"{row['stages']:>2d} {row['microbatches']:>3d}  {row['schedule']:<6s}  "
+    v = row.get("virtual_stages", 1)
+    schedule = row["schedule"] if v == 1 else f"{row['schedule']} v{v}"
+    return (f"{row['stages']:>2d} {row['microbatches']:>3d}  {schedule:<7s}  "
             f"{row['theory']:5.3f}  {stages:<23s}  {row['idle_mean']:5.3f}  "
             f"{100 * row['relative_error']:+6.1f}%  {not_computing:5.3f}  "
             f"{overhead * 1e3:5.2f} ms  {row['step_s'] * 1e3:7.1f} ms")
@@ -266,7 +296,8 @@ def _title(config: PipelineBenchConfig) -> str:
     return (f"disttrain bench pipeline: balanced {what}; messages over transport "
             f"{config.transport}; median of {config.steps} consecutive steps after "
             f"{config.warmup}; idle = waiting for a neighbour / step period, per stage; theory "
-            f"(p−1)/(m+p−1); 1−busy = idle + overhead; overhead per micro-batch, worst stage")
+            f"(p−1)/(v·m+p−1) (v = 1 but for 1f1b vV: interleaved); 1−busy = idle + "
+            f"overhead; overhead per micro-batch, worst stage")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -281,6 +312,8 @@ _OPTIONS: tuple[tuple[tuple[str, ...], str, Callable[[str], Any], str], ...] = (
     (("-p", "--stages"), "stages", _ints, "comma-separated stage counts"),
     (("--microbatches",), "microbatches", _ints, "comma-separated micro-batch counts"),
     (("--schedules",), "schedules", _names, "comma-separated schedules"),
+    (("--virtual-stages",), "virtual_stages", _ints, "comma-separated chunks per stage for "
+     "1f1b (v > 1: interleaved 1F1B; rows need m a multiple of p)"),
     (("--compute",), "compute", str, "sleep: layers that sleep, using no CPU; matmul: real "
      "Linear layers (use p ≤ cores)"),
     (("--forward-ms",), "forward_ms", float, "sleep: one stage's forward of a micro-batch"),
@@ -310,9 +343,10 @@ def add_parser(inner: Any) -> None:
     """Register ``disttrain bench pipeline`` on the ``bench`` subparsers."""
     d = PipelineBenchConfig()
     parser = inner.add_parser(
-        "pipeline", help="measured pipeline bubble against (p−1)/(m+p−1)",
-        description="Run GPipe and 1F1B on a balanced synthetic model for each number of "
-        "stages and micro-batches; print each stage's measured idle fraction next to theory.")
+        "pipeline", help="measured pipeline bubble against (p−1)/(v·m+p−1)",
+        description="Run GPipe and 1F1B (interleaved over --virtual-stages) on a balanced "
+        "synthetic model for each number of stages and micro-batches; print each stage's "
+        "measured idle fraction next to theory.")
     added = {}
     for flags, field_, parse, help_ in _OPTIONS:
         default = getattr(d, field_)
@@ -336,7 +370,7 @@ def _main(args: Any, parser: Any) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     print(_title(config), flush=True)
-    print(" p   m  sched.  theory  idle per stage (0, 1, …)  mean  vs theory  1−busy  "
+    print(" p   m  sched.   theory  idle per stage (0, 1, …)  mean  vs theory  1−busy  "
           "overhead       step", flush=True)
     try:
         with RowWriter(args.json) as json_rows:

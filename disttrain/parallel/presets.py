@@ -78,9 +78,9 @@ def _zero(stage: int, what: str) -> Preset:
                   options=frozenset({"algorithm", "dp_shard", "dp_replicate", "meta_init"}))
 
 
-def _pipeline(schedule: str, what: str) -> Preset:
+def _pipeline(schedule: str, what: str, more: frozenset[str] = frozenset()) -> Preset:
     return Preset(f"pipeline, {what}", (("pp", FLAG_OR_ALL), ("dp", REST)), schedule=schedule,
-                  options=PIPELINE)
+                  options=PIPELINE | more)
 
 
 def _servers(mode: str, what: str, more: frozenset[str] = frozenset()) -> Preset:
@@ -98,7 +98,8 @@ PRESETS: dict[str, Preset] = {
                              "of one micro-batch)", (("pp", ALL),), schedule="gpipe",
                              microbatches=1, options=frozenset({"partition"})),
     "gpipe": _pipeline("gpipe", "GPipe schedule (all forwards, then all backwards)"),
-    "1f1b": _pipeline("1f1b", "1F1B schedule (PipeDream-Flush)"),
+    "1f1b": _pipeline("1f1b", "1F1B schedule (PipeDream-Flush; --virtual-stages V: "
+                              "interleaved)", frozenset({"virtual_stages"})),
     "ps-sync": _servers("sync", "synchronous SGD (workers + --servers ranks)"),
     "ps-async": _servers("async", "asynchronous SGD (updates applied on arrival)",
                          frozenset({"staleness_lr"})),

@@ -199,6 +199,10 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
                            help="stages per pipeline (gpipe, 1f1b, 3d): -n/pp data-parallel "
                                 "replicas (default: one pipeline over all ranks; 3d: 1)")
     add_alias(pipe, "--pp-size", new=pp)
+    pipe.add_argument("--virtual-stages", type=int, default=None,
+                      help="1f1b: model chunks per stage, interleaved 1F1B (Megatron-LM): the "
+                           "bubble shrinks to (p−1)/(v·m+p−1) for v times the messages; "
+                           "--microbatches a multiple of --pp (default 1)")
     mesh = p.add_argument_group("tensor parallel and the dp × pp × tp mesh (tp, tp-sp, 3d, "
                                 "torch-tp)")
     mesh.add_argument("--tp", type=int, default=None, dest="tp_size",
@@ -282,7 +286,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                algorithm=args.algorithm, schedule=args.schedule,
                                microbatches=args.microbatches,
                                partition=parse_partition(args.partition),
-                               pp_size=args.pp_size, tp_size=args.tp_size,
+                               pp_size=args.pp_size, virtual_stages=args.virtual_stages,
+                               tp_size=args.tp_size,
                                dp_size=args.dp_size, cp_size=args.cp_size,
                                cp_variant=args.cp_variant, ep_size=args.ep_size,
                                dp_shard=args.dp_shard, dp_replicate=args.dp_replicate,

@@ -44,6 +44,7 @@ class ParallelOptions:
     # start ("blocks.2", "head")
     partition: str | tuple[int, ...] | tuple[str, ...] | None = None
     pp_size: int | None = None  # stages per pipeline (None: every rank is a stage; "3d": 1)
+    virtual_stages: int | None = None  # "1f1b": model chunks per stage, interleaved (None: 1)
     # tensor parallel and the dp × pp × tp mesh ("tp", "tp-sp", "3d", "torch-tp")
     tp_size: int | None = None  # "3d": ranks per tensor-parallel group (None: 1)
     dp_size: int | None = None  # "3d": data-parallel replicas (None: world / (tp · pp))
@@ -76,6 +77,8 @@ class ParallelOptions:
                      "ep_size", "dp_shard", "dp_replicate"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.virtual_stages is not None:
+            _positive("virtual_stages", self.virtual_stages)
         if self.cp_variant not in ("ring", "ulysses"):
             raise ValueError(f"cp_variant must be ring or ulysses, got {self.cp_variant!r}")
         if self.staleness is not None:

@@ -1,14 +1,17 @@
 """Pipeline parallelism: a sequential model split into stages over ranks, each batch cut into
-micro-batches that flow through the stages under a schedule (GPipe or 1F1B).
+micro-batches that flow through the stages under a schedule (GPipe, 1F1B, or interleaved
+1F1B over v virtual stages per rank).
 
 * :mod:`.partition`: which layers go to which stage (explicit, by parameters, by time);
 * :mod:`.schedules`: each stage's ordered actions as pure data (GPipe, 1F1B, and interleaved
-  1F1B with v chunks per rank, data and paper simulation only); :mod:`.schedule_check`
-  checks a schedule on paper and prints it as a grid;
-* :mod:`.runtime`: :class:`PipelineParallel`, this rank's stage executing its schedule, with
-  its config and step statistics; :mod:`.stage`: a stage's compute, its stash of
-  micro-batches and the interpreter of one step's actions; :mod:`.link` and :mod:`.wire`:
-  the messages between neighbouring stages and their header; :mod:`.collectives`: what the
+  1F1B with v chunks per rank); :mod:`.schedule_check` checks a schedule on paper and
+  prints it as a grid;
+* :mod:`.runtime`: :class:`PipelineParallel`, this rank's stage (its v chunks, interleaved)
+  executing its schedule; :mod:`.config`: its settings and step statistics; :mod:`.stage`:
+  a stage's compute and its stash of micro-batches; :mod:`.step`: the interpreter of one
+  step's actions;
+  :mod:`.link` and :mod:`.wire`: the messages between neighbouring stages (a chain, or a
+  ring when interleaved) and their header; :mod:`.collectives`: what the
   stages agree on and average over the mesh (pipelines × data-parallel replicas:
   :mod:`disttrain.parallel.mesh`);
 * :mod:`.model_parallel`: the plain split (no micro-batches): a pipeline of one micro-batch.
@@ -16,6 +19,7 @@ micro-batches that flow through the stages under a schedule (GPipe or 1F1B).
 See docs/pipeline.md.
 """
 
+from disttrain.parallel.pipeline.config import PipelineConfig, PipelineTotals, StepStats
 from disttrain.parallel.pipeline.link import PipelineError, StageFailedError
 from disttrain.parallel.pipeline.model_parallel import build_model_parallel
 from disttrain.parallel.pipeline.partition import (
@@ -25,13 +29,7 @@ from disttrain.parallel.pipeline.partition import (
     param_costs,
     time_costs,
 )
-from disttrain.parallel.pipeline.runtime import (
-    PipelineConfig,
-    PipelineParallel,
-    PipelineTotals,
-    StepStats,
-    build_pipeline,
-)
+from disttrain.parallel.pipeline.runtime import PipelineParallel, build_pipeline
 from disttrain.parallel.pipeline.schedule_check import (
     ScheduleError,
     SimResult,
@@ -52,6 +50,7 @@ from disttrain.parallel.pipeline.schedules import (
     SendGrad,
     get_schedule,
     gpipe,
+    interleaved,
     interleaved_1f1b,
     one_f_one_b,
     simulate_interleaved,
@@ -84,6 +83,7 @@ __all__ = [
     "format_schedule",
     "get_schedule",
     "gpipe",
+    "interleaved",
     "interleaved_1f1b",
     "layers_of",
     "one_f_one_b",

@@ -1,12 +1,15 @@
 """Messages between neighbouring pipeline stages: one message per activation or gradient.
 
 Activations go to stage s+1 and gradients to stage s−1, each as one message, a 128-byte
-header then the tensor's bytes (:mod:`.wire`). The header is what keeps a broken pipeline
-from hanging or corrupting silently:
+header then the tensor's bytes (:mod:`.wire`). With v model chunks per rank (interleaved
+1F1B) the stages form a ring: the last stage's activations go on to stage 0, whose next
+chunk takes them, and the gradients come back the same way. The header is what keeps a
+broken pipeline from hanging or corrupting silently:
 
-* call number, mode and micro-batch number are checked against what the receiver's own
-  schedule expects, so ranks running different schedules, micro-batch counts or steps get
-  an error naming both stages, not a wrong pairing of tensors;
+* call number, mode and micro-batch number (and the receiving chunk) are checked against
+  what the receiver's own schedule expects, so ranks running different schedules,
+  micro-batch counts or steps get an error naming both stages, not a wrong pairing of
+  tensors;
 * train activations, eval activations and gradients each travel on a channel of their
   own, so a stage evaluating while its neighbour trains waits (and times out naming both
   stages) instead of receiving a message of a size it did not post (Gloo aborts the
@@ -19,9 +22,11 @@ from hanging or corrupting silently:
 * ``value`` carries one float64: gradient headers carry the loss known so far, so the loss
   travels from the last stage to all others with the gradients (no collective to hang in).
 
-**Channels.** A channel is a tag of the pipeline's communicator where tags keep messages
-apart (Gloo, shared memory), and a two-rank sub-communicator of its own per neighbouring
-pair (``Communicator.new_group``) where they do not: NCCL has no tags, matches a pair's messages in
+**Channels.** An *edge* joins stage e to stage e + 1 (edge p − 1, the ring's wrap, joins
+the last stage to stage 0); activations cross it one way and gradients the other. A
+channel is one kind of message on one edge: a tag of the pipeline's communicator where
+tags keep messages apart (Gloo, shared memory), and a two-rank sub-communicator of its own
+(``Communicator.new_group``) where they do not: NCCL has no tags, matches a pair's messages in
 the order they are posted, and runs each rank's sends and receives to one peer one after
 the other, each waiting for its match (``Transport.in_order``;
 :mod:`disttrain.comm.nccl_rules` enforces the same on Gloo). On a channel only one stage
@@ -33,11 +38,13 @@ transport advances a rank's messages only while that rank waits on the same tran
 which is why it keeps tags on one communicator. A group of two per pair, rather than one
 group of all stages per kind, is what a group bound to a device needs (NCCL runs all its
 messages on one queue there: a stage's send to the next stage would wait behind its
-receive from the previous one). NCCL creates a pair's communicator on a channel at its
-first message there, and that call blocks until the neighbour's own first message on it;
-a stage's first call is a receive, of an activation on one channel for stage 1 and of a
-gradient on another for stage 0, so each pair connects on every channel as the channels
-open, in one order on every stage (``Communicator.connect``).
+receive from the previous one). On two stages the wrap joins the same pair as edge 0,
+but in the other direction: its own sub-communicators keep the two streams apart. NCCL
+creates a pair's communicator on a channel at its first message there, and that call
+blocks until the neighbour's own first message on it; a stage's first call is a receive,
+of an activation on one channel for stage 1 and of a gradient on another for stage 0, so
+each pair connects on every channel as the channels open, in one order on every stage
+(edges ascending, the wrap last: ``Communicator.connect``), which cannot form a cycle.
 
 **Sizes.** A receive needs a buffer of the message's exact size before the message arrives.
 Both ends of a channel remember the payload size of the message at each *position* (the
@@ -107,35 +114,37 @@ class Direction(enum.Enum):
 
 
 Channel = tuple[Communicator, int, int]  # (communicator, tag, the neighbour's rank there)
-Channels = Mapping[tuple[Direction, int, int], Channel]  # (direction, mode, neighbour stage)
+Channels = Mapping[tuple[Direction, int, int], Channel]  # (direction, mode, edge)
 _TAG_BASE = 0x7100  # user point-to-point tags; collectives use tags far above
 _KINDS = ((Direction.ACTIVATION, TRAIN), (Direction.ACTIVATION, EVAL),
           (Direction.GRADIENT, TRAIN))  # eval calls send no gradients
 
 
-def open_channels(comm: Communicator, stage: int
+def open_channels(comm: Communicator, stage: int, ring: bool = False
                   ) -> dict[tuple[Direction, int, int], Channel]:
-    """The channels of a pipeline's messages by (direction, mode, neighbour stage): a tag
-    each on ``comm``, or, where the transport matches in posting order whatever the tags,
-    a two-rank sub-communicator per neighbouring pair and kind, each connected as it is
-    made (module doc). Collective: every stage of ``comm`` calls it; stage s is rank s."""
+    """The channels of a pipeline's messages by (direction, mode, edge): a tag each on
+    ``comm``, or, where the transport matches in posting order whatever the tags, a
+    two-rank sub-communicator per edge and kind, each connected as it is made (module
+    doc). ``ring``: the stages form a ring (edge p − 1 joins the last stage to stage 0).
+    Collective: every stage of ``comm`` calls it; stage s is rank s."""
     stages = comm.world_size
-    neighbours = [s for s in (stage - 1, stage + 1) if 0 <= s < stages]
+    # edges ascending, the wrap last: one order of groups and first contacts on every
+    # stage, which cannot cycle
+    edges = [e for e in range(stages if ring and stages > 1 else stages - 1)
+             if stage in (e, (e + 1) % stages)]
     channels: dict[tuple[Direction, int, int], Channel] = {}
     for i, kind in enumerate(_KINDS):
-        if not comm.transport.in_order:
-            channels.update({(*kind, peer): (comm, _TAG_BASE + i, peer) for peer in neighbours})
-            continue
-        for low in range(stages - 1):  # ascending pairs: one order of groups and first
-            if stage not in (low, low + 1):  # contacts on every stage, never a cycle
+        for e in edges:
+            peer = (e + 1) % stages if stage == e else e
+            if not comm.transport.in_order:
+                channels[(*kind, e)] = (comm, _TAG_BASE + i, peer)
                 continue
-            pair = comm.new_group([low, low + 1])
+            pair = comm.new_group(sorted((e, (e + 1) % stages)))  # ranks ascending
             assert pair is not None  # a member
-            peer = low + 1 if stage == low else low
             pair.connect([1 - pair.rank])
-            channels[(*kind, peer)] = (pair, 0, 1 - pair.rank)
-    for peer in neighbours:
-        channels[(Direction.GRADIENT, EVAL, peer)] = channels[(Direction.GRADIENT, TRAIN, peer)]
+            channels[(*kind, e)] = (pair, 0, 1 - pair.rank)
+    for e in edges:
+        channels[(Direction.GRADIENT, EVAL, e)] = channels[(Direction.GRADIENT, TRAIN, e)]
     return channels
 
 
@@ -171,22 +180,30 @@ def _mode_name(mode: int) -> str:
     return "train" if mode == TRAIN else "eval"
 
 
-def _what(direction: Direction, microbatch: int, mode: int, call: int) -> str:
-    return f"the {direction.noun} of micro-batch {microbatch} ({_mode_name(mode)} call {call})"
+_CHUNK_SHIFT = 32  # a header's micro-batch field: micro-batch + receiving chunk · 2³²
+
+
+def _what(direction: Direction, microbatch: int, mode: int, call: int, chunk: int = 0) -> str:
+    target = f" for chunk {chunk}" if chunk else ""
+    return (f"the {direction.noun} of micro-batch {microbatch}{target} ({_mode_name(mode)} "
+            f"call {call})")
 
 
 class StageLink:
-    """Stage ``stage``'s messages with stages ``stage − 1`` and ``stage + 1``; the pipeline
-    communicator's rank r is stage r. Every call (train step or evaluation) starts with
-    :meth:`begin`, which says how many messages go each way. Building one is collective
-    (every stage opens the channels); received tensors are put on ``device``."""
+    """Stage ``stage``'s messages with stages ``stage − 1`` and ``stage + 1`` (``ring``:
+    modulo p, for interleaved schedules); the pipeline communicator's rank r is stage r.
+    Every call (train step or evaluation) starts with :meth:`begin`, which says how many
+    messages go each way. Building one is collective (every stage opens the channels);
+    received tensors are put on ``device``."""
 
     def __init__(self, comm: Communicator, stage: int, device: torch.device | None = None,
-                 channels: Channels | None = None) -> None:
+                 channels: Channels | None = None, ring: bool = False) -> None:
         self.comm = comm
         self.stage = stage
         self.num_stages = comm.world_size
-        self.channels = channels if channels is not None else open_channels(comm, stage)
+        self.ring = ring
+        self.channels = (channels if channels is not None
+                         else open_channels(comm, stage, ring))
         self.device = device if device is not None else torch.device("cpu")
         self.wire = comm.device  # where messages live: where the communicator moves bytes
         self.pending: list[tuple[Work, int, str, torch.Tensor]] = []  # sends in flight
@@ -194,14 +211,21 @@ class StageLink:
         self._in = {d: _Channel() for d in Direction}
         self.orphans: list[Work] = []  # messages abandoned by a failure, kept alive
         self.wait_s = 0.0  # time blocked waiting for messages, since begin()
+        self._told_on: Direction | None = None  # where a failure notice came in
 
     def describe(self, stage: int) -> str:
         """``stage 2 (rank 5)``: the stage and its global rank."""
         return f"stage {stage} (rank {self.comm.global_ranks[stage]})"
 
+    def neighbour(self, offset: int) -> int:
+        """The stage ``offset`` (±1) away: round the ring if there is one (off a chain's
+        ends, −1 or p: no stage)."""
+        peer = self.stage + offset
+        return peer % self.num_stages if self.ring else peer
+
     def _peer(self, direction: Direction, sending: bool) -> int:
         forward = direction is Direction.ACTIVATION
-        return self.stage + (1 if forward == sending else -1)
+        return self.neighbour(1 if forward == sending else -1)
 
     def communicators(self) -> list[Communicator]:
         """The channels' communicators (their byte counts are the pipeline's traffic)."""
@@ -220,15 +244,19 @@ class StageLink:
             if channel.count:
                 self._post_recv(direction, 0)
 
-    def _channel(self, direction: Direction, mode: int, peer: int) -> Channel:
-        return self.channels[(direction, mode, peer)]
+    def _channel(self, direction: Direction, mode: int, sending: bool) -> Channel:
+        """The channel on the edge to the neighbour: activations sent and gradients
+        received cross this stage's own edge, the others the previous stage's."""
+        own = (direction is Direction.ACTIVATION) == sending
+        edge = self.stage if own else (self.stage - 1) % self.num_stages
+        return self.channels[(direction, mode, edge)]
 
     def _post_recv(self, direction: Direction, position: int) -> None:
         channel = self._in[direction]
         buffer = torch.empty(HEADER_BYTES + channel.expected(position), dtype=torch.uint8,
                              device=self.wire)
         peer = self._peer(direction, sending=False)
-        chan = self._channel(direction, channel.mode, peer)
+        chan = self._channel(direction, channel.mode, sending=False)
         channel.posted.append((buffer, self._irecv(chan, buffer, peer,
                                                    f"the next {direction.noun}")))
 
@@ -248,9 +276,10 @@ class StageLink:
         self.pending.append((work, peer, what, tensor))
 
     def send(self, direction: Direction, tensor: torch.Tensor, *, call: int, mode: int,
-             microbatch: int, rows: int, value: float = 0.0, bundle: bool = False) -> None:
+             microbatch: int, rows: int, value: float = 0.0, bundle: bool = False,
+             chunk: int = 0) -> None:
         """Post ``tensor`` with its header to the neighbour in ``direction`` (``bundle``:
-        it holds a packed tuple, list or dict of tensors)."""
+        it holds a packed tuple, list or dict of tensors; ``chunk``: the receiver's)."""
         if not isinstance(tensor, torch.Tensor):
             raise PipelineError(f"{self.describe(self.stage)} must send one tensor as its "
                                 f"{direction.noun}, got {type(tensor).__name__}; pipeline "
@@ -261,12 +290,12 @@ class StageLink:
                                 f"most {MAX_NDIM} dimensions, dtypes {DTYPES})")
         channel = self._out[direction]
         peer = self._peer(direction, sending=True)
-        what = _what(direction, microbatch, mode, call)
-        header = Header(OK, call, mode, microbatch, rows, value, tensor.dtype,
-                        tuple(tensor.shape), bundle)
+        what = _what(direction, microbatch, mode, call, chunk)
+        header = Header(OK, call, mode, microbatch + (chunk << _CHUNK_SHIFT), rows, value,
+                        tensor.dtype, tuple(tensor.shape), bundle)
         key = (channel.mode, channel.position)
         expected = channel.expected(channel.position)
-        chan = self._channel(direction, channel.mode, peer)
+        chan = self._channel(direction, channel.mode, sending=True)
         if header.nbytes == expected:
             self._isend(chan, wire.pack(header, tensor, expected, self.wire), peer, what)
         else:  # fill the receiver's buffer with the news, then send the payload alone
@@ -276,20 +305,22 @@ class StageLink:
             channel.sizes[key] = header.nbytes
         channel.position += 1
 
-    def recv(self, direction: Direction, *, call: int, mode: int, microbatch: int) -> Message:
+    def recv(self, direction: Direction, *, call: int, mode: int, microbatch: int,
+             chunk: int = 0) -> Message:
         """Wait for the next ``direction`` message and check that it is the one this stage's
-        schedule expects."""
+        schedule expects (for this stage's ``chunk``)."""
         channel = self._in[direction]
         peer = self._peer(direction, sending=False)
-        what = _what(direction, microbatch, mode, call)
+        what = _what(direction, microbatch, mode, call, chunk)
         if not channel.posted:  # more receives than begin() announced
             self._post_recv(direction, channel.position)
         buffer, work = channel.posted.popleft()
         self._wait(work, peer, what)
-        header = self._check(Header.unpack(buffer), peer, what, (call, mode, microbatch))
+        header = self._check(Header.unpack(buffer), peer, what,
+                             (call, mode, microbatch + (chunk << _CHUNK_SHIFT)), direction)
         if header.status == RESHAPE:  # the payload is the next message on this channel
             buffer, offset = torch.empty(header.nbytes, dtype=torch.uint8, device=self.wire), 0
-            chan = self._channel(direction, channel.mode, peer)
+            chan = self._channel(direction, channel.mode, sending=False)
             self._wait(self._irecv(chan, buffer, peer, what), peer, what)
             channel.sizes[(channel.mode, channel.position)] = header.nbytes
         elif header.nbytes == buffer.numel() - HEADER_BYTES:
@@ -304,20 +335,22 @@ class StageLink:
         tensor = wire.view_payload(buffer, offset, header).to(self.device)
         return Message(tensor, header.rows, header.value, header.bundle)
 
-    def _check(self, header: Header, peer: int, what: str,
-               expected: tuple[int, int, int]) -> Header:
+    def _check(self, header: Header, peer: int, what: str, expected: tuple[int, int, int],
+               direction: Direction | None = None) -> Header:
         if header.status == FAILED:
             if not 0 <= header.microbatch < self.num_stages:
                 raise PipelineError(f"{self.describe(self.stage)} received a failure notice "
                                     f"from {self.describe(peer)} naming stage "
                                     f"{header.microbatch} of {self.num_stages}: the ranks run "
                                     f"different versions")
+            self._told_on = direction
             raise StageFailedError(f"{self.describe(self.stage)} stopped: "
                                    f"{self.describe(header.microbatch)} failed (its error is "
                                    f"in that rank's output)", header.microbatch)
         if (header.call, header.mode, header.microbatch) != expected:
-            got = (f"micro-batch {header.microbatch} ({_mode_name(header.mode)} call "
-                   f"{header.call})")
+            mb, chunk = header.microbatch % (1 << _CHUNK_SHIFT), header.microbatch >> _CHUNK_SHIFT
+            got = (f"micro-batch {mb}{f' for chunk {chunk}' if chunk else ''} "
+                   f"({_mode_name(header.mode)} call {header.call})")
             raise PipelineError(f"{self.describe(self.stage)} expected {what} from "
                                 f"{self.describe(peer)} but received {got}: the ranks run "
                                 f"different schedules, micro-batch counts or steps; every "
@@ -353,18 +386,22 @@ class StageLink:
     def report_failure(self, exc: BaseException) -> None:
         """Tell the neighbours that a stage failed, without waiting: they raise
         :class:`StageFailedError` on their next receive and pass it on. A failure reported
-        to us by a neighbour goes on to the other neighbour only; one this stage raised
-        itself (e.g. a replica of it failed) goes to both.
+        to us by a neighbour goes on to the other neighbour only (round a ring, notices go
+        both ways and a stage may hear twice); one this stage raised itself (e.g. a replica
+        of it failed) goes to both.
 
         The notice takes the place of the next message this call would have sent that way,
         at that message's expected size, so it fits the receive the neighbour posted. A
         neighbour this call has already sent everything to is not told (it waits for
         nothing more from us in this call; its next call times out naming this stage)."""
+        skip: Direction | None = None  # not back to the neighbour that told us
         if isinstance(exc, StageFailedError) and exc.stage != self.stage:
             failed_stage = exc.stage
-            skip: int | None = self.stage - 1 if failed_stage < self.stage else self.stage + 1
+            told = self._told_on or (Direction.ACTIVATION if failed_stage < self.stage
+                                     else Direction.GRADIENT)
+            skip = Direction(1 - told.value)  # the other way over the same edge
         else:
-            failed_stage, skip = self.stage, None
+            failed_stage = self.stage
         self.orphans += [work for work, _, _, _ in self.pending]
         self.pending = []
         for channel in self._in.values():
@@ -373,7 +410,7 @@ class StageLink:
         header = Header(FAILED, 0, 0, failed_stage, 0, 0.0, torch.int64, (0,))
         for direction, channel in self._out.items():
             peer = self._peer(direction, sending=True)
-            if not 0 <= peer < self.num_stages or peer == skip:
+            if not 0 <= peer < self.num_stages or direction is skip:
                 continue
             if channel.position >= channel.count:
                 log.debug("stage %d: nothing left to send to stage %d this call; not told of "
@@ -381,7 +418,7 @@ class StageLink:
                 continue
             notice = wire.pack(header, None, channel.expected(channel.position), self.wire)
             try:
-                comm, tag, there = self._channel(direction, channel.mode, peer)
+                comm, tag, there = self._channel(direction, channel.mode, sending=True)
                 self.orphans.append(comm.isend(notice, there, tag))
             except CommError:  # this neighbour cannot be told (its connection is closed,
                 continue  # or the communicator failed): the other one still may

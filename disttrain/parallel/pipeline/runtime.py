@@ -1,11 +1,12 @@
-"""The pipeline runtime: this rank's stage, executing its schedule's actions one by one, and
-what it is asked to do (:class:`PipelineConfig`) and measures (:class:`StepStats`).
+"""The pipeline runtime: this rank's stage, executing its schedule's actions one by one
+(what it is asked to do and what it measures: :mod:`.config`; one step's interpreter:
+:mod:`.step`).
 
 ``train_step`` on every rank::
 
     split the batch into m micro-batches        (inputs on stage 0, targets on the last)
     for action in schedule.actions(stage):      RecvAct / Forward / SendAct /
-        run it                                  RecvGrad / Backward / SendGrad
+        run it (on the chunk it names)          RecvGrad / Backward / SendGrad
     return the loss                             (it came back with the gradients)
     average gradients over the dp group         (pp × dp grid; nothing when dp = 1; a
                                                  failed stage still takes part, with a
@@ -20,6 +21,15 @@ pipeline step is the same update as one step on the whole batch (the equivalence
 check this for every schedule). ``loss_fn`` must return the mean over its micro-batch.
 Layers whose output depends on the rest of the batch (BatchNorm) or on random numbers
 (dropout) differ from the unsplit model, as in every micro-batching pipeline.
+
+**Virtual stages** (``virtual_stages=v``, interleaved 1F1B): the model is cut into p·v
+pieces and rank r holds pieces r, r + p, r + 2p, … as its v chunks::
+
+    p = 2, v = 2:   rank 0: piece 0, piece 2      activations 0 → 1 → 0 → 1 (the wrap:
+                    rank 1: piece 1, piece 3      rank 1 back to rank 0), gradients back
+
+so each micro-batch goes round the ranks v times, and the bubble shrinks to
+(p − 1)/(v·m + p − 1) for v times as many messages (Narayanan et al. 2021).
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,6 +48,12 @@ from disttrain.parallel.mesh import DeviceMesh, MeshShape, build_mesh
 from disttrain.parallel.pipeline import bundle
 from disttrain.parallel.pipeline import partition as part
 from disttrain.parallel.pipeline.collectives import agreed_balance, all_reduce_gradients
+from disttrain.parallel.pipeline.config import (
+    PipelineConfig,
+    PipelineTotals,
+    StepStats,
+    split_batch,
+)
 from disttrain.parallel.pipeline.link import (
     EVAL,
     Direction,
@@ -46,112 +62,8 @@ from disttrain.parallel.pipeline.link import (
     StageLink,
 )
 from disttrain.parallel.pipeline.schedules import SCHEDULES, get_schedule
-from disttrain.parallel.pipeline.stage import (
-    Stage,
-    StepRun,
-    begin_step,
-    device_of,
-    received,
-    send_value,
-)
-
-# ----------------------------------------------------------------------
-# What a pipeline is asked to do (:class:`PipelineConfig`) and what one step measured
-# (:class:`StepStats`), plus the micro-batch split both depend on.
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """Pipeline settings; validated on creation. The CLI maps ``--schedule``,
-    ``--microbatches``, ``--partition`` and ``--pp`` onto these fields."""
-
-    schedule: str = "1f1b"  # a key of SCHEDULES: "gpipe" or "1f1b"
-    microbatches: int = 8  # m: each batch is cut into m micro-batches along dim 0
-    partition: str | tuple[int, ...] = "params"  # "params", "time", or layers per stage
-    pp_size: int | None = None  # stages per pipeline; None: every rank is a stage (dp = 1)
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of: "
-                             f"{', '.join(sorted(SCHEDULES))}")
-        m = self.microbatches
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"microbatches must be an integer ≥ 1, got {m!r}")
-        if isinstance(self.partition, str):
-            if self.partition not in ("params", "time"):
-                raise ValueError(f"partition={self.partition!r} is unknown; choose 'params', "
-                                 f"'time' or a list of layer counts per stage")
-        else:
-            balance = tuple(self.partition)
-            if not balance or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
-                                  for b in balance):
-                raise ValueError(f"partition {list(balance)} must list a layer count ≥ 1 "
-                                 f"for each stage")
-            object.__setattr__(self, "partition", balance)
-        pp = self.pp_size
-        if pp is not None and (isinstance(pp, bool) or not isinstance(pp, int) or pp < 1):
-            raise ValueError(f"pp_size must be an integer ≥ 1 or None, got {pp!r}")
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """One training step on one rank."""
-
-    wall_s: float  # the whole train_step on this rank
-    busy_s: float  # forward + backward compute of this stage
-    allreduce_s: float  # averaging gradients over the dp group
-    peak_stashed: int  # most micro-batches held between forward and backward
-    peak_activation_bytes: int  # the bytes autograd saved for them, at that peak
-    wait_s: float = 0.0  # blocked waiting for the neighbours' messages (the bubble and latency)
-
-    @property
-    def idle_fraction(self) -> float:
-        """Share of the step not spent computing: the bubble, plus communication."""
-        return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
-
-
-@dataclass
-class PipelineTotals:
-    """Sums over steps, for an idle fraction measured over many steps (a single step's
-    wall time depends on when this rank entered it; over consecutive steps it does not)."""
-
-    steps: int = 0
-    wall_s: float = 0.0
-    busy_s: float = 0.0
-    allreduce_s: float = 0.0
-    peak_stashed: int = 0
-    peak_activation_bytes: int = 0
-    wait_s: float = 0.0
-
-    def add(self, step: StepStats) -> None:
-        self.steps += 1
-        self.wall_s += step.wall_s
-        self.busy_s += step.busy_s
-        self.wait_s += step.wait_s
-        self.allreduce_s += step.allreduce_s
-        self.peak_stashed = max(self.peak_stashed, step.peak_stashed)
-        self.peak_activation_bytes = max(self.peak_activation_bytes, step.peak_activation_bytes)
-
-    @property
-    def idle_fraction(self) -> float:
-        return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
-
-
-def split_batch(batch: Any, microbatches: int, what: str) -> list[Any]:
-    """Cut ``batch`` (a tensor, or a tuple, list or dict of tensors of equal rows) into
-    ``microbatches`` pieces along dim 0. Sizes differ by at most one row when the batch does
-    not divide evenly (the loss weights each piece by its rows)."""
-    if batch is None:
-        raise ValueError(f"this stage needs the {what}, got None")
-    if not isinstance(batch, torch.Tensor):
-        bundle.leaves(batch, f"the {what}")  # tensors only: a one-line error otherwise
-    rows = bundle.rows_of(batch)
-    if rows < microbatches:
-        raise ValueError(f"a batch of {rows} samples ({what}) cannot be split into "
-                         f"{microbatches} micro-batches: use at most {rows} micro-batches or "
-                         f"a larger batch")
-    return bundle.split(batch, microbatches)
-
+from disttrain.parallel.pipeline.stage import Stage, device_of
+from disttrain.parallel.pipeline.step import StepRun, begin_step, received, send_value
 
 log = logging.getLogger(__name__)
 
@@ -168,18 +80,20 @@ class PipelineParallel:
     steps.
     """
 
-    def __init__(self, module: nn.Sequential, mesh: DeviceMesh, config: PipelineConfig,
-                 balance: Sequence[int] | None = None, device: torch.device | None = None,
-                 names: Sequence[str] | None = None) -> None:
+    def __init__(self, module: nn.Sequential | Sequence[nn.Sequential], mesh: DeviceMesh,
+                 config: PipelineConfig, balance: Sequence[int] | None = None,
+                 device: torch.device | None = None, names: Sequence[str] | None = None
+                 ) -> None:
         self.mesh = mesh
         # each layer's name in the whole model, by its index (the stage module's child names)
         self.names = list(names) if names is not None else None
         self.config = config
-        self.balance = tuple(balance) if balance is not None else None
-        self.stage = Stage(module, mesh.pp_rank, mesh.pp_size)
-        self.link = (StageLink(mesh.pp, mesh.pp_rank, device)
+        self.balance = tuple(balance) if balance is not None else None  # layers per piece
+        self.stage = Stage(module, mesh.pp_rank, mesh.pp_size)  # module: one, or v chunks
+        v = len(self.stage.chunks)
+        self.link = (StageLink(mesh.pp, mesh.pp_rank, device, ring=v > 1)
                      if mesh.pp is not None else None)
-        self.schedule = get_schedule(config.schedule, mesh.pp_size, config.microbatches)
+        self.schedule = get_schedule(config.schedule, mesh.pp_size, config.microbatches, v)
         self.last_step: StepStats | None = None
         self.totals = PipelineTotals()
         self._call = 0
@@ -188,7 +102,14 @@ class PipelineParallel:
     # ------------------------------------------------------------------ identity
     @property
     def module(self) -> nn.Sequential:
+        """This stage's layers (all its chunks'), named by their index in the whole model."""
         return self.stage.module
+
+    @property
+    def chunks(self) -> list[nn.Sequential]:
+        """The stage's model chunks: chunk c is virtual stage c·p + stage (one without
+        virtual stages)."""
+        return self.stage.chunks
 
     @property
     def stage_index(self) -> int:
@@ -257,7 +178,8 @@ class PipelineParallel:
     def __repr__(self) -> str:
         return (f"PipelineParallel(stage={self.stage_index}/{self.num_stages}, "
                 f"dp_rank={self.mesh.dp_rank}/{self.mesh.dp_size}, "
-                f"schedule={self.config.schedule!r}, microbatches={self.config.microbatches})")
+                f"schedule={self.config.schedule!r}, microbatches={self.config.microbatches}, "
+                f"virtual_stages={len(self.chunks)})")
 
     # ------------------------------------------------------------------ steps
     def _check_usable(self) -> None:
@@ -355,25 +277,25 @@ class PipelineParallel:
         return float(value[0])
 
     def eval_forward(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
-        """Forward only, micro-batch by micro-batch; the last stage returns the whole batch's
-        output, the other stages None."""
+        """Forward only, micro-batch by micro-batch (chunk by chunk round the ring when the
+        stages hold several); the last stage returns the whole batch's output, the other
+        stages None."""
         self._check_usable()
         self._call += 1
-        m = self.config.microbatches
+        m, v, last = self.config.microbatches, len(self.chunks), self.stage.num_virtual - 1
+        sends = sum(m for c in range(v) if self.stage.virtual(c) < last)
+        recvs = sum(m for c in range(v) if self.stage.virtual(c) > 0)
         try:
             if self.link is not None:
-                self.link.begin(EVAL, sends={Direction.ACTIVATION: 0 if self.is_last else m},
-                                recvs={Direction.ACTIVATION: 0 if self.is_first else m})
+                self.link.begin(EVAL, sends={Direction.ACTIVATION: sends},
+                                recvs={Direction.ACTIVATION: recvs})
             xs = split_batch(inputs, m, "inputs") if self.is_first else None
             outputs = []
-            for mb in range(m):
-                x, source = self._eval_input(mb, xs)
-                out = self.stage.forward_only(x, source)
-                if self.link is not None and not self.is_last:
-                    send_value(self.link, Direction.ACTIVATION, out, call=self._call,
-                               mode=EVAL, microbatch=mb, rows=bundle.rows_of(x))
-                if self.is_last:
-                    outputs.append(out)
+            for c in range(v):
+                for mb in range(m):
+                    out = self._eval_chunk(c, mb, xs)
+                    if self.stage.virtual(c) == last:
+                        outputs.append(out)
             if self.link is not None:
                 self.link.flush()
         except BaseException as exc:
@@ -381,19 +303,33 @@ class PipelineParallel:
             raise
         return bundle.concat(outputs) if self.is_last else None
 
-    def _eval_input(self, mb: int, xs: list[Any] | None) -> tuple[Any, str | None]:
-        if xs is not None:
-            return xs[mb], None
-        assert self.link is not None
-        message = self.link.recv(Direction.ACTIVATION, call=self._call, mode=EVAL, microbatch=mb)
-        return received(message, "an activation"), self.link.describe(self.stage_index - 1)
+    def _eval_chunk(self, c: int, mb: int, xs: list[Any] | None) -> Any:
+        """Micro-batch ``mb`` through chunk ``c``: received (or cut from the inputs),
+        computed, and sent on unless it is the last virtual stage's output."""
+        virtual, last = self.stage.virtual(c), self.stage.num_virtual - 1
+        if virtual == 0:
+            assert xs is not None
+            x, source = xs[mb], None
+        else:
+            assert self.link is not None
+            message = self.link.recv(Direction.ACTIVATION, call=self._call, mode=EVAL,
+                                     microbatch=mb, chunk=c)
+            x = received(message, "an activation")
+            source = self.link.describe(self.link.neighbour(-1))
+        out = self.stage.forward_only(x, source, c)
+        if virtual < last:
+            assert self.link is not None
+            to = c + 1 if self.is_last else c  # round the ring: the next chunk on stage 0
+            send_value(self.link, Direction.ACTIVATION, out, call=self._call, mode=EVAL,
+                       microbatch=mb, rows=bundle.rows_of(x), chunk=to)
+        return out
 
 
 def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
                    microbatches: int = 8, partition: str | Sequence[int] | Sequence[str] = "params",
                    pp_size: int | None = None, sample: torch.Tensor | None = None,
-                   mesh: DeviceMesh | None = None, warn_bubble: bool = True
-                   ) -> PipelineParallel:
+                   mesh: DeviceMesh | None = None, warn_bubble: bool = True,
+                   virtual_stages: int = 1) -> PipelineParallel:
     """Split ``model`` (an ``nn.Sequential``, or a model with a ``layers()`` method) over
     the ranks of ``comm`` and return this rank's stage, ready for ``train_step``.
 
@@ -410,33 +346,41 @@ def build_pipeline(model: Any, comm: Communicator, *, schedule: str = "1f1b",
     ``model`` is this rank's tensor-parallel shard). Every rank must build the same model
     (same seed): each keeps only its own stage's layers. ``warn_bubble``: warn when fewer
     micro-batches than stages leave stages idle (not for model parallelism: m = 1 on
-    purpose).
+    purpose). ``virtual_stages``: v > 1 cuts the model into p·v pieces (``partition``
+    then gives p·v layer counts, or p·v − 1 split points) and gives stage r pieces r,
+    r + p, … as its chunks, under interleaved 1F1B (``schedule="1f1b"``, micro-batches a
+    multiple of p).
     """
     layers = part.layers_of(model)
     names = part.layer_names(model, layers)
     stages = mesh.pp_size if mesh is not None else _pipeline_shape(comm.world_size,
                                                                     pp_size).pp
+    config = PipelineConfig(schedule, microbatches, "params",
+                            mesh.pp_size if mesh is not None else pp_size, virtual_stages)
+    config.check_stages(stages, len(layers))
+    pieces = stages * virtual_stages
     if not isinstance(partition, str) and any(isinstance(p, str) for p in partition):
-        partition = part.balance_at(names, [str(p) for p in partition], stages)
-    config = PipelineConfig(schedule, microbatches,
-                            partition if isinstance(partition, str) else tuple(
-                                int(p) for p in partition),
-                            mesh.pp_size if mesh is not None else pp_size)
+        partition = part.balance_at(names, [str(p) for p in partition], pieces)
+    config = replace(config, partition=partition if isinstance(partition, str) else tuple(
+        int(p) for p in partition))
     if mesh is None:
         mesh = build_mesh(comm, _pipeline_shape(comm.world_size, config.pp_size))
     pp = mesh.pp_size
-    settings = [pp, config.microbatches, sorted(SCHEDULES).index(config.schedule)]
-    balance = agreed_balance(comm, layers, pp, config.partition, sample, settings,
+    settings = [pp, config.microbatches, sorted(SCHEDULES).index(config.schedule),
+                virtual_stages]
+    balance = agreed_balance(comm, layers, pieces, config.partition, sample, settings,
                              "the pipeline")
     if warn_bubble and config.microbatches < pp and comm.rank == 0:
         log.warning("pipeline with %d micro-batches on %d stages: stages idle %.0f%% of each "
                     "step; use at least as many micro-batches as stages",
                     config.microbatches, pp, 100 * (pp - 1) / (config.microbatches + pp - 1))
     if comm.rank == 0:
-        log.info("pipeline: %d stages × %d replicas (tp %d), balance %s, schedule %s, %d "
-                 "micro-batches", pp, mesh.dp_size, mesh.tp_size, list(balance),
-                 config.schedule, config.microbatches)
-    return PipelineParallel(part.stage_module(layers, balance, mesh.pp_rank), mesh, config,
+        log.info("pipeline: %d stages × %d virtual × %d replicas (tp %d), balance %s, "
+                 "schedule %s, %d micro-batches", pp, virtual_stages, mesh.dp_size,
+                 mesh.tp_size, list(balance), config.schedule, config.microbatches)
+    chunks = [part.stage_module(layers, balance, c * pp + mesh.pp_rank)
+              for c in range(virtual_stages)]
+    return PipelineParallel(chunks[0] if virtual_stages == 1 else chunks, mesh, config,
                             balance, device_of(layers), names)
 
 

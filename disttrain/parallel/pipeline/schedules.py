@@ -21,24 +21,31 @@ the engine.
 
 Both have the idle (bubble) fraction (p − 1)/(m + p − 1) when forward and backward take
 equal time.
+
+* **Interleaved 1F1B** (Narayanan et al. 2021, below): each rank holds v model chunks and a
+  micro-batch goes round the ranks v times; bubble (p − 1)/(v·m + p − 1). Its actions name
+  the chunk too (``F3.1``: micro-batch 3 through chunk 1), and its messages wrap from the
+  last rank back to the first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a stage's schedule, about one micro-batch."""
+    """One step of a stage's schedule, about one micro-batch (and, interleaved, one of the
+    rank's model chunks: chunk 0 is printed without its suffix, ``F3`` is ``F3.0``)."""
 
     microbatch: int
+    chunk: int = 0
     symbol: ClassVar[str] = "?"
 
     def __str__(self) -> str:
-        return f"{self.symbol}{self.microbatch}"
+        return f"{self.symbol}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,8 @@ class Backward(Action):
 
 @dataclass(frozen=True)
 class SendAct(Action):
-    """Send the micro-batch's output activation to stage s+1 (without waiting)."""
+    """Send the micro-batch's output activation to stage s+1 (without waiting; interleaved,
+    the last rank sends to rank 0, whose next chunk takes it)."""
 
     symbol: ClassVar[str] = "sA"
 
@@ -71,7 +79,8 @@ class RecvAct(Action):
 
 @dataclass(frozen=True)
 class SendGrad(Action):
-    """Send the gradient of the micro-batch's input to stage s−1 (without waiting)."""
+    """Send the gradient of the micro-batch's input to stage s−1 (without waiting;
+    interleaved, rank 0 sends to the last rank, whose previous chunk takes it)."""
 
     symbol: ClassVar[str] = "sG"
 
@@ -88,12 +97,17 @@ COMPUTE = (Forward, Backward)
 
 @dataclass(frozen=True)
 class Schedule:
-    """Every stage's ordered actions for ``num_microbatches`` micro-batches."""
+    """Every stage's ordered actions for ``num_microbatches`` micro-batches; with
+    ``num_chunks`` v > 1, stage (rank) r's chunk c is virtual stage ``c·p + r``."""
 
     name: str
     num_stages: int
     num_microbatches: int
     stages: tuple[tuple[Action, ...], ...]
+    num_chunks: int = 1
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        return chunk * self.num_stages + stage
 
     def actions(self, stage: int) -> tuple[Action, ...]:
         """All actions of ``stage``, communication included, in execution order."""
@@ -106,7 +120,9 @@ class Schedule:
     def __str__(self) -> str:
         rows = [f"stage {s}: " + " ".join(map(str, self.compute(s)))
                 for s in range(self.num_stages)]
-        return f"{self.name} (p={self.num_stages}, m={self.num_microbatches})\n" + "\n".join(rows)
+        v = f", v={self.num_chunks}" if self.num_chunks > 1 else ""
+        return (f"{self.name} (p={self.num_stages}{v}, m={self.num_microbatches})\n"
+                + "\n".join(rows))
 
 
 def _check(num_stages: int, num_microbatches: int) -> None:
@@ -115,18 +131,24 @@ def _check(num_stages: int, num_microbatches: int) -> None:
             raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
 
 
-def with_communication(order: list[Action], stage: int, num_stages: int) -> tuple[Action, ...]:
+def with_communication(order: Sequence[Action], stage: int, num_stages: int,
+                       num_chunks: int = 1) -> tuple[Action, ...]:
     """Insert the messages a compute order implies: receive an input right before its
     forward, send the output right after it; the same for gradients in the other direction.
-    The first stage receives no activations and the last sends none (it computes the loss)."""
-    first, last = stage == 0, stage == num_stages - 1
+    The first (virtual) stage receives no activations and the last sends none (it computes
+    the loss); each action's chunk c is virtual stage c·p + ``stage`` of p·``num_chunks``."""
+    last = num_stages * num_chunks - 1
     out: list[Action] = []
     for action in order:
-        mb = action.microbatch
+        mb, c = action.microbatch, action.chunk
+        virtual = c * num_stages + stage
+        first, final = virtual == 0, virtual == last
         if isinstance(action, Forward):
-            out += ([] if first else [RecvAct(mb)]) + [action] + ([] if last else [SendAct(mb)])
+            out += ([] if first else [RecvAct(mb, c)]) + [action] + (
+                [] if final else [SendAct(mb, c)])
         else:
-            out += ([] if last else [RecvGrad(mb)]) + [action] + ([] if first else [SendGrad(mb)])
+            out += ([] if final else [RecvGrad(mb, c)]) + [action] + (
+                [] if first else [SendGrad(mb, c)])
     return tuple(out)
 
 
@@ -166,14 +188,21 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
 }
 
 
-def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """The schedule registered as ``name`` for p stages and m micro-batches."""
+def get_schedule(name: str, num_stages: int, num_microbatches: int,
+                 num_chunks: int = 1) -> Schedule:
+    """The schedule registered as ``name`` for p stages and m micro-batches; with
+    ``num_chunks`` v > 1, its interleaved form (``"1f1b"`` only: :func:`interleaved`)."""
     try:
         make = SCHEDULES[name]
     except KeyError:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of: "
                          f"{', '.join(sorted(SCHEDULES))}") from None
-    return make(num_stages, num_microbatches)
+    if num_chunks == 1:
+        return make(num_stages, num_microbatches)
+    if name != "1f1b":
+        raise ValueError(f"schedule {name!r} has no interleaved form; virtual stages "
+                         f"(num_chunks={num_chunks}) interleave 1f1b")
+    return interleaved(num_stages, num_chunks, num_microbatches)
 
 
 # ----------------------------------------------------------------------
@@ -194,10 +223,11 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
 # and rank r runs ``2(p − r − 1) + (v − 1)·p`` warm-up forwards before alternating (all of
 # them when m = p). m must be a multiple of p.
 #
-# The runtime does not execute this schedule yet: its messages wrap from the last rank back
-# to the first (virtual stage p − 1 feeds p), which the chain-shaped :class:`StageLink` does
-# not model. :func:`simulate_interleaved` checks it on paper: dependency order, no deadlock,
-# every (micro-batch, chunk) once, and the idle time of each rank.
+# Its messages wrap from the last rank back to the first (virtual stage p − 1 feeds p), so
+# the runtime's links form a ring (:mod:`.link`). :func:`interleaved` writes the messages
+# out as a :class:`Schedule` the runtime executes and :mod:`.schedule_check` checks;
+# :func:`simulate_interleaved` checks the compute order alone: dependency order, no
+# deadlock, every (micro-batch, chunk) once, and the idle time of each rank.
 
 @dataclass(frozen=True)
 class ChunkAction:
@@ -241,6 +271,18 @@ def interleaved_1f1b(num_ranks: int, num_chunks: int, num_microbatches: int
         raise ValueError(f"interleaved 1F1B sends micro-batches round the ranks in groups of "
                          f"p = {p}: use a multiple of {p} micro-batches, not {m}")
     return InterleavedSchedule(p, v, m, tuple(_rank_order(r, p, v, m) for r in range(p)))
+
+
+def interleaved(num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    """Interleaved 1F1B as the runtime runs it: :func:`interleaved_1f1b`'s order on every
+    rank with its messages written out (``rA0.1 F0.1 sA0.1``: activations from rank r − 1,
+    and on rank 0 from rank p − 1, for chunks c ≥ 1)."""
+    order = interleaved_1f1b(num_ranks, num_chunks, num_microbatches)
+    stages = tuple(
+        with_communication([(Forward if a.kind == "F" else Backward)(a.microbatch, a.chunk)
+                            for a in order.ranks[r]], r, num_ranks, num_chunks)
+        for r in range(num_ranks))
+    return Schedule("interleaved-1f1b", num_ranks, num_microbatches, stages, num_chunks)
 
 
 def _rank_order(rank: int, p: int, v: int, m: int) -> tuple[ChunkAction, ...]:

@@ -65,7 +65,8 @@ OPTION_FLAGS = {  # ParallelOptions field → its `disttrain run` flag
     "bucket_cap_mb": "--bucket-cap-mb", "find_unused_parameters": "--find-unused-parameters",
     "broadcast_buffers": "broadcast_buffers", "compression": "--compression",
     "algorithm": "--algorithm", "schedule": "--schedule", "microbatches": "--microbatches",
-    "partition": "--partition", "pp_size": "--pp", "servers": "--servers",
+    "partition": "--partition", "pp_size": "--pp", "virtual_stages": "--virtual-stages",
+    "servers": "--servers",
     "tp_size": "--tp", "dp_size": "--dp", "sequence_parallel": "--sequence-parallel",
     "zero": "--zero", "cp_size": "--cp", "cp_variant": "--cp-variant", "ep_size": "--ep",
     "dp_shard": "--dp-shard", "dp_replicate": "--dp-replicate", "meta_init": "--meta-init",
@@ -229,6 +230,7 @@ def check_pipeline(config: TrainConfig, world_size: int, dp: int) -> None:
         raise ValueError(f"global batch {config.global_batch} gives each of the {dp} pipeline "
                          f"replica(s) {local} samples per step, fewer than {m} micro-batches; "
                          f"use --microbatches {local} or less, or a larger --global-batch")
+    _check_interleaving(config, world_size // dp, m)
     if name == "torch-gpipe":
         if local % m:
             raise ValueError(f"torch-gpipe needs equal micro-batches: {local} samples per "
@@ -239,9 +241,23 @@ def check_pipeline(config: TrainConfig, world_size: int, dp: int) -> None:
                              "use --strategy gpipe for checkpointed pipeline training")
 
 
+def _check_interleaving(config: TrainConfig, pp: int, m: int) -> None:
+    """--virtual-stages V (interleaved 1F1B) needs stages to interleave and, as in
+    Megatron-LM, micro-batches in groups of pp."""
+    v = config.parallel.virtual_stages or 1
+    if v > 1 and pp < 2:
+        raise ValueError(f"--virtual-stages {v} interleaves the chunks of several pipeline "
+                         f"stages; this run has one: use --pp ≥ 2 (and -n ≥ 2)")
+    if v > 1 and m % pp:
+        raise ValueError(f"--virtual-stages {v} (interleaved 1F1B) sends micro-batches round "
+                         f"the {pp} stages in groups of {pp}, as Megatron-LM does: use a "
+                         f"--microbatches that is a multiple of {pp}, not {m}")
+
+
 def _check_layers(config: TrainConfig, stages: int) -> None:
-    """Refuse more stages than the model has layers (or a --partition that does not fit it)
-    before any rank starts: the model is built here once, on the CPU, to count them."""
+    """Refuse more stages (or, with --virtual-stages V, pieces: stages × V) than the model
+    has layers, or a --partition that does not fit it, before any rank starts: the model is
+    built here once, on the CPU, to count them."""
     from disttrain.parallel.pipeline import partition as part
     from disttrain.train.data import build_dataset
     from disttrain.train.models import build_model
@@ -249,6 +265,13 @@ def _check_layers(config: TrainConfig, stages: int) -> None:
     info = build_dataset(config.dataset, config.data).info
     model = build_model(config.model, info)
     layers = part.layers_of(model)
+    v = config.parallel.virtual_stages or 1
+    if v > 1 and len(layers) < stages * v:
+        raise ValueError(f"--virtual-stages {v} cuts model {config.model!r} into {stages} "
+                         f"stages × {v} = {stages * v} pieces of at least one layer, but it "
+                         f"has {len(layers)} layers: use --virtual-stages "
+                         f"{max(1, len(layers) // stages)} or less")
+    stages *= v
     partition = config.parallel.partition
     if isinstance(partition, tuple) and all(isinstance(p, str) for p in partition):
         part.balance_at(part.layer_names(model, layers), [str(p) for p in partition], stages)

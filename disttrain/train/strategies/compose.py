@@ -72,13 +72,14 @@ def pipeline(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings,
         return TensorPipelineStrategy(ctx, mesh, settings, shard)
     partition = ctx.config.parallel.partition or "params"
     m, inputs = settings.microbatches, ctx.sample[0]
+    v = ctx.config.parallel.virtual_stages or 1  # chunks per stage: interleaved 1F1B
     pipe = build_pipeline(ctx.module, mesh.world, schedule=settings.schedule,
                           microbatches=m, partition=partition, mesh=mesh,
                           sample=inputs[:max(1, len(inputs) // m)],  # one micro-batch
-                          warn_bubble=not settings.model_parallel)
+                          warn_bubble=not settings.model_parallel, virtual_stages=v)
     label = None if settings.model_parallel else settings.schedule
     return PipelineStrategy(ctx, pipe, PipelineSettings(label, m, mesh.pp_rank, mesh.pp_size,
-                                                        mesh.dp_rank, mesh.dp_size))
+                                                        mesh.dp_rank, mesh.dp_size, v))
 
 
 def data_parallel(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings) -> Strategy:

@@ -14,7 +14,9 @@ Bytes per rank per step (what :func:`pipeline_theory` computes, exact): stage s 
 the activations at its output boundary, B·a_out bytes for a local batch of B samples, and
 stage s > 0 sends the same-sized gradients back at its input boundary, B·a_in, each of the
 m micro-batches with a 128-byte header; in a pp × dp grid each stage also all-reduces its
-gradients (and the loss) over its dp group.
+gradients (and the loss) over its dp group. With ``--virtual-stages v`` (interleaved 1F1B)
+each of a rank's v chunks is such a stage among p·v (:func:`stage_theory`): v times the
+messages, each at its own chunk's boundaries.
 """
 
 from __future__ import annotations
@@ -78,6 +80,23 @@ def stage_layers(module: nn.Module) -> tuple[int, int]:
     return (names[0], names[-1]) if names else (0, -1)
 
 
+def held_layers(pipe: Any) -> list[int]:
+    """First and last layer index of each of the stage's chunks, one after the other
+    (``[first, last]`` without virtual stages): what a checkpoint file says it holds."""
+    chunks = getattr(pipe, "chunks", None) or [pipe.module]
+    return [index for chunk in chunks for index in stage_layers(chunk)]
+
+
+def stage_theory(sizes: Sequence[float], held: Sequence[int], stage: int, pp: int,
+                 microbatches: int, local_batch: int) -> float:
+    """Bytes stage ``stage`` of ``pp`` sends in one step: :func:`pipeline_theory` for each
+    of its chunks (``held``: :func:`held_layers`), chunk c being stage c·pp + ``stage`` of
+    pp·v."""
+    v = len(held) // 2
+    return sum(pipeline_theory(sizes, (held[2 * c], held[2 * c + 1]), c * pp + stage, pp * v,
+                               microbatches, local_batch) for c in range(v))
+
+
 def pipeline_theory(sizes: Sequence[float], layers: tuple[int, int], stage: int, pp: int,
                     microbatches: int, local_batch: int, headers: bool = True) -> float:
     """Bytes stage ``stage`` of ``pp`` sends in one step over its pipeline neighbours."""
@@ -99,6 +118,7 @@ class PipelineSettings:
     pp_size: int
     dp_rank: int
     dp_size: int
+    virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B when > 1)
 
 
 class PipelineStrategy(Strategy):
@@ -116,8 +136,8 @@ class PipelineStrategy(Strategy):
         sizes = activation_sizes(ctx.module, ctx.sample[0], autocast_factory(
             ctx.config.precision, ctx.sample[0].device.type),
             rows=local_batch // settings.microbatches)
-        theory = pipeline_theory(sizes, stage_layers(pipe.module), settings.stage,
-                                 settings.pp_size, settings.microbatches, local_batch)
+        theory = stage_theory(sizes, held_layers(pipe), settings.stage, settings.pp_size,
+                              settings.microbatches, local_batch)
         if settings.dp_size > 1:
             grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             theory += ring_all_reduce_bytes(settings.dp_size, grads)
@@ -224,10 +244,12 @@ class PipelineStrategy(Strategy):
             raise missing_state(path, f"{os.path.basename(file)} (stage {self.settings.stage} "
                                       f"of a {self.settings.pp_size}-stage pipeline)")
         state = safe_load(file)
-        if list(state["layers"]) != list(stage_layers(self.module)):
+        held = held_layers(self.pipe)
+        if list(state["layers"]) != held:
             raise ValueError(f"checkpoint {path}: stage {self.settings.stage} held layers "
-                             f"{state['layers']}, here it holds {list(stage_layers(self.module))}"
-                             f"; resume with the same --partition and --pp")
+                             f"{state['layers']}, here it holds {held} (first and last of each "
+                             f"chunk); resume with the same --partition and --pp, without "
+                             f"--virtual-stages (files of this format have no chunks)")
         self.module.load_state_dict(state["model"])
         if isinstance(self.optimizer, torch.optim.Optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
@@ -253,13 +275,13 @@ class PipelineStrategy(Strategy):
         s = self.settings
         timed = self.steps[warmup_steps:] or self.steps
         wall = sum(t.wall_s for t in timed)
-        p, m = s.pp_size, s.microbatches
-        first, last = stage_layers(self.module)
+        p, m, v = s.pp_size, s.microbatches, s.virtual_stages
         return {
             "schedule": s.schedule or "model-parallel", "microbatches": m, "pp_size": p,
-            "dp_size": s.dp_size, "stage": s.stage, "layers": [first, last],
+            "virtual_stages": v, "dp_size": s.dp_size, "stage": s.stage,
+            "layers": held_layers(self.pipe),
             "idle_fraction": 1.0 - sum(t.busy_s for t in timed) / wall if wall > 0 else None,
-            "bubble_theory": (p - 1) / (m + p - 1),
+            "bubble_theory": (p - 1) / (v * m + p - 1),
             "peak_stashed": max((t.peak_stashed for t in self.steps), default=0),
             "peak_activation_bytes": max((t.peak_activation_bytes for t in self.steps),
                                          default=0),
