@@ -109,3 +109,42 @@ def test_a_hand_written_ddp_loop_clips_the_global_norm(pools):
     (module(x[:4]).pow(2).mean() / 2 + module(x[4:]).pow(2).mean() / 2).backward()
     want = float(torch.nn.utils.clip_grad_norm_(module.parameters(), 0.1))
     assert pools(2).run(user_loop_with_ddp) == [pytest.approx(want, rel=1e-6)] * 2
+
+
+def fp16_norms(comm: Any, strategy: str) -> tuple[list[float], int]:
+    """fp16 on 4 steps, the loss scaler's first scale so large that the first step
+    overflows, then 2^8: the norms the clipper saw, and the steps the scaler skipped."""
+    from disttrain.parallel import mixed_precision
+
+    scaler = mixed_precision.LossScaler
+    init, update = scaler.__init__, scaler.update
+
+    def huge_first_scale(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.scale_value = 2.0**120  # inf in fp16 after the first backward
+
+    def then_small(self: Any) -> None:
+        update(self)
+        self.scale_value = min(self.scale_value, 2.0**8)
+
+    scaler.__init__, scaler.update = huge_first_scale, then_small  # type: ignore[method-assign]
+    try:
+        config = TrainConfig(model="mlp", dataset="digits", strategy=strategy, steps=4,
+                             global_batch=32, precision="fp16", clip_grad_norm=0.5,
+                             eval_every=0, log_every=0, progress=False)
+        norms: list[float] = []
+        result = train(config, comm, hooks=[lambda step: norms.append(step.grad_norm)])
+        return norms, result.extras["skipped_steps"]
+    finally:
+        scaler.__init__, scaler.update = init, update  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_fp16_clipping_follows_the_loss_scalers_skip(pools, strategy):
+    """Every rank skips the overflowing first step (its norm inf, nothing clipped or
+    applied) and clips the next ones after unscaling (norms of an unscaled gradient, the
+    same on every rank)."""
+    (norms, skipped), (other, also) = pools(2).run(fp16_norms, strategy)
+    assert norms[0] == other[0] == float("inf") and skipped == also == 1
+    # after unscaling: ~0.6 here; clipping the scaled gradient would see 2^8 times that
+    assert norms == other and all(0 < n < 100 for n in norms[1:])
