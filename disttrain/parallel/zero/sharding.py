@@ -28,10 +28,10 @@ accounting and the training loop; each stage implements it in its own module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -39,9 +39,13 @@ from torch import nn
 from disttrain.comm import Communicator
 from disttrain.comm.algorithms import ALGORITHMS
 
-OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+if TYPE_CHECKING:
+    from disttrain.parallel.zero.groups import GradShardHook, MasterSlice
+
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 """Builds the optimizer from the flat shard tensors, e.g. ``lambda p: torch.optim.Adam(p, lr=1e-3)``
-or ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``."""
+or ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``; with ``param_groups`` it is
+given a list of dicts instead, as torch optimizers take (:mod:`.groups`)."""
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # every step moves data with these two; a name must exist for both
@@ -279,13 +283,16 @@ def partition(nbytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class ShardGroup:
-    """One flat group: ``names[i]`` has ``shapes[i]``; ``master`` is this rank's shard (the
-    optimizer's parameter, ``layout.shard_size`` elements, padding included)."""
+    """One flat group: ``names[i]`` has ``shapes[i]``; ``master`` is this rank's shard
+    (``layout.shard_size`` elements, padding included); ``slices``: the tensors of it the
+    optimizer updates (the master whole, or, with parameter groups, a slice per group run:
+    :mod:`.groups`; empty: the master)."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     layout: ShardLayout
     master: torch.Tensor
+    slices: tuple[MasterSlice, ...] = ()
 
 
 def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -390,6 +397,11 @@ class ZeroWrapper(Protocol):
 
     def reload_from_masters(self) -> None:
         """Propagate overwritten master shards (a checkpoint load) into the parameters."""
+        ...
+
+    def register_grad_shard_hook(self, hook: GradShardHook) -> None:
+        """Run ``hook`` in every ``step()`` on the reduced gradient shards, before the
+        optimizer (and its step pre-hooks: fp16's unscaling, clipping)."""
         ...
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -25,6 +25,7 @@ from torch import nn
 
 from disttrain.comm import Communicator
 from disttrain.parallel.zero import meta
+from disttrain.parallel.zero.groups import GradShardHook, ParamGroups, ShardOptimizer, plan_groups
 from disttrain.parallel.zero.hybrid import broadcast_initial, check_groups
 from disttrain.parallel.zero.memory import WrapMemory, optimizer_tensors
 from disttrain.parallel.zero.sharding import (
@@ -58,19 +59,23 @@ class ZeRO1:
     scheduler). Gradients are averaged over ranks, as in DDP. ``comm`` is the ranks that
     shard; ``replicate``: the replicas of this rank's shard (hybrid sharding, :mod:`.hybrid`);
     ``meta_init``: how a model built on the meta device is initialised (:mod:`.meta`; it is
-    materialised straight into the flat buffer). ``wrap_memory`` counts what wrapping held.
+    materialised straight into the flat buffer); ``param_groups``: the optimizer's parameter
+    groups, as torch takes them or as a function name → options (:mod:`.groups`).
+    ``wrap_memory`` counts what wrapping held.
     """
 
     stage = 1
 
     def __init__(self, model: nn.Module, comm: Communicator, optimizer_factory: OptimizerFactory,
                  config: ZeroConfig | None = None, *, replicate: Communicator | None = None,
-                 meta_init: meta.MetaInit | None = None) -> None:
+                 meta_init: meta.MetaInit | None = None,
+                 param_groups: ParamGroups | None = None) -> None:
         self.module, self.comm, self.config = model, comm, config or ZeroConfig()
         self.replicate = replicate
         comm.expect_workload("collectives")  # Gloo's I/O threads yield to compute (auto)
         check_groups(comm, replicate)
         named = trainable(model)
+        groups = plan_groups(named, param_groups)
         self.names = tuple(n for n, _ in named)
         self._params = [p for _, p in named]
         self.param_dtype = common_dtype(named)
@@ -97,7 +102,9 @@ class ZeRO1:
         self.master = master_copy(shard_of(self._flat, self.layout, comm.rank),
                                   self.config.master_dtype)
         self.wrap_memory.add(self._grads, self.master)
-        self.optimizer = optimizer_factory([self.master])
+        self._update = ShardOptimizer(optimizer_factory, [(self.names, self.layout, self.master)],
+                                      groups, comm.rank)
+        self.optimizer = self._update.optimizer
         log.info("ZeRO-1: %d parameters, shard of %d elements per rank", self.layout.total,
                  self.layout.shard_size)
 
@@ -116,9 +123,7 @@ class ZeRO1:
         if self.replicate is not None:  # hybrid: average the shard over its replicas
             self.replicate.all_reduce(shard, "avg",
                                       algorithm=self.config.algorithm_for("all_reduce"))
-        self.master.grad = to_dtype(shard, self.master.dtype)
-        self.optimizer.step()
-        self.master.grad = None
+        self._update.step([to_dtype(shard, self.master.dtype)])
         self._publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -151,11 +156,15 @@ class ZeRO1:
     # ---------------------------------------------------------------- checkpoints, memory
     def shard_groups(self) -> list[ShardGroup]:
         shapes = tuple(tuple(p.shape) for p in self._params)
-        return [ShardGroup(self.names, shapes, self.layout, self.master)]
+        return [ShardGroup(self.names, shapes, self.layout, self.master, self._update.slices[0])]
 
     def reload_from_masters(self) -> None:
         """After the master shard was overwritten (checkpoint load): refresh the model."""
         self._publish()
+
+    def register_grad_shard_hook(self, hook: GradShardHook) -> None:
+        """Run ``hook`` on the reduced gradient shard in every ``step()``, before the update."""
+        self._update.hooks.append(hook)
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every tensor this rank holds for the model's state, by category."""

@@ -36,6 +36,7 @@ from torch import nn
 from disttrain.comm import Communicator, Work
 from disttrain.parallel.backward import EndOfBackward, InOrderLauncher
 from disttrain.parallel.zero import meta
+from disttrain.parallel.zero.groups import GradShardHook, ParamGroups, ShardOptimizer, plan_groups
 from disttrain.parallel.zero.hybrid import broadcast_initial, check_groups
 from disttrain.parallel.zero.memory import WrapMemory, optimizer_tensors
 from disttrain.parallel.zero.sharding import (
@@ -75,18 +76,21 @@ class Bucket:
 class ZeRO2:
     """Stage 2 around ``model``: forward/backward on the model, then :meth:`step` and
     :meth:`zero_grad` (same use as :class:`~disttrain.parallel.zero.stage1.ZeRO1`, and the
-    same ``replicate`` and ``meta_init``)."""
+    same ``replicate``, ``meta_init`` and ``param_groups``)."""
 
     stage = 2
 
     def __init__(self, model: nn.Module, comm: Communicator, optimizer_factory: OptimizerFactory,
                  config: ZeroConfig | None = None, *, replicate: Communicator | None = None,
-                 meta_init: meta.MetaInit | None = None) -> None:
+                 meta_init: meta.MetaInit | None = None,
+                 param_groups: ParamGroups | None = None) -> None:
         self.module, self.comm, self.config = model, comm, config or ZeroConfig()
         self.replicate = replicate
         comm.expect_workload("collectives")  # Gloo's I/O threads yield to compute (auto)
         check_groups(comm, replicate)
-        named = trainable(model)[::-1]  # backward produces the last parameters' grads first
+        in_order = trainable(model)
+        grouping = plan_groups(in_order, param_groups)  # first appearance: the model's order
+        named = in_order[::-1]  # backward produces the last parameters' grads first
         self.param_dtype = common_dtype(named)
         self.reduce_dtype = self.config.reduce_dtype or self.param_dtype
         plan = meta.plan(model, meta_init, comm.device)
@@ -109,7 +113,10 @@ class ZeRO2:
             b.master = master_copy(shard_of(b.region, b.layout, comm.rank),
                                    self.config.master_dtype)
             self.wrap_memory.add(b.master)
-        self.optimizer = optimizer_factory([b.master for b in self.buckets])
+        self._update = ShardOptimizer(optimizer_factory, [(b.names, b.layout, b.master)
+                                                          for b in self.buckets],
+                                      grouping, comm.rank)
+        self.optimizer = self._update.optimizer
         self._reductions = Reductions(comm, self.config.algorithm, self.config.inflight_buckets,
                                       replicate, self.config.algorithm_for("all_reduce"))
         self._launcher = InOrderLauncher(len(self.buckets), self._launch)
@@ -180,12 +187,9 @@ class ZeRO2:
     def step(self) -> None:
         """Finish the gradient reductions, update this rank's shards, gather parameters."""
         self._reductions.finish()  # each backward launched every bucket: only wait
-        for b in self.buckets:
-            b.master.grad = None if b.grad_shard is None else to_dtype(b.grad_shard,
+        self._update.step([None if b.grad_shard is None else to_dtype(b.grad_shard,
                                                                       b.master.dtype)
-        self.optimizer.step()
-        for b in self.buckets:
-            b.master.grad = None
+                           for b in self.buckets])
         self._publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -220,11 +224,16 @@ class ZeRO2:
 
     # ---------------------------------------------------------------- checkpoints, memory
     def shard_groups(self) -> list[ShardGroup]:
-        return [ShardGroup(b.names, tuple(tuple(p.shape) for p in b.params), b.layout, b.master)
-                for b in self.buckets]
+        return [ShardGroup(b.names, tuple(tuple(p.shape) for p in b.params), b.layout, b.master,
+                           slices) for b, slices in zip(self.buckets, self._update.slices)]
 
     def reload_from_masters(self) -> None:
         self._publish()
+
+    def register_grad_shard_hook(self, hook: GradShardHook) -> None:
+        """Run ``hook`` on the reduced gradient shards in every ``step()``, before the
+        update."""
+        self._update.hooks.append(hook)
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         grads = [b.grad_shard for b in self.buckets if b.grad_shard is not None]

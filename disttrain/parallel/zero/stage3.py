@@ -39,6 +39,7 @@ from torch import nn
 from disttrain.comm import Communicator
 from disttrain.parallel.backward import EndOfBackward
 from disttrain.parallel.zero import meta
+from disttrain.parallel.zero.groups import GradShardHook, ParamGroups, ShardOptimizer, plan_groups
 from disttrain.parallel.zero.hybrid import broadcast_initial, check_groups
 from disttrain.parallel.zero.memory import WrapMemory, optimizer_tensors
 from disttrain.parallel.zero.sharding import (
@@ -73,7 +74,8 @@ class ZeRO3(nn.Module):
     this rank's values are in the shards (``shard_groups()``, checkpoints). ``comm`` is the
     ranks that shard; ``replicate``: the replicas of this rank's shard (hybrid sharding);
     ``meta_init``: how a model on the meta device is initialised (default: each module's
-    ``reset_parameters()``). ``wrap_memory`` counts what wrapping held at once.
+    ``reset_parameters()``); ``param_groups``: the optimizer's parameter groups
+    (:mod:`.groups`). ``wrap_memory`` counts what wrapping held at once.
     """
 
     stage = 3
@@ -82,13 +84,15 @@ class ZeRO3(nn.Module):
                  config: ZeroConfig | None = None,
                  units: list[nn.Module] | None = None, *,
                  replicate: Communicator | None = None,
-                 meta_init: meta.MetaInit | None = None) -> None:
+                 meta_init: meta.MetaInit | None = None,
+                 param_groups: ParamGroups | None = None) -> None:
         super().__init__()
         self.module, self.comm, self.config = model, comm, config or ZeroConfig()
         self.replicate = replicate
         comm.expect_workload("collectives")  # Gloo's I/O threads yield to compute (auto)
         check_groups(comm, replicate)
         named = trainable(model)
+        groups = plan_groups(named, param_groups)
         self.param_dtype = common_dtype(named)
         self.reduce_dtype = self.config.reduce_dtype or self.param_dtype
         plan = meta.plan(model, meta_init, comm.device)
@@ -99,7 +103,10 @@ class ZeRO3(nn.Module):
                     for module, indices in assign_units(model, named, units)]
         self.units = ([self._make_unit(k, m, group) for k, (m, group) in enumerate(assigned)]
                       if plan is None else self._materialise(plan, assigned))
-        self.optimizer = optimizer_factory([u.master for u in self.units])
+        self._update = ShardOptimizer(optimizer_factory, [(u.names, u.layout, u.master)
+                                                          for u in self.units],
+                                      groups, comm.rank)
+        self.optimizer = self._update.optimizer
         self._reductions = Reductions(comm, self.config.algorithm, self.config.inflight_buckets,
                                       replicate, self.config.algorithm_for("all_reduce"))
         self._order: list[int] = []  # units in the order this forward ran them
@@ -288,12 +295,9 @@ class ZeRO3(nn.Module):
     def step(self) -> None:
         """Finish gradient reductions and update this rank's shards."""
         self._reductions.finish()  # each backward launched every unit: only wait
-        for u in self.units:
-            u.master.grad = None if u.grad_shard is None else to_dtype(u.grad_shard,
+        self._update.step([None if u.grad_shard is None else to_dtype(u.grad_shard,
                                                                       u.master.dtype)
-        self.optimizer.step()
-        for u in self.units:
-            u.master.grad = None
+                           for u in self.units])
         self.reload_from_masters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -335,8 +339,13 @@ class ZeRO3(nn.Module):
 
     # ---------------------------------------------------------------- checkpoints, memory
     def shard_groups(self) -> list[ShardGroup]:
-        return [ShardGroup(u.names, tuple(tuple(v.shape) for v in u.views), u.layout, u.master)
-                for u in self.units]
+        return [ShardGroup(u.names, tuple(tuple(v.shape) for v in u.views), u.layout, u.master,
+                           slices) for u, slices in zip(self.units, self._update.slices)]
+
+    def register_grad_shard_hook(self, hook: GradShardHook) -> None:
+        """Run ``hook`` on the reduced gradient shards in every ``step()``, before the
+        update."""
+        self._update.hooks.append(hook)
 
     def reload_from_masters(self) -> None:
         """Copy the master shards into the parameter shards (when they are separate)."""
