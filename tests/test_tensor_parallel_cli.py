@@ -46,8 +46,9 @@ def test_pp_size_is_a_deprecated_alias_of_pp(capsys):
      "--tp 3 × --pp 1 = 3 does not divide the world size 4"),
     (["--strategy", "3d", "-n", "2", "--tp", "2", "--zero", "1", *LM],
      "--zero 1 shards over the dp groups of a mesh with pp = 1; this mesh has dp 1"),
-    (["--strategy", "3d", "-n", "4", "--tp", "2", "--zero", "2", "--sequence-parallel", *LM],
-     "use --zero 1 with --sequence-parallel"),
+    (["--strategy", "3d", "-n", "4", "--cp", "2", "--zero", "3", *LM],
+     "--zero 3 drops each gradient once it is reduce-scattered over dp, before context "
+     "parallelism sums it over cp: use --zero 1 with --cp"),
     (["--strategy", "3d", "-n", "4", "--tp", "2", "--pp", "2", "--accumulate", "2", *LM],
      "--accumulate must be 1"),
     (["--strategy", "3d", "-n", "4", "--tp", "2", "--pp", "2", "--partition", "time", *LM],

@@ -75,8 +75,7 @@ def test_one_process_clips_as_torch_does():
 
 
 @pytest.mark.parametrize(("strategy", "options", "word"), [
-    ("ps-sync", {}, "servers"), ("torch-fsdp", {}, "its own way"),
-    ("3d", {"tp_size": 2, "dp_size": 2, "zero": 1}, "--zero")])
+    ("ps-sync", {}, "servers"), ("torch-fsdp", {}, "its own way")])
 def test_clipping_where_no_global_norm_exists_is_refused_in_one_line(strategy, options, word):
     from disttrain.train.strategies import get_strategy
 

@@ -231,8 +231,8 @@ def _data_and_parallel_arguments(p: argparse.ArgumentParser) -> None:
     mesh.add_argument("--ep", type=int, default=None, dest="ep_size",
                       help="ep: ranks the experts of each MoE layer are spread over (default: "
                            "every rank; the rest are data-parallel replicas)")
-    mesh.add_argument("--zero", type=int, default=None, choices=(1, 2),
-                      help="3d: ZeRO stage 1 or 2 over the dp groups (default: plain data "
+    mesh.add_argument("--zero", type=int, default=None, choices=(1, 2, 3),
+                      help="3d: ZeRO stage 1, 2 or 3 over the dp groups (default: plain data "
                            "parallel)")
     ps = p.add_argument_group("parameter server (ps-sync, ps-async, ps-ssp)")
     ps.add_argument("--servers", type=int, default=None,

@@ -12,6 +12,8 @@ over ranks in which every parameter element counts once::
     pipeline (× dp)  disjoint stages, dp replicas identical: share = the stage on dp rank 0
     tensor parallel  split parameters: their slice; replicated ones (LayerNorms,
                      row-parallel biases) on tp rank 0 only; on dp rank 0 only
+    tp × ZeRO        the reduced gradient shard of each dp rank (disjoint), with the
+                     tensor-parallel rule inside it: replicated elements on tp rank 0
 
 Each strategy says what its share is and over which communicator the shares add up
 (:meth:`~disttrain.train.strategies.base.Strategy.grad_norm_share`). The clipper runs as a
@@ -47,17 +49,40 @@ def squares(params: Any) -> torch.Tensor:
     return total
 
 
+def _split_ids(module: torch.nn.Module) -> set[int]:
+    """The parameters of which a tp rank holds a slice (its layers' ``tp_split``)."""
+    return {id(getattr(m, name)) for m in module.modules()
+            for name in getattr(m, "tp_split", {}) if getattr(m, name, None) is not None}
+
+
 def tp_share(module: torch.nn.Module, mesh: Any) -> torch.Tensor:
     """This rank's share of a tensor-parallel model's squared gradient norm: parameters a
     tp rank holds a slice of (``tp_split``), replicated ones once (tp rank 0), one replica
     of them all (dp rank 0)."""
-    split = {id(getattr(m, name)) for m in module.modules()
-             for name in getattr(m, "tp_split", {}) if getattr(m, name, None) is not None}
+    split = _split_ids(module)
     params = list(module.parameters())
     share = squares(p for p in params if id(p) in split)
     if mesh.tp_rank == 0:
         share = share + squares(p for p in params if id(p) not in split)
     return share if mesh.dp_rank == 0 else torch.zeros_like(share)
+
+
+def tp_shard_share(zero: Any, module: torch.nn.Module, tp_rank: int) -> torch.Tensor:
+    """This rank's share under ZeRO over the dp groups of a tensor-parallel mesh: the
+    squares of its reduced gradient shards (``zero``'s masters' ``.grad``, set during its
+    ``step()``; disjoint over dp), elements of replicated parameters on tp rank 0 only."""
+    ids = _split_ids(module)
+    split = {n for n, p in module.named_parameters() if id(p) in ids}
+    total = torch.zeros((), dtype=torch.float64)
+    for group in zero.shard_groups():
+        grad = group.master.grad
+        if grad is None:
+            continue
+        for pc in group.layout.pieces[zero.comm.rank]:
+            if tp_rank == 0 or group.names[pc.param] in split:
+                part = grad[pc.shard_offset:pc.shard_offset + pc.length]
+                total = total + part.detach().to(torch.float64).pow(2).sum().cpu()
+    return total
 
 
 def global_norm(target: ClipTarget) -> float:

@@ -59,7 +59,7 @@ class ParallelOptions:
     # "zero1-3": build the model on the meta device; the wrapper materialises each rank's
     # shards one unit at a time (equal to eager initialisation; docs/zero.md)
     meta_init: bool = False
-    zero: int | None = None  # "3d": ZeRO stage 1 or 2 over the dp groups (None: plain DP)
+    zero: int | None = None  # "3d": ZeRO stage 1, 2 or 3 over the dp groups (None: plain DP)
     # parameter server ("ps-sync", "ps-async", "ps-ssp")
     servers: int | None = None  # server processes beside the workers (None: 1)
     staleness: int | None = None  # "ps-ssp": clocks a worker may run ahead (None: 2)
@@ -83,10 +83,9 @@ class ParallelOptions:
             raise ValueError(f"cp_variant must be ring or ulysses, got {self.cp_variant!r}")
         if self.staleness is not None:
             _positive("staleness", self.staleness, allow_zero=True)
-        if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (1, 2)):
-            raise ValueError(f"zero must be 1 or 2 (ZeRO over the dp groups of the mesh; "
-                             f"stage 3 does not compose with tensor parallelism here), got "
-                             f"{self.zero!r}")
+        if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in (1, 2, 3)):
+            raise ValueError(f"zero must be 1, 2 or 3 (the ZeRO stage over the dp groups of "
+                             f"the mesh), got {self.zero!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel must be True or False, got "
                              f"{self.sequence_parallel!r}")

@@ -13,7 +13,7 @@ accepts, and how its ranks divide the data (its *layout*)::
     "ps-async"        parameter server, asynchronous SGD (updates applied on arrival)
     "ps-ssp"          parameter server, stale-synchronous: at most --staleness steps ahead
     "tp", "tp-sp"     disttrain.parallel.tensor over every rank (tp-sp: sequence parallel)
-    "3d"              dp × pp × tp on one mesh (--dp, --pp, --tp; --zero 1/2 over dp)
+    "3d"              dp × pp × tp on one mesh (--dp, --pp, --tp; --zero 1/2/3 over dp)
     ("pipeline" is accepted as the strategy name: it means parallel.schedule, 1f1b by default)
 
 :data:`STRATEGIES` adds the baselines (``torch-ddp``, ``torch-fsdp``, ``deepspeed-zero2``, …:
@@ -200,9 +200,6 @@ def _check_clipping(config: TrainConfig, spec: StrategySpec) -> None:
     if spec.layout == "ps":
         raise ValueError(f"--clip-grad-norm: strategy {name!r} applies each worker's gradient "
                          f"on the servers, where no whole-model norm exists; drop the flag")
-    if spec.layout == "mesh" and config.parallel.zero:
-        raise ValueError("--clip-grad-norm with --zero inside a tensor-parallel mesh is not "
-                         "supported: use --zero without tp (zero1-3), or tp without --zero")
 
 
 def _check_options(opts: ParallelOptions, accepted: frozenset[str], name: str) -> None:

@@ -102,10 +102,6 @@ def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
             raise ValueError(f"--zero {settings.zero} shards over the dp groups of a mesh with "
                              f"pp = 1; this mesh has dp {shape.dp}, pp {shape.pp}: use --dp ≥ 2 "
                              f"and --pp 1, or drop --zero")
-        if settings.zero == 2 and settings.sequence_parallel:
-            raise ValueError("--zero 2 drops each gradient once it is reduce-scattered over "
-                             "dp, before sequence parallelism sums its LayerNorm gradients "
-                             "over tp: use --zero 1 with --sequence-parallel")
     if shape.pp > 1:
         if config.accumulate != 1:
             raise ValueError(f"strategy {name!r} with --pp {shape.pp} runs each step as one "
@@ -147,7 +143,7 @@ def _check_experts(config: TrainConfig, ep: int) -> None:
 def _check_context(config: TrainConfig, settings: MeshSettings) -> None:
     """Context parallelism splits the TransformerLM's sequences into 2·cp chunks; Ulysses
     splits this rank's heads over cp; it does not run inside pipeline stages or beside
-    ZeRO-2 (which drops gradients before cp sums them)."""
+    ZeRO-2 or 3 (which drop gradients before cp sums them)."""
     from disttrain.parallel.context import check_sequence
     from disttrain.parallel.context.api import lm_layers
     from disttrain.train.data import build_dataset
@@ -159,9 +155,10 @@ def _check_context(config: TrainConfig, settings: MeshSettings) -> None:
     if shape.pp > 1:
         raise ValueError(f"--cp {cp} inside pipeline stages is not built yet; use --pp 1 "
                          f"with --cp")
-    if settings.zero == 2:
-        raise ValueError("--zero 2 drops each gradient once it is reduce-scattered over dp, "
-                         "before context parallelism sums it over cp: use --zero 1 with --cp")
+    if settings.zero in (2, 3):
+        raise ValueError(f"--zero {settings.zero} drops each gradient once it is reduce-"
+                         f"scattered over dp, before context parallelism sums it over cp: use "
+                         f"--zero 1 with --cp")
     check_sequence(config.data.seq_len, cp)
     if settings.cp_variant == "ulysses":
         heads = lm_shape(model)["n_heads"] // shape.tp

@@ -7,8 +7,8 @@ group, ``3d`` reads ``--dp``, ``--pp``, ``--tp``) and keeps its tensor-parallel 
 dimensions:
 
 * **pp = 1**: the shard trains as one model; across dp replicas ``DataParallel`` averages
-  its gradients during backward, or ZeRO-1/2 shards its optimizer state (and gradients)
-  over the dp group (``--zero``);
+  its gradients during backward, or ZeRO-1/2/3 shards its optimizer state (gradients,
+  parameters) over the dp group (``--zero``; :mod:`.tensor_zero`);
 * **pp > 1**: the pipeline engine cuts the shard's layers into stages; its pp groups carry
   the activations (each tp rank talks to the same tp rank of the next stage: without SP
   every tp rank sends the whole activation, with SP its slice of the sequence) and its dp
@@ -17,8 +17,9 @@ dimensions:
 Data: all ranks of one dp replica (its tp ranks and pp stages) read the same shard of the
 batch. Loss: the vocabulary-parallel cross-entropy (logits never leave their rank while
 training). Sequence parallelism: after backward the gradients of the replicated parameters
-of the sequence-split regions are summed over the tp group. Evaluation gathers the logits
-over the tp group (it scores the full vocabulary).
+of the sequence-split regions are summed over the tp group (under ZeRO: their elements of
+the reduced gradient shards, before the update). Evaluation gathers the logits over the tp
+group (it scores the full vocabulary).
 
 Bytes per rank per step (``theory_bytes_per_step``, fp32): the TP collectives of this
 rank's layers (:func:`~disttrain.parallel.tensor.theory.tp_step_collectives`, exact for
@@ -38,11 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.comm import Communicator
-from disttrain.parallel import DataParallel, ZeRO1, ZeRO2, ZeroConfig
+from disttrain.parallel import DataParallel
 from disttrain.parallel.context.api import ContextParallelLM
 from disttrain.parallel.mesh import DeviceMesh
 from disttrain.parallel.mixed_precision import accumulate, at_least_fp32
-from disttrain.parallel.tensor import full_state_dict
 from disttrain.parallel.tensor import theory as tp_theory
 from disttrain.parallel.tensor.transformer import (
     ParallelBlock,
@@ -52,6 +52,8 @@ from disttrain.parallel.tensor.transformer import (
     sequence_parallel_parameters,
 )
 from disttrain.parallel.universal import Layout
+from disttrain.parallel.zero import ZeRO1, ZeRO2, ZeRO3
+from disttrain.train.strategies import tensor_zero
 from disttrain.train.strategies.base import (
     Autocast,
     Batch,
@@ -80,7 +82,7 @@ class ActivationProbe:
         self.tp, self.sequence_parallel, self.with_formula = tp, sequence_parallel, formula
         self.measured: int | None = None
         self.formula: int | None = None
-        self._params = {_storage(p).data_ptr() for p in block.parameters()}
+        self._params: set[int] = set()  # read at forward: ZeRO-3 gathers them just before
         self._seen: dict[int, int] = {}
         self._context: Any = None
         self._handles = [block.register_forward_pre_hook(self._start),
@@ -97,6 +99,7 @@ class ActivationProbe:
         if not torch.is_grad_enabled() or not module.training:
             return
         x = args[0]
+        self._params = {_storage(p).data_ptr() for p in self._block.parameters()}
         if self.with_formula:
             length = x.shape[0] * (self.tp if self.sequence_parallel else 1)
             attention: Any = self._block.attention
@@ -144,15 +147,21 @@ class TensorParallelStrategy(Strategy):
                  shard: TensorParallelLM | None) -> None:
         self.mesh, self.settings = mesh, settings
         module: nn.Module = shard if shard is not None else ctx.module
-        self.shard, self.zero = shard, None
+        self.shard = shard
+        self.zero: ZeRO1 | ZeRO2 | ZeRO3 | None = None
         self.cp = context_parallel(module, mesh, settings)  # forward over cp's sequence
         model: nn.Module = self.cp if self.cp is not None else module
         optimizer = None
         stepper: Stepper
+        self.sp_shards: tensor_zero.ShardSequenceParallel | None = None
         if settings.zero and mesh.dp is not None:
-            config = ZeroConfig(algorithm=settings.algorithm, broadcast_from_rank0=False)
-            self.zero = (ZeRO1 if settings.zero == 1 else ZeRO2)(module, mesh.dp,
-                                                                 ctx.make_optimizer, config)
+            self.zero = tensor_zero.wrap(ctx, module, mesh.dp, settings)
+            if isinstance(self.zero, ZeRO3):  # forward gathers each layer over dp
+                model = self.zero
+            if shard is not None and settings.sequence_parallel:
+                self.sp_shards = tensor_zero.ShardSequenceParallel(self.zero, module,
+                                                                   shard.group)
+                self.zero.register_grad_shard_hook(self.sp_shards)
             stepper = self.zero
         else:
             if mesh.dp is not None:
@@ -161,7 +170,7 @@ class TensorParallelStrategy(Strategy):
             stepper = optimizer
         super().__init__(module, stepper, ctx.comm, model)
         self._sp_params = sequence_parallel_parameters(module) if settings.sequence_parallel \
-            and shard is not None else []
+            and shard is not None and self.zero is None else []  # ZeRO: on its shards
         self.probe = probe_first_block(module, mesh.tp_size, settings.sequence_parallel)
         if shard is None:  # cp alone: the whole model on every rank, as DDP or ZeRO-1 keeps it
             self.zero_stage = settings.zero or 0
@@ -169,11 +178,19 @@ class TensorParallelStrategy(Strategy):
 
     def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]:
         """Split parameters on every tp rank, replicated ones on tp rank 0, all on replica
-        0; summed over the mesh (ZeRO inside the mesh is refused with clipping)."""
-        from disttrain.train.clipping import tp_share
+        0 (under ZeRO: on every dp rank, from its disjoint gradient shards); summed over
+        the mesh."""
+        from disttrain.train.clipping import tp_shard_share, tp_share
 
-        share = tp_share(self.module, self.mesh)  # cp ranks hold the same gradients: once
+        share = tp_share(self.module, self.mesh) if self.zero is None else (
+            tp_shard_share(self.zero, self.module, self.mesh.tp_rank))
+        # cp ranks hold the same gradients: once
         return (share if self.mesh.cp_rank == 0 else torch.zeros_like(share)), self.mesh.world
+
+    def update_optimizer(self) -> torch.optim.Optimizer | None:
+        """Under ZeRO, the optimizer of this rank's shards (fp16's scaler and clipping act
+        there, between the reductions and the update)."""
+        return self.zero.optimizer if self.zero is not None else super().update_optimizer()
 
     # ------------------------------------------------------------------ data
     @property
@@ -213,9 +230,9 @@ class TensorParallelStrategy(Strategy):
                 with self.phase("forward"), autocast():
                     loss = self.loss(self.model(inputs), targets) / len(micro_batches)
                 with self.phase("backward"):
-                    loss.backward()
+                    (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total = accumulate(total, loss)
-        if self.shard is not None:
+        if self.shard is not None:  # (under ZeRO its hook sums them on the shards)
             reduce_sequence_parallel_grads(self._sp_params, self.shard.group)
         if self.cp is not None:
             self.cp.reduce_context_parallel_grads()
@@ -237,8 +254,8 @@ class TensorParallelStrategy(Strategy):
     def predict(self, inputs: Any) -> torch.Tensor | None:
         if self.cp is not None:  # every cp rank's logits, in sequence order
             output = self.cp.gather_sequence(self.cp(self._split(inputs)), dim=1)
-        else:
-            output = self.module(inputs)
+        else:  # ZeRO-3's wrapper gathers each layer; otherwise the module, without DDP
+            output = (self.zero if isinstance(self.zero, ZeRO3) else self.module)(inputs)
         return self.shard.full_logits(output) if self.shard is not None else output
 
     def eval_modules(self) -> list[nn.Module]:
@@ -303,22 +320,32 @@ class TensorParallelStrategy(Strategy):
         shape = tp_theory.LMShape(**lm_shape(ctx.module))
         cp = self.mesh.cp_size  # tp's collectives carry this rank's seq / cp tokens
         sent = float(tp_theory.bytes_sent(
-            tp_theory.tp_step_collectives(shape, micro, seq // cp, self.mesh.tp_size,
-                                          self.settings.sequence_parallel, config.accumulate),
+            self._tp_collectives(shape, micro, seq // cp, config.accumulate),
             self.mesh.tp_size, self.mesh.tp_rank, self._tp_price()))
         if self.cp is not None:
             cp_sent = self._cp_theory(shape, micro, seq, config.accumulate)
             if cp_sent is None:
                 return None
             sent += cp_sent
-        d = self.mesh.dp_size
         if self.zero is not None:
-            padded = sum(g.layout.padded_total for g in self.zero.shard_groups())
-            per_op = (d - 1) / d * padded * 4
-            sent += per_op * (2 if self.settings.zero == 1 else config.accumulate + 1)
+            sent += tensor_zero.step_bytes(self.zero, config.accumulate)
         else:
-            sent += ring_all_reduce_bytes(d, param_bytes(self.module))
+            sent += ring_all_reduce_bytes(self.mesh.dp_size, param_bytes(self.module))
         return sent
+
+    def _tp_collectives(self, shape: tp_theory.LMShape, batch: int, seq: int,
+                        microbatches: int) -> list[tp_theory.Collective]:
+        """The tp collectives of one step; under ZeRO with SP, the sequence-parallel
+        gradient sum carries this rank's shard's elements of them (:mod:`.tensor_zero`)."""
+        tp, sp = self.mesh.tp_size, self.settings.sequence_parallel
+        if self.sp_shards is None:
+            return tp_theory.tp_step_collectives(shape, batch, seq, tp, sp, microbatches)
+        out = tp_theory.tp_collectives(shape, batch, seq, tp, sp) * microbatches
+        if self.sp_shards.numel:
+            out.append(tp_theory.Collective("all_reduce", self.sp_shards.numel,
+                                            self.sp_shards.element_size(),
+                                            "sequence-parallel gradient shards"))
+        return out
 
     def _cp_theory(self, shape: tp_theory.LMShape, micro: int, seq: int, accumulate: int
                    ) -> float | None:
@@ -360,14 +387,25 @@ class TensorParallelStrategy(Strategy):
                                "zero_stage": self.settings.zero}
         if self.probe is not None:
             out.update(self.probe.extras())
+        if self.zero is not None:  # ZeRO's formula for this rank's shard of the tp slice
+            from disttrain.parallel.zero import zero_formula, zero_measured
+
+            out["model_state_bytes"] = zero_measured(self.zero).as_dict()
+            out["model_state_bytes_formula"] = zero_formula(self.zero).as_dict()
         return out
 
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Under ZeRO, what its wrapper keeps (shards, flat buffers, optimizer state)."""
+        return self.zero.model_state_tensors() if self.zero is not None else (
+            super().model_state_tensors())
+
     def trained_module(self) -> nn.Module:
-        """The unsplit TransformerLM (its shards gathered over tp: a collective)."""
+        """The unsplit TransformerLM (its shards gathered over tp, under ZeRO-3 over dp
+        first: collectives)."""
         if self.shard is None:
             return self.module
         full = placed_like(TransformerLM(**lm_shape(self.shard)), self.shard)
-        full.load_state_dict(full_state_dict(self.shard, self.shard.group))
+        full.load_state_dict(tensor_zero.gathered_state(self.zero, self.shard))
         return full
 
     def close(self) -> None:
