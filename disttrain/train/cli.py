@@ -102,6 +102,9 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="the rate linear and cosine end the run at (default 0)")
     p.add_argument("--momentum", type=float, default=defaults.momentum)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--no-decay-norms-biases", action="store_true",
+                   help="no weight decay on biases and norm weights (parameters of fewer "
+                        "than two dimensions), --weight-decay on the rest")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
                    help="clip the whole model's gradient to this global norm before every "
@@ -301,7 +304,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         parallel=parallel, epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
         accumulate=args.accumulate, optimizer=args.optimizer, lr=args.lr,
         lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
-        momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
+        momentum=args.momentum, weight_decay=args.weight_decay,
+        no_decay_norms_biases=args.no_decay_norms_biases, seed=args.seed,
         precision=args.precision, clip_grad_norm=args.clip_grad_norm, dtype=args.dtype,
         activation_checkpointing=args.activation_checkpointing, compile=args.compile,
         compile_backend=args.compile_backend,

@@ -167,6 +167,9 @@ class TrainConfig:
     min_lr: float = 0.0  # the rate "linear" and "cosine" end the run at
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0
+    # no weight decay on biases and norm weights (parameters of < 2 dimensions), the rest at
+    # weight_decay: two parameter groups under every strategy (strategies/base.py)
+    no_decay_norms_biases: bool = False
     seed: int = 0  # model init (same on every rank) and data order
     precision: str = "fp32"
     clip_grad_norm: float | None = None  # clip the whole model's gradient to this norm
@@ -218,6 +221,9 @@ class TrainConfig:
         check_device(self.device)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not isinstance(self.no_decay_norms_biases, bool):
+            raise ValueError(f"no_decay_norms_biases must be True or False, got "
+                             f"{self.no_decay_norms_biases!r}")
         if not 0 <= self.momentum < 1 or self.weight_decay < 0:
             raise ValueError(f"momentum must be in [0, 1) and weight_decay ≥ 0, got "
                              f"{self.momentum}, {self.weight_decay}")

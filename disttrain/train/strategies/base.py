@@ -49,7 +49,18 @@ class Stepper(Protocol):
 
 
 def optimizer_class(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """The configured optimizer class and its keyword arguments (torch-zero1 wraps the class)."""
+    """The configured optimizer class and its keyword arguments (torch-zero1 wraps the class;
+    the parameter servers and DeepSpeed build theirs from it, so they take no parameter
+    groups: ``--no-decay-norms-biases`` is refused there)."""
+    if config.no_decay_norms_biases:
+        raise ValueError(f"--no-decay-norms-biases: strategy {config.strategy!r} builds its "
+                         f"optimizer from the class alone, without parameter groups; drop the "
+                         f"flag or use one of disttrain's data, pipeline or mesh strategies")
+    return _class_and_options(config)
+
+
+def _class_and_options(config: TrainConfig
+                       ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     if config.optimizer == "sgd":
         return torch.optim.SGD, {"lr": config.lr, "momentum": config.momentum,
                                  "weight_decay": config.weight_decay}
@@ -57,12 +68,29 @@ def optimizer_class(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], d
     return cls, {"lr": config.lr, "weight_decay": config.weight_decay}
 
 
-def optimizer_factory(config: TrainConfig) -> OptimizerFactory:
-    """Build the configured optimizer over some tensors (a strategy decides which)."""
-    cls, kwargs = optimizer_class(config)
+def norms_biases_groups(params: Iterable[torch.Tensor]) -> list[dict[str, Any]]:
+    """The usual recipe's two parameter groups (GPT-2 as nanoGPT trains it, Megatron-LM):
+    the matrices (linear and embedding weights) at the optimizer's weight decay, and the
+    parameters of fewer than two dimensions (biases, LayerNorm and other norm weights) at
+    none. The rule reads each tensor's shape alone, so it splits a tensor-parallel slice, a
+    pipeline stage's parameters or torch FSDP's sharded tensors as it splits the whole model,
+    and every strategy trains the same groups."""
+    listed = list(params)
+    return [{"params": [p for p in listed if p.dim() >= 2]},
+            {"params": [p for p in listed if p.dim() < 2], "weight_decay": 0.0}]
 
-    def make(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-        return cls(params, **kwargs)
+
+def optimizer_factory(config: TrainConfig) -> OptimizerFactory:
+    """Build the configured optimizer over some tensors (a strategy decides which); with
+    ``no_decay_norms_biases`` over :func:`norms_biases_groups` of them. Given parameter
+    groups already (dicts: ZeRO passes its slices by group), it takes them as they are."""
+    cls, kwargs = _class_and_options(config)
+
+    def make(params: Iterable[Any]) -> torch.optim.Optimizer:
+        listed = list(params)
+        if config.no_decay_norms_biases and not any(isinstance(p, dict) for p in listed):
+            listed = norms_biases_groups(listed)
+        return cls(listed, **kwargs)
 
     return make
 
@@ -79,6 +107,14 @@ class BuildContext:
     make_optimizer: OptimizerFactory
     config: TrainConfig
     sample: Batch
+
+    def param_groups(self, module: nn.Module) -> list[dict[str, Any]] | None:
+        """The parameter groups a ZeRO wrapper of ``module`` takes (its optimizer sees flat
+        shards, not the parameters ``make_optimizer`` would group): the recipe's groups
+        with ``no_decay_norms_biases``, else None (one group)."""
+        if not self.config.no_decay_norms_biases:
+            return None
+        return norms_biases_groups(p for p in module.parameters() if p.requires_grad)
 
     def require_comm(self, name: str) -> Communicator:
         if self.comm is None:

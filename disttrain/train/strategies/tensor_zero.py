@@ -58,10 +58,12 @@ def wrap(ctx: BuildContext, module: nn.Module, dp: Communicator, settings: MeshS
     """ZeRO stage ``settings.zero`` over ``dp`` around ``module`` (this rank's shard; every
     dp rank built it from the same seed: nothing to broadcast)."""
     config = ZeroConfig(algorithm=settings.algorithm, broadcast_from_rank0=False)
+    groups = ctx.param_groups(module)
     if settings.zero == 3:
-        return ZeRO3(module, dp, ctx.make_optimizer, config, units=layer_units(module))
+        return ZeRO3(module, dp, ctx.make_optimizer, config, units=layer_units(module),
+                     param_groups=groups)
     kind = ZeRO1 if settings.zero == 1 else ZeRO2
-    return kind(module, dp, ctx.make_optimizer, config)
+    return kind(module, dp, ctx.make_optimizer, config, param_groups=groups)
 
 
 def layer_units(module: nn.Module) -> list[nn.Module] | None:

@@ -65,7 +65,7 @@ class ZeroStrategy(Strategy):
         # on the meta device: each module's own initialiser, from the seed every rank shares
         init = MetaInit(device=ctx.sample[0].device) if on_meta else None
         wrapper = kind(ctx.module, comm, ctx.make_optimizer, config, replicate=replicate,
-                       meta_init=init)
+                       meta_init=init, param_groups=ctx.param_groups(ctx.module))
         model = wrapper if isinstance(wrapper, nn.Module) else ctx.module
         super().__init__(ctx.module, wrapper, comm, model)
         self.zero, self.meta_init = wrapper, on_meta
