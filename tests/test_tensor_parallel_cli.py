@@ -43,7 +43,7 @@ def test_pp_size_is_a_deprecated_alias_of_pp(capsys):
     (["--strategy", "3d", "-n", "4", "--dp", "3", "--tp", "2", *LM],
      "--dp 3 × --pp 1 × --tp 2 = 6 ranks, but the world has 4"),
     (["--strategy", "3d", "-n", "4", "--tp", "3", *LM],
-     "--tp 3 × --pp 1 = 3 does not divide the world size 4"),
+     "--pp 1 × --tp 3 = 3 does not divide the world size 4"),
     (["--strategy", "3d", "-n", "2", "--tp", "2", "--zero", "1", *LM],
      "--zero 1 shards over the dp groups of a mesh with pp = 1; this mesh has dp 1"),
     (["--strategy", "3d", "-n", "4", "--cp", "2", "--zero", "3", *LM],

@@ -160,7 +160,8 @@ def degrees(preset: Preset, world_size: int, **flags: int | None) -> dict[str, i
             sizes[dim] = world_size if given is None else given
         else:
             rest = dim
-    shown = [d for d in DEGREES if d in ("dp", "pp", "tp") or d in preset.uses]
+    shown = [d for d in DEGREES if d in ("dp", "pp", "tp") or (
+        d in preset.uses and (sizes[d] > 1 or flags.get(d) is not None))]  # cp, ep: if used
     if rest is not None:
         others = math.prod(size for dim, size in sizes.items() if dim != rest)
         given = flags.get(rest)
