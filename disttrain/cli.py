@@ -18,6 +18,7 @@ SUBCOMMANDS = [
     "disttrain.bench.cli",
     "disttrain.simulate.cli",
     "disttrain.train.cli",
+    "disttrain.train.interop.cli",
     "disttrain.launch.cli",
     "disttrain.launch.info",
 ]

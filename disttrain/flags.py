@@ -42,6 +42,8 @@ VOCABULARY: dict[str, str] = {
     "--algorithm": "collective algorithm of disttrain.comm (auto, ring, tree, ...)",
     "--strategies": "comma-separated strategies to compare",
     "--model": "model: a registered name or package.module:factory",
+    "--model-config": "a Hugging Face model's transformers config, as a JSON file",
+    "--format": "a checkpoint's format outside disttrain (dcp, safetensors)",
     "--dataset": "dataset: a registered name, tokens:PATH, text:PATH or package.module:factory",
     "--seq-len": "tokens per language-model sample",
     "--vocab-size": "vocabulary of the language-model data (token ids are below it)",

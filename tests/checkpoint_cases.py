@@ -30,15 +30,18 @@ class Layout:
     strategy: str
     world: int
     options: tuple[tuple[str, Any], ...] = ()
+    model: str = CONFIG.model
 
     def config(self, directory: Path, **changes: Any) -> TrainConfig:
         return dataclasses.replace(CONFIG, strategy=self.strategy, checkpoint_dir=str(directory),
-                                   parallel=ParallelOptions(**dict(self.options)), **changes)
+                                   parallel=ParallelOptions(**dict(self.options)),
+                                   model=self.model, **changes)
 
     def __str__(self) -> str:
         extra = "".join(f"-{k.removesuffix('_size')}{v}" for k, v in self.options
                         if k != "microbatches")
-        return f"{self.strategy}{extra}@{self.world}"
+        model = "" if self.model == CONFIG.model else f"-{self.model}"
+        return f"{self.strategy}{extra}{model}@{self.world}"
 
 
 def rank_train(comm: Communicator, config: TrainConfig) -> list[float]:
@@ -94,3 +97,41 @@ def assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
         assert got[name].dtype == value.dtype and torch.equal(got[name], value), (
             f"{what}: {name} differs (max |Δ| "
             f"{(got[name].double() - value.double()).abs().max().item():.3g})")
+
+
+def rank_save_zero_format(comm: Communicator, stage: int, steps: int, directory: str) -> None:
+    """ZeRO trained ``steps`` and saved in the format before the universal one
+    (``zero.json`` + one shard file per rank, as ``zero.save`` wrote it), to show it still
+    loads."""
+    import json
+    import os
+
+    from disttrain.parallel.checkpoint_files import atomic_save, atomic_write_text, seal
+    from tests import zero_cases
+
+    z = zero_cases.wrap(stage, zero_cases.make_net(), comm, "adam",
+                        zero.ZeroConfig(bucket_bytes=256))
+    zero_cases.train(z, comm, 0, steps)
+    os.makedirs(directory, exist_ok=True)
+    tensors, groups = {}, []
+    for g, group in enumerate(z.shard_groups()):
+        tensors[f"{g}.master"] = group.master.detach().clone()
+        scalars = {}
+        for key, value in z.optimizer.state[group.master].items():
+            if value.shape == group.master.shape:
+                tensors[f"{g}.state.{key}"] = value.detach().clone()
+            else:
+                scalars[key] = [float(value.item()), str(value.dtype).removeprefix("torch.")]
+        groups.append({"names": list(group.names), "shapes": [list(s) for s in group.shapes],
+                       "shard_size": group.layout.shard_size, "scalars": scalars})
+    atomic_save(tensors, os.path.join(directory, f"rank{comm.rank:05d}.pt"))
+    comm.barrier()
+    if comm.rank == 0:
+        hyper = [{k: list(v) if isinstance(v, tuple) else v for k, v in pg.items()
+                  if k != "params"} for pg in z.optimizer.param_groups]
+        atomic_write_text(os.path.join(directory, "zero.json"), json.dumps({
+            "format": "disttrain.zero.checkpoint/1", "world_size": comm.world_size,
+            "stage": stage, "optimizer": type(z.optimizer).__name__,
+            "state_keys": ["exp_avg", "exp_avg_sq"], "param_groups": hyper, "buffers": [],
+            "groups": groups}))
+    seal(directory, comm.rank, comm.world_size, comm.barrier)

@@ -13,9 +13,10 @@ continues from B's checkpoint to the state B reaches, within the float tolerance
 equivalence tests (‖a − b‖/‖b‖ < 1e-5 for every parameter and moment: A's sums run in
 another order), which a misplaced optimizer moment misses by orders of magnitude.
 
-Both sides of every pair read and write, so the pairs below cover ddp, zero1-3, 1f1b (2
-and 3 stages), tp, tp-sp and 3d (dp × tp with ZeRO-1, tp × pp) across world sizes 2 ↔ 3
-and 2 ↔ 4: a representative matrix, not all N².
+Both sides of every pair read and write, so the pairs below cover ddp, zero1-3, hybrid
+ZeRO (2 × 2), 1f1b (2 and 3 stages, and interleaved), tp, tp-sp, 3d (dp × tp with
+ZeRO-1, tp × pp) and expert parallelism (the mixture-of-experts model) across world sizes
+2 ↔ 3 and 2 ↔ 4: a representative matrix, not all N².
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ PAIRS = [
     (Layout("tp-sp", 2), Layout("3d", 4, (("dp_size", 2), ("tp_size", 2), ("zero", 1)))),
     (Layout("3d", 4, (("tp_size", 2), ("pp_size", 2), *M4)), Layout("zero2", 2)),
     (Layout("zero3", 2), Layout("ddp", 3)),
+    (Layout("zero2", 4, (("dp_shard", 2),)), Layout("1f1b", 2, (*M4, ("virtual_stages", 2)))),
+    (Layout("ep", 2, model="transformer-moe"), Layout("ddp", 3, model="transformer-moe")),
 ]
 
 

@@ -96,3 +96,17 @@ def test_load_rejects_a_different_model(pools, tmp_path):
 def test_incomplete_checkpoint_is_rejected(tmp_path):
     with pytest.raises(ValueError, match=r"has no manifest\.json: its save did not finish"):
         zero.consolidate(tmp_path)
+
+
+def test_a_checkpoint_in_the_format_before_the_universal_one_still_reshards(pools, tmp_path):
+    """``zero.json`` and a shard file per rank, written by stage 2 on 2 ranks, resume as
+    stage 3 on 3 and continue as the uninterrupted run."""
+    from tests.checkpoint_cases import rank_save_zero_format
+
+    saved, out = tmp_path / "saved", tmp_path / "resumed"
+    pools(2).run(rank_save_zero_format, 2, STEPS, str(saved))
+    assert_state_matches(saved, "adam", STEPS)  # consolidate reads the old format too
+    per_rank = pools(3).run(zero_cases.run_resume, 3, "adam", STEPS, 2 * STEPS, str(saved),
+                            str(out))
+    assert_params(per_rank, "adam", STEPS)
+    assert_state_matches(out, "adam", 2 * STEPS)

@@ -91,6 +91,22 @@ class Writer:
             self.tensors[key] = region.view(flat).detach().clone()
             record["chunks"].append([list(region.box.offsets), list(region.box.sizes)])
 
+    def add_chunk(self, name: str, kind: str, shape: Shape, box: Box, tensor: torch.Tensor
+                  ) -> None:
+        """Block ``box`` of tensor ``name`` (global ``shape``) as it is (an importer's)."""
+        if tuple(tensor.shape) != box.sizes:
+            raise ValueError(f"block {box} of {name} has shape {tuple(tensor.shape)}")
+        record = self._record(name, kind, shape, tensor.dtype, None)
+        self.tensors[f"{name}|{','.join(map(str, box.offsets))}"] = tensor.detach().contiguous()
+        record["chunks"].append([list(box.offsets), list(box.sizes)])
+
+    def add_group(self, name: str, hyper: dict[str, Any]) -> None:
+        """The optimizer hyper-parameters of parameter ``name``'s group (an importer's)."""
+        groups = self.header.setdefault("param_groups", [])
+        if hyper not in groups:
+            groups.append(hyper)
+        self.records[name]["group"] = groups.index(hyper)
+
     def add_scalar(self, name: str, value: torch.Tensor | float) -> None:
         """An optimizer scalar (``step``) or Python number, whole: kept in the JSON (a
         float64 holds every float32 or bfloat16 value exactly), so a reader needs no

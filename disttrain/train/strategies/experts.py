@@ -31,6 +31,7 @@ from disttrain.parallel.experts import (
     step_bytes,
 )
 from disttrain.parallel.mesh import DeviceMesh
+from disttrain.parallel.universal import Layout
 from disttrain.train.strategies.base import (
     Autocast,
     Batch,
@@ -93,6 +94,22 @@ class ExpertParallelStrategy(Strategy):
 
     def communicators(self) -> list[Communicator]:
         return self.mesh.communicators()
+
+    def checkpoint_layout(self) -> Layout:
+        """This rank's experts, written by the first dp replica of each ep rank, and what
+        every ep rank holds whole, written by ep rank 0 of it: the one-process model's
+        names, so any strategy reads it."""
+        from disttrain.parallel import universal
+        from disttrain.parallel.experts import ExpertParallelExperts
+
+        experts = {f"{prefix}.{name}" for prefix, sub in self.module.named_modules()
+                   if isinstance(sub, ExpertParallelExperts)
+                   for name, _ in sub.named_parameters()}
+        lead, first = self.mesh.dp_rank == 0, self.mesh.ep_rank == 0
+        return universal.module_layout(
+            self.module.named_parameters(), self.update_optimizer(),
+            buffers=universal.persistent_buffers(self.module),
+            writes=lambda name, split: lead and (first or name in experts))
 
     def trained_module(self) -> torch.nn.Module:
         """The one-process model: every expert gathered under its own name (a collective;
