@@ -177,8 +177,12 @@ def save(directory: str, layout: Layout, rank: int) -> None:
 
 
 def _save_state(writer: Writer, name: str, value: Any, unit: Unit, entry: Entry) -> None:
-    if isinstance(value, torch.Tensor) and value.shape == unit.tensor.shape and (
-            value.dim() > 0 or (unit.tensor.dim() == 0 and _is_moment(name))):
+    """One optimizer entry of ``entry``'s parameter: shaped like its unit (a moment; a 0-d
+    parameter's too, but for its step), by the entry's regions; else a scalar every part
+    of the parameter shares, written once, by the holder of its first element."""
+    moment = isinstance(value, torch.Tensor) and value.shape == unit.tensor.shape and (
+        value.dim() > 0 or not name.endswith("/step"))
+    if moment:
         writer.add(name, "state", flat(value.contiguous()), entry.placement.shape,
                    entry.regions)
     elif (isinstance(value, torch.Tensor) and value.numel() == 1) or (
@@ -188,10 +192,6 @@ def _save_state(writer: Writer, name: str, value: Any, unit: Unit, entry: Entry)
     else:
         raise ValueError(f"optimizer state {name} ({type(value).__name__}) is neither shaped "
                          f"like its parameter nor a scalar: this optimizer cannot be saved")
-
-
-def _is_moment(name: str) -> bool:
-    return not name.endswith("/step")
 
 
 def _group_of(optimizer: torch.optim.Optimizer | None) -> dict[int, int]:
@@ -209,7 +209,8 @@ def load(directory: str, layout: Layout, *, load_optimizer: bool = True) -> Read
     optimizer = layout.optimizer if load_optimizer else None
     if optimizer is not None and index.optimizer not in (None, type(optimizer).__name__):
         raise ValueError(f"checkpoint {directory} holds {index.optimizer} state, this run uses "
-                         f"{type(optimizer).__name__}; use the same optimizer")
+                         f"{type(optimizer).__name__}; use the same optimizer, or "
+                         f"load_optimizer=False for the weights alone")
     reader = Reader(index)
     state: dict[int, dict[str, Any]] = {}
     for unit in layout.units:

@@ -88,7 +88,8 @@ class Writer:
         record = self._record(name, kind, shape, flat.dtype, group)
         for region in found:
             key = f"{name}|{','.join(map(str, region.box.offsets))}"
-            self.tensors[key] = region.view(flat).detach().clone()
+            # a copy on the host: files hold CPU tensors whatever device trained them
+            self.tensors[key] = region.view(flat).detach().to("cpu", copy=True).contiguous()
             record["chunks"].append([list(region.box.offsets), list(region.box.sizes)])
 
     def add_chunk(self, name: str, kind: str, shape: Shape, box: Box, tensor: torch.Tensor
@@ -97,7 +98,8 @@ class Writer:
         if tuple(tensor.shape) != box.sizes:
             raise ValueError(f"block {box} of {name} has shape {tuple(tensor.shape)}")
         record = self._record(name, kind, shape, tensor.dtype, None)
-        self.tensors[f"{name}|{','.join(map(str, box.offsets))}"] = tensor.detach().contiguous()
+        self.tensors[f"{name}|{','.join(map(str, box.offsets))}"] = (
+            tensor.detach().to("cpu").contiguous())
         record["chunks"].append([list(box.offsets), list(box.sizes)])
 
     def add_group(self, name: str, hyper: dict[str, Any]) -> None:
