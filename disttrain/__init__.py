@@ -4,7 +4,7 @@ from disttrain import deprecated
 from disttrain.comm import CommConfig, Communicator, ReduceOp
 from disttrain.comm.monitored_barrier import monitored_barrier
 from disttrain.launch import init, shutdown
-from disttrain.train.clipping import clip_grad_norm_
+from disttrain.train.clipping import clip_grad_norm_, clip_on_step
 
 __version__ = "0.1.0"
 
@@ -16,6 +16,7 @@ __all__ = [
     "ReduceOp",
     "__version__",
     "clip_grad_norm_",
+    "clip_on_step",
     "init",
     "monitored_barrier",
     "shutdown",

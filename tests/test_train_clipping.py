@@ -147,3 +147,48 @@ def test_fp16_clipping_follows_the_loss_scalers_skip(pools, strategy):
     assert norms[0] == other[0] == float("inf") and skipped == also == 1
     # after unscaling: ~0.6 here; clipping the scaled gradient would see 2^8 times that
     assert norms == other and all(0 < n < 100 for n in norms[1:])
+
+
+def _lm_and_batch() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    from disttrain.train.transformer import TransformerLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(vocab_size=24, max_len=8, d_model=16, n_heads=4, n_layers=2).double()
+    tokens = torch.randint(0, 24, (4, 9), generator=torch.Generator().manual_seed(1))
+    return model, tokens[:, :-1], tokens[:, 1:]
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+def hand_written_norms(comm: Any) -> dict[str, Any]:
+    """clip_grad_norm_ on what parallelize returned, on a pipeline, and refusing a shard's
+    bare module, after one backward of the same batch."""
+    from disttrain import clip_grad_norm_
+    from disttrain.parallel.pipeline import build_pipeline
+    from disttrain.parallel.tensor import parallelize
+
+    model, x, y = _lm_and_batch()
+    tp = parallelize(model, comm)
+    tp.loss(tp.module(x), y).backward()
+    out: dict[str, Any] = {"tp": clip_grad_norm_(tp, 1e9)}
+    try:
+        clip_grad_norm_(tp.module, 1e9)
+    except TypeError as exc:
+        out["refused"] = str(exc)
+    model, x, y = _lm_and_batch()
+    pipe = build_pipeline(model, comm, schedule="1f1b", microbatches=2)
+    pipe.train_step(x, y, _cross_entropy)
+    out["pipeline"] = clip_grad_norm_(pipe, 1e9)
+    return out
+
+
+def test_a_hand_written_loop_clips_tensor_parallel_and_pipeline_models(pools):
+    model, x, y = _lm_and_batch()
+    _cross_entropy(model(x), y).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    for out in pools(2).run(hand_written_norms):
+        assert out["tp"] == pytest.approx(want, rel=1e-9)
+        assert out["pipeline"] == pytest.approx(want, rel=1e-9)
+        assert "pass the object parallelize() returned" in out["refused"]

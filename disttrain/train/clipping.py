@@ -135,27 +135,91 @@ class GradClipper:
 def clip_grad_norm_(target: Any, max_norm: float) -> float:
     """Clip the whole model's gradient to ``max_norm`` now, and return its norm before
     clipping, the same on every rank: for a hand-written loop, between backward and the
-    optimizer's step. ``target``: a strategy of :mod:`disttrain.train.strategies` (its
-    ranks hold replicas, shards, stages or slices; a collective over them), a module whose
-    gradients are whole on this rank (a plain module, or :class:`~disttrain.parallel.
-    DataParallel` after backward, whose replicas are identical), or a ZeRO wrapper, whose
-    shards are reduced inside its ``step()``: pass ``max_norm`` to it there instead
-    (``--clip-grad-norm`` in ``disttrain run`` does it for every strategy)."""
+    optimizer's step. ``target``: a strategy of :mod:`disttrain.train.strategies`; what
+    :func:`~disttrain.parallel.tensor.parallelize` returned (slices on every tp rank); a
+    pipeline (:class:`~disttrain.parallel.pipeline.PipelineParallel`: its stages); a module
+    whose gradients are whole on this rank (a plain module, or
+    :class:`~disttrain.parallel.DataParallel` after backward). A collective over the ranks
+    that hold parts of the gradient. A ZeRO wrapper reduces its gradient shards inside
+    ``step()``: :func:`clip_on_step` clips there. A tensor-parallel shard's bare module is
+    refused: its norm would be one slice's."""
     if hasattr(target, "zero_grad") and hasattr(target, "shard_groups"):
-        raise TypeError("a ZeRO wrapper reduces its gradient shards inside step(): clip them "
-                        "there with ZeroStrategy (disttrain run --clip-grad-norm), or clip "
-                        "the module's gradients before ZeRO-1's step")
+        raise TypeError("a ZeRO wrapper reduces its gradient shards inside step(): call "
+                        "disttrain.clip_on_step(zero, max_norm) once instead; it clips the "
+                        "reduced shards before every step and keeps each step's norm")
     if hasattr(target, "grad_norm_share"):
         optimizer = target.update_optimizer()
         params = ([p for g in optimizer.param_groups for p in g["params"]]
                   if optimizer is not None else list(target.module.parameters()))
         return GradClipper(target, max_norm).clip(params)
+    part = _part_of(target)
+    if part is not None:
+        return GradClipper(part, max_norm).clip(list(target.module.parameters()))
     if isinstance(target, torch.nn.Module):
         module = getattr(target, "module", target)
+        if any(getattr(m, "tp_split", None) for m in module.modules()):
+            raise TypeError("this module is a tensor-parallel shard, whose gradients are "
+                            "slices: pass the object parallelize() returned, so the norm is "
+                            "taken over every tp rank")
         whole = _Whole(module)
         return GradClipper(whole, max_norm).clip(list(module.parameters()))
-    raise TypeError(f"clip_grad_norm_ takes a disttrain strategy or an nn.Module, got "
-                    f"{type(target).__name__}")
+    raise TypeError(f"clip_grad_norm_ takes a disttrain strategy, what parallelize() "
+                    f"returned, a pipeline or an nn.Module, got {type(target).__name__}")
+
+
+def clip_on_step(zero: Any, max_norm: float) -> GradClipper:
+    """Clip a ZeRO wrapper's gradient to ``max_norm`` before each of its ``step()`` calls,
+    on the reduced shards (disjoint: their squares summed over the shard group, whose
+    replicas under hybrid sharding hold the same); returns the clipper, whose ``norms`` is
+    every step's norm before clipping. Call once, after building the wrapper."""
+    if not (hasattr(zero, "shard_groups") and hasattr(zero, "optimizer")):
+        raise TypeError(f"clip_on_step takes a ZeRO wrapper (ZeRO1, ZeRO2, ZeRO3), got "
+                        f"{type(zero).__name__}; use clip_grad_norm_ for the others")
+    if any(getattr(m, "tp_split", None) for m in zero.module.modules()):
+        raise TypeError("this ZeRO wrapper shards a tensor-parallel model: clip through its "
+                        "strategy (disttrain run --clip-grad-norm), which counts the slices")
+    clipper = GradClipper(_Shards(zero), max_norm)
+    clipper.attach(zero.optimizer)
+    return clipper
+
+
+class _Shards:
+    """A ZeRO wrapper's reduced gradient shards: disjoint over its shard group."""
+
+    def __init__(self, zero: Any) -> None:
+        self.zero = zero
+
+    def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]:
+        params = [p for g in self.zero.optimizer.param_groups for p in g["params"]]
+        return squares(params), self.zero.comm
+
+
+def _part_of(target: Any) -> ClipTarget | None:
+    """The share of what :func:`~disttrain.parallel.tensor.parallelize` returned (split
+    parameters on every tp rank, replicated ones on tp rank 0) or of a pipeline (its stage,
+    on the first replica), or None for anything else."""
+    from types import SimpleNamespace
+
+    from disttrain.parallel.pipeline import PipelineParallel
+    from disttrain.parallel.tensor import Parallelized
+
+    if isinstance(target, Parallelized):
+        comm = target.group.comm
+        place = SimpleNamespace(tp_rank=comm.rank, dp_rank=0)
+        return _Share(lambda: tp_share(target.module, place), comm)
+    if isinstance(target, PipelineParallel):
+        mesh = target.mesh
+        return _Share(lambda: squares(target.parameters()) if mesh.dp_rank == 0 else
+                      torch.zeros((), dtype=torch.float64), mesh.world)
+    return None
+
+
+class _Share:
+    def __init__(self, share: Any, comm: Communicator | None) -> None:
+        self.share, self.comm = share, comm
+
+    def grad_norm_share(self) -> tuple[torch.Tensor, Communicator | None]:
+        return self.share(), self.comm
 
 
 class _Whole:
