@@ -43,6 +43,8 @@ def test_a_zero3_checkpoint_loads_into_torch_fsdp2(pools, tmp_path):
     for loaded in pools(2).run(interop_cases.rank_fsdp_load, str(out)):
         assert_identical(loaded["state"], saved, "torch's FSDP2 loaded")
         assert loaded["hyper"]["lr"] == 3e-3 and loaded["hyper"]["betas"] == (0.9, 0.999)
+    import_checkpoint(str(out), str(tmp_path / "back"), "dcp")  # and home again
+    assert_identical(state(tmp_path / "back"), saved, "imported from the export")
 
 
 def test_a_checkpoint_torch_fsdp2_wrote_imports_and_loads_into_zero3(pools, tmp_path):

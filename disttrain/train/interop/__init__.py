@@ -16,8 +16,9 @@ disttrain checkpoint and imported into a universal one.
 tensor whole, as safetensors holds them. Every directory written is sealed with a SHA-256
 manifest; every directory read is verified against its manifest when it has one, and is
 read without unpickling anything but tensors and plain containers. A ZeRO wrapper loads an
-imported checkpoint with :func:`disttrain.parallel.zero.load`; a strategy of the training
-loop with its ``load_state`` (``checkpoint_layout``).
+imported checkpoint on any number of ranks with :func:`disttrain.parallel.zero.load`, any
+rank's layout with :func:`disttrain.parallel.universal.load`, a whole module with
+:func:`load_weights`.
 """
 
 from __future__ import annotations
