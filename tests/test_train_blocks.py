@@ -90,3 +90,25 @@ def test_compile_under_zero3_is_refused_in_one_line():
     with pytest.raises(ValueError, match="ZeRO-3") as exc:
         get_strategy("zero3").check_config(config, 2)
     assert "\n" not in str(exc.value)
+
+
+def checkpointed_bytes(comm: Any, config: TrainConfig) -> list[tuple[list[int], float]]:
+    out = []
+    for mode in ("full", "selective"):
+        result = train(dataclasses.replace(config, activation_checkpointing=mode), comm)
+        out.append((result.bytes_sent_per_step, result.theory_bytes_per_step))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
+def test_checkpointed_tensor_parallel_blocks_send_what_the_theory_says(pools, strategy):
+    """A checkpointed block's forward runs again in backward, and so do its collectives
+    (all but the last: torch stops recomputing before the block's output): full and
+    selective, with and without sequence parallelism, bytes = formula every step."""
+    from tests.test_tensor_parallel_strategies import CONFIG
+
+    config = dataclasses.replace(CONFIG, strategy=strategy, parallel=ParallelOptions(
+        algorithm="ring"))
+    for per_mode in pools(2).run(checkpointed_bytes, config):
+        for sent, theory in per_mode:
+            assert sent == [theory] * len(sent)

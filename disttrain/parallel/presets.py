@@ -112,7 +112,7 @@ PRESETS: dict[str, Preset] = {
                     "along the sequence)", (("tp", ALL),), sequence_parallel=True,
                     options=frozenset({"algorithm", "sequence_parallel"})),
     "3d": Preset("data × pipeline × context × tensor parallel on one mesh (--dp, --pp, "
-                 "--cp, --tp; --zero 1/2 over dp)",
+                 "--cp, --tp; --zero 1-3 over dp)",
                  (("tp", FLAG), ("cp", FLAG), ("pp", FLAG), ("dp", REST)), schedule="1f1b",
                  options=MESH | {"cp_size", "cp_variant"}),
     "cp": Preset("context parallel: each sequence split over the ranks, causal attention "

@@ -132,10 +132,15 @@ def tp_step_collectives(shape: LMShape, batch: int, seq: int, tp: int,
                         recomputed: Sequence[int] = ()) -> list[Collective]:
     """One optimizer step of ``microbatches`` micro-batches of ``batch`` sequences each.
     ``recomputed``: the blocks (1..L) whose forward runs again in backward (activation
-    checkpointing), forward collectives included."""
+    checkpointing): each one's forward collectives again but its last, the reduction of
+    the block's output, which torch's checkpoint does not recompute (it stops once the
+    tensors backward needs are back, and none needs the output)."""
     once = tp_collectives(shape, batch, seq, tp, sequence_parallel, element_size)
-    again = [c for c in once if c.where.endswith("forward") and c.where.startswith(
-        tuple(f"block {b} " for b in recomputed))] if recomputed else []
+    again: list[Collective] = []
+    for b in recomputed:
+        forward = [c for c in once if c.where.startswith(f"block {b} ")
+                   and c.where.endswith("forward")]
+        again += forward[:-1]
     out = (once + again) * microbatches
     if sequence_parallel and tp > 1:
         out.append(Collective("all_reduce", shape.sequence_parallel_params(), grad_element_size,

@@ -146,6 +146,7 @@ class TensorParallelStrategy(Strategy):
     def __init__(self, ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings,
                  shard: TensorParallelLM | None) -> None:
         self.mesh, self.settings = mesh, settings
+        self.checkpointing = ctx.config.activation_checkpointing  # the loop applies it
         module: nn.Module = shard if shard is not None else ctx.module
         self.shard = shard
         self.zero: ZeRO1 | ZeRO2 | ZeRO3 | None = None
@@ -337,10 +338,16 @@ class TensorParallelStrategy(Strategy):
                         microbatches: int) -> list[tp_theory.Collective]:
         """The tp collectives of one step; under ZeRO with SP, the sequence-parallel
         gradient sum carries this rank's shard's elements of them (:mod:`.tensor_zero`)."""
+        from disttrain.train.blocks import checkpointed
+
         tp, sp = self.mesh.tp_size, self.settings.sequence_parallel
+        # checkpointed blocks run their forward, and its collectives, again in backward
+        again = [i + 1 for i in checkpointed(self.checkpointing, shape.n_layers)]
+        out = tp_theory.tp_step_collectives(shape, batch, seq, tp, sp, microbatches,
+                                            recomputed=again)
         if self.sp_shards is None:
-            return tp_theory.tp_step_collectives(shape, batch, seq, tp, sp, microbatches)
-        out = tp_theory.tp_collectives(shape, batch, seq, tp, sp) * microbatches
+            return out
+        out = [c for c in out if c.where != "sequence-parallel gradients"]
         if self.sp_shards.numel:
             out.append(tp_theory.Collective("all_reduce", self.sp_shards.numel,
                                             self.sp_shards.element_size(),
