@@ -160,8 +160,10 @@ def test_stage3_units_default_custom_and_tied():
         ["scale", "head.weight", "head.bias"],
         ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"],
         ["body.3.weight", "body.3.bias"]]
-    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False), nn.Linear(10, 2))
     tied[1].weight = tied[0].weight
     with pytest.raises(ValueError, match="tied weights"):
-        assign_units(tied, trainable(tied), None)
+        assign_units(tied, trainable(tied), [tied[0], tied[1]])
     assign_units(tied, trainable(tied), [tied])  # one unit holding both users is fine
+    by_default = assign_units(tied, trainable(tied), None)  # the tie's users: the root's
+    assert [(m, len(idx)) for m, idx in by_default] == [(tied, 1), (tied[2], 2)]

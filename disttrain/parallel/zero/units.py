@@ -87,9 +87,16 @@ def assign_units(model: nn.Module, named: Sequence[tuple[str, nn.Parameter]],
 
 
 def _default_units(model: nn.Module) -> list[nn.Module]:
-    """Every module that directly owns a trainable parameter, in ``model.modules()`` order."""
-    return [m for m in model.modules()
-            if any(p.requires_grad for p in m.parameters(recurse=False))]
+    """Every module that directly owns a trainable parameter, in ``model.modules()`` order,
+    but those that share one with another (tied weights: GPT-2's embedding and LM head):
+    their parameters fall to the root, which holds them gathered for the whole forward."""
+    units = [m for m in model.modules()
+             if any(p.requires_grad for p in m.parameters(recurse=False))]
+    users: dict[int, int] = {}
+    for m in units:
+        for p in m.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    return [m for m in units if all(users[id(p)] == 1 for p in m.parameters(recurse=False))]
 
 
 class Use:
