@@ -204,10 +204,14 @@ def stage_module(layers: Sequence[nn.Module], balance: Sequence[int], stage: int
 
 def layer_names(model: Any, layers: Sequence[nn.Module]) -> list[str]:
     """Each layer's name in ``model`` (``"3"`` in an ``nn.Sequential``, ``"blocks.2"`` for a
-    model whose ``layers()`` returns its submodules): the names of its parameters in the
-    whole model's ``state_dict``."""
+    model whose ``layers()`` returns its submodules, or what its ``layer_names()`` says, for
+    stage functions that are not the model's own modules: :mod:`.hf`): the prefix of its
+    parameters' names in the whole model's ``state_dict``."""
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
         return [str(i) for i in range(len(layers))]
+    named = getattr(model, "layer_names", None)
+    if callable(named):
+        return [str(name) for name in named()]
     by_id = {id(module): name for name, module in model.named_modules() if name}
     return [by_id.get(id(layer), f"layer{i}") for i, layer in enumerate(layers)]
 
