@@ -32,7 +32,7 @@ from disttrain.parallel.presets import zero_presets
 from disttrain.train.config import OPTIMIZERS
 from disttrain.train.data import DataOptions
 from disttrain.train.device import check_device
-from disttrain.train.models import MOE_MODELS, TRANSFORMER_MODELS
+from disttrain.train.models import MOE_MODELS, TRANSFORMER_MODELS, is_hf_model
 from disttrain.train.strategies import STRATEGIES
 
 REFERENCE = "single"
@@ -100,6 +100,7 @@ class BenchConfig:
     world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
     preset: str = DEFAULT_PRESET  # recorded; BenchConfig.from_preset fills the fields below
     model: str = _DEFAULTS.model
+    model_config: str | None = None  # hf:gpt2, hf:llama: the transformers config (JSON file)
     dataset: str = _DEFAULTS.dataset
     data: DataOptions = _DEFAULTS.data
     optimizer: str = _DEFAULTS.optimizer
@@ -225,7 +226,8 @@ class BenchConfig:
 
     def _default(self) -> list[str]:
         return [n for n, e in experiments().items()
-                if (not e.needs_transformer or self.model in TRANSFORMER_MODELS)
+                if (not e.needs_transformer or self.model in TRANSFORMER_MODELS
+                    or is_hf_model(self.model))
                 and (not e.needs_experts or self.model in MOE_MODELS)]
 
     def skipped(self) -> list[tuple[str, str]]:

@@ -72,7 +72,8 @@ def train_config(config: BenchConfig, run: Run) -> TrainConfig:
         parallel = ParallelOptions(algorithm=config.algorithm, dp_shard=config.dp_shard,
                                    meta_init=run.meta_init)
     epochs, steps = config.length
-    return TrainConfig(model=config.model, dataset=config.dataset, data=config.data,
+    return TrainConfig(model=config.model, model_config=config.model_config,
+                       dataset=config.dataset, data=config.data,
                        strategy=exp.name, parallel=parallel, epochs=epochs, steps=steps,
                        global_batch=config.global_batch, optimizer=config.optimizer,
                        lr=config.lr, momentum=config.momentum, seed=config.seed,

@@ -71,7 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "registered one for most; 'single' always runs as the reference)")
     parser.add_argument("-n", "--world-sizes", type=_csv_ints, default=d.world_sizes,
                         help="comma-separated numbers of ranks (default: 2)")
-    parser.add_argument("--model", default=None, help="model (default: the preset's)")
+    parser.add_argument("--model", default=None, help="model (default: the preset's); "
+                        "hf:gpt2 or hf:llama with --model-config")
+    parser.add_argument("--model-config", default=None, metavar="FILE.json",
+                        help="hf:gpt2, hf:llama: the model's transformers config as JSON")
     parser.add_argument("--dataset", default=None,
                         help="dataset (default: the preset's): a registered name, "
                         "tokens:PATH (a file of token ids), text:PATH, or "
@@ -201,7 +204,8 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
     gloo_threads.policy_from_env()  # a typo in DISTTRAIN_GLOO_IO_THREADS: said here, once
     config = BenchConfig.from_preset(
         args.preset, strategies=args.strategies, world_sizes=args.world_sizes,
-        model=args.model, dataset=args.dataset, optimizer=args.optimizer, lr=args.lr,
+        model=args.model, model_config=args.model_config, dataset=args.dataset,
+        optimizer=args.optimizer, lr=args.lr,
         epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
         repeat=args.repeat, transport=args.transport, algorithm=args.algorithm,
         reference_threads=args.reference_threads, timeout_s=args.comm_timeout,
@@ -244,10 +248,14 @@ def _check_workload(config: BenchConfig) -> None:
     """The model builds on the dataset (``--model mlp`` on the default preset's tokens does
     not): said once, before any rank starts, instead of as every row's failure."""
     from disttrain.train.data import build_dataset
-    from disttrain.train.models import build_model
+    from disttrain.train.models import build_model, check_model, is_hf_model
 
     try:
-        build_model(config.model, build_dataset(config.dataset, config.data).info)
+        info = build_dataset(config.dataset, config.data).info
+        if is_hf_model(config.model):  # built on the meta device: shapes only
+            check_model(config.model, config.model_config, lambda: info)
+        else:
+            build_model(config.model, info, config.model_config)
     except ValueError as exc:
         raise ValueError(f"{exc} (--model {config.model} --dataset {config.dataset}; a "
                          f"preset's dataset stays unless --dataset is given)") from None

@@ -50,11 +50,10 @@ from disttrain.train.config_file import (
     dump,
     track_given,
 )
-from disttrain.train.data import DATASETS, DataOptions, check_dataset
+from disttrain.train.data import DATASETS, DataOptions, build_dataset, check_dataset
 from disttrain.train.device import local_backend, require_available, select_local_gpu
 from disttrain.train.flops import measured_peak, peak_tflops_value
-from disttrain.train.models import MODELS
-from disttrain.train.registry import resolve
+from disttrain.train.models import HF_MODELS, MODELS, check_model
 from disttrain.train.result import TrainResult
 from disttrain.train.schedule import SCHEDULES
 from disttrain.train.strategies import STRATEGIES, get_strategy, ranks_needed
@@ -77,7 +76,11 @@ def configure(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[t
                                 "launched job: WORLD_SIZE)")
     add_alias(p, "--nproc", new=nproc)
     p.add_argument("--model", default="lenet",
-                   help=f"one of: {', '.join(MODELS)}, or package.module:factory")
+                   help=f"one of: {', '.join(MODELS)}; {', '.join(HF_MODELS)} (Hugging Face, "
+                        f"with --model-config); or package.module:factory")
+    p.add_argument("--model-config", default=None, metavar="FILE.json",
+                   help="hf:gpt2, hf:llama: the model's transformers config as JSON (built "
+                        "from it, never downloaded; vocab_size defaults to the dataset's)")
     p.add_argument("--dataset", default="digits",
                    help=f"one of: {', '.join(DATASETS)}; tokens:PATH (a file of token ids, "
                         f"--token-dtype), text:PATH (bytes); or package.module:factory")
@@ -300,7 +303,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                staleness=args.staleness, staleness_lr=args.staleness_lr,
                                **straggler_options(args.straggler))
     return TrainConfig(
-        model=args.model, dataset=args.dataset, strategy=args.strategy, data=data,
+        model=args.model, model_config=args.model_config, dataset=args.dataset,
+        strategy=args.strategy, data=data,
         parallel=parallel, epochs=args.epochs, steps=args.steps, global_batch=args.global_batch,
         accumulate=args.accumulate, optimizer=args.optimizer, lr=args.lr,
         lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
@@ -422,8 +426,9 @@ def run(args: argparse.Namespace) -> int:
             world_size = ranks_needed(config, _local_workers(args.nproc_per_node))
         checked_setup(config, world_size)
         require_available(config.device)  # a one-line error, before any rank starts
-        resolve(MODELS, config.model, "model")
         check_dataset(config.dataset, config.data)
+        check_model(config.model, config.model_config,
+                    lambda: build_dataset(config.dataset, config.data).info)
         comm_config = CommConfig(timeout_s=_comm_timeout(args.comm_timeout))
         if in_job:
             result: TrainResult | None = spawn.run_in_job(config, comm_config, args.backend,

@@ -151,7 +151,8 @@ class TrainConfig:
     None (``replace(config, epochs=None, steps=100)``).
     """
 
-    model: str = "lenet"  # registry name or "package.module:factory"
+    model: str = "lenet"  # registry name, "hf:gpt2", "hf:llama" or "package.module:factory"
+    model_config: str | None = None  # hf: models: their transformers config, a JSON file
     dataset: str = "digits"  # registry name or "package.module:factory"
     strategy: str = "single"  # a STRATEGIES name; "pipeline" means parallel.schedule (1f1b)
     data: DataOptions = field(default_factory=DataOptions)
@@ -193,6 +194,10 @@ class TrainConfig:
             object.__setattr__(self, "strategy", self.parallel.schedule or "1f1b")
         if self.epochs is not None and self.steps is not None:
             raise ValueError("give epochs or steps, not both")
+        if self.model_config is not None and not self.model.startswith("hf:"):
+            raise ValueError(f"model_config (--model-config) is the config of a Hugging Face "
+                             f"model (--model hf:gpt2 or hf:llama); model {self.model!r} "
+                             f"takes none")
         if self.epochs is not None:
             _positive("epochs", self.epochs)
         if self.steps is not None:

@@ -42,8 +42,8 @@ from disttrain.flags import FROM_FILE, GIVEN, DeprecatedAlias, exclusive_with, n
 SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("strategy", "nproc_per_node", "device", "backend", "transport", "comm_timeout",
             "timeout", "json"),
-    "model": ("model", "dtype", "precision", "activation_checkpointing", "compile",
-              "compile_backend"),
+    "model": ("model", "model_config", "dtype", "precision", "activation_checkpointing",
+              "compile", "compile_backend"),
     "data": ("dataset", "samples", "input_shape", "num_classes", "data_seed", "seq_len",
              "vocab_size", "token_dtype", "loader_workers", "prefetch"),
     "parallel": ("bucket_cap_mb", "compression", "find_unused_parameters", "algorithm",

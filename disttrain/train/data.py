@@ -20,7 +20,7 @@ step's batch with :func:`fetch`, on loader threads ahead of the step (:mod:`.loa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,7 +126,9 @@ def size(dataset: Dataset[Any]) -> int:
 
 def fetch(dataset: Dataset[Any], indices: Sequence[int] | torch.Tensor) -> tuple[Any, Any]:
     """One batch ``(inputs, targets)``: a tensor gather for TensorDatasets, one read for a
-    dataset with ``get_batch(indices)`` (a token file's), else collated items."""
+    dataset with ``get_batch(indices)`` (a token file's), else collated items; items that
+    are dicts (``{"input_ids": ..., "labels": ...}``) give ``(the dict, its labels)``, the
+    dict being the model's keyword arguments (:mod:`disttrain.train.batches`)."""
     get_batch = getattr(dataset, "get_batch", None)
     if callable(get_batch):
         inputs, targets = get_batch(indices)
@@ -136,6 +138,8 @@ def fetch(dataset: Dataset[Any], indices: Sequence[int] | torch.Tensor) -> tuple
         inputs, targets = dataset.tensors[0], dataset.tensors[1]
         return inputs[index], targets[index]
     batch = default_collate([dataset[int(i)] for i in indices])
+    if isinstance(batch, Mapping):
+        return dict(batch), batch.get("labels")
     return batch[0], batch[1]
 
 

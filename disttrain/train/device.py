@@ -107,9 +107,11 @@ def resolve_device(name: str) -> torch.device:
 
 def to_device(batch: tuple[Any, Any], device: torch.device,
               dtype: torch.dtype | None = None) -> tuple[Any, Any]:
-    """``(inputs, targets)`` with their tensors on ``device`` and, given ``dtype``, their
-    floating-point tensors in it (the model's); anything else unchanged."""
+    """``(inputs, targets)`` with their tensors (also a dict's) on ``device`` and, given
+    ``dtype``, their floating-point tensors in it (the model's); anything else unchanged."""
     def move(t: Any) -> Any:
+        if isinstance(t, dict):
+            return {key: move(value) for key, value in t.items()}
         if not isinstance(t, torch.Tensor):
             return t
         if dtype is not None and t.is_floating_point():

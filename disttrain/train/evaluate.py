@@ -15,12 +15,14 @@ into its micro-batches).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from disttrain.train.batches import Batch, scores
 from disttrain.train.data import fetch, size
 from disttrain.train.device import to_device
 from disttrain.train.sampler import DistributedSampler
@@ -67,9 +69,12 @@ def batch_count(total: int, shards: int, batch_size: int, min_rows: int) -> int:
 
 def evaluate(strategy: Scorer, dataset: Dataset[Any], loss_fn: LossFn, autocast: Autocast,
              batch_size: int = 256, device: torch.device | None = None,
-             dtype: torch.dtype | None = None) -> tuple[float, float]:
+             dtype: torch.dtype | None = None,
+             align: Callable[[Batch], Batch] | None = None) -> tuple[float, float]:
     """``(accuracy, mean loss)`` over all of ``dataset``, the same on every rank (batches
-    moved to ``device``, the CPU by default, float inputs cast to ``dtype`` if given)."""
+    moved to ``device``, the CPU by default, float inputs cast to ``dtype`` if given;
+    ``align``: what the loop does to each fetched batch, :func:`~.batches.batch_aligner`).
+    Targets of -100 are not scored; a model's own loss (given labels) is the loss."""
     device = device if device is not None else torch.device("cpu")
     total = size(dataset)
     sampler = DistributedSampler(total, strategy.eval_shards, strategy.eval_shard,
@@ -77,6 +82,7 @@ def evaluate(strategy: Scorer, dataset: Dataset[Any], loss_fn: LossFn, autocast:
     indices = torch.as_tensor(sampler.indices(), dtype=torch.long)
     batches = batch_count(total, strategy.eval_shards, batch_size, strategy.eval_min_rows)
     totals = torch.zeros(3, dtype=torch.float64)  # correct, count, loss summed over targets
+    align = align if align is not None else (lambda batch: batch)
     strategy.before_eval()
     modules = strategy.eval_modules()
     modes = [m.training for m in modules]
@@ -87,15 +93,12 @@ def evaluate(strategy: Scorer, dataset: Dataset[Any], loss_fn: LossFn, autocast:
             for part in torch.tensor_split(indices, batches):
                 if len(part) == 0 and not strategy.collective_eval:
                     continue
-                inputs, targets = to_device(fetch(dataset, part), device, dtype)
+                inputs, targets = to_device(align(fetch(dataset, part)), device, dtype)
                 with autocast():
                     output = strategy.predict(inputs)
-                count = targets.numel()
-                if output is None or count == 0:
+                if output is None or targets.numel() == 0:
                     continue
-                totals[0] += (output.argmax(dim=-1) == targets).sum().item()
-                totals[1] += count
-                totals[2] += loss_fn(output, targets).item() * count
+                totals += torch.tensor(scores(output, targets, loss_fn), dtype=torch.float64)
     finally:
         for m, mode in zip(modules, modes):
             m.train(mode)

@@ -35,12 +35,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disttrain.comm import Communicator
-from disttrain.parallel.mixed_precision import at_least_fp32
 from disttrain.train import checkpoint
+from disttrain.train.batches import batch_aligner, model_loss, unpack_dict_inputs
 from disttrain.train.config import TrainConfig
 from disttrain.train.data import DatasetSplits, build_dataset, fetch, size
 from disttrain.train.device import resolve_device, to_device
@@ -74,9 +73,11 @@ from disttrain.train.strategies.base import PhaseRecorder
 Hook = Callable[[StepRecord], None]
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy; works for classes (B, C)/(B,) and tokens (B, T, V)/(B, T)."""
-    return F.cross_entropy(at_least_fp32(output.flatten(0, -2)), target.flatten())
+def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """The model's own loss (a ``ModelOutput``'s ``.loss``: it was given labels), else the
+    mean cross-entropy of its logits, targets of -100 left out; works for classes
+    (B, C)/(B,) and tokens (B, T, V)/(B, T) (:mod:`disttrain.train.batches`)."""
+    return model_loss(output, target)
 
 
 def train(config: TrainConfig, comm: Communicator | None = None, *,
@@ -148,11 +149,12 @@ class _Run:
         self.dtype: torch.dtype = getattr(torch, config.dtype)
         module = _build_module(config, self.data.info, self.device, self.dtype)
         self.numel = sum(p.numel() for p in module.parameters() if p.requires_grad)  # Ψ
+        unpack_dict_inputs(module)  # a dict batch is the model's keyword arguments
+        self.align = batch_aligner(module)  # a causal LM's labels, aligned with its logits
         self.throughput = throughput_of(module, self.data.info, self.world_size, self.device,
                                         config.peak_tflops)  # tokens/s and MFU
-        sample = to_device(fetch(self.data.train,
-                                 list(range(min(self.micro, size(self.data.train))))),
-                           self.device, self.dtype)
+        sample = to_device(self.align(fetch(self.data.train, list(range(
+            min(self.micro, size(self.data.train)))))), self.device, self.dtype)
         self.strategy: Strategy = spec.make(
             BuildContext(module, comm, optimizer_factory(config), config, sample))
         self.scaler = _loss_scaler(config, comm, self.strategy)
@@ -253,7 +255,7 @@ class _Run:
 
     def _fetch_step(self, indices: torch.Tensor) -> list[tuple[Any, Any]]:
         """One step's micro-batches, read on the host (on a loader thread)."""
-        return [fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro])
+        return [self.align(fetch(self.data.train, indices[m * self.micro:(m + 1) * self.micro]))
                 for m in range(self.config.accumulate)]
 
     def _one_step(self, epoch: int, batches: list[tuple[Any, Any]],
@@ -323,7 +325,7 @@ class _Run:
     def _evaluate(self) -> None:
         accuracy, loss = evaluate(self.strategy, self.data.test, loss_fn, self.autocast,
                                   batch_size=max(self.micro, 256), device=self.device,
-                                  dtype=self.dtype)
+                                  dtype=self.dtype, align=self.align)
         epoch = max(self.step - 1, 0) // self.steps_per_epoch
         self.evaluations.append(EvalPoint(self.step, epoch, accuracy, loss))
         if self.rank == 0:
@@ -438,9 +440,9 @@ def _build_module(config: TrainConfig, info: Any, device: torch.device,
     """The model, the same on every rank (the seed is set); ``--meta-init``: shapes only,
     on the meta device, for ZeRO to materialise each rank's shards one unit at a time."""
     if not config.parallel.meta_init:
-        return build_model(config.model, info).to(device, dtype)
+        return build_model(config.model, info, config.model_config).to(device, dtype)
     with torch.device("meta"):
-        return build_model(config.model, info).to(dtype)
+        return build_model(config.model, info, config.model_config).to(dtype)
 
 
 def _grad_clipper(config: TrainConfig, strategy: Strategy, scaler: Any) -> Any:

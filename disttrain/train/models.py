@@ -296,6 +296,21 @@ def hf_model(name: str, info: DataInfo, config_file: str | None) -> nn.Module:
     return model
 
 
+def check_model(name: str, model_config: str | None, info: Callable[[], DataInfo]) -> None:
+    """Fail now, in one line, on a model that cannot be built: an unknown name, a factory
+    that does not import, ``--model-config`` beside a model that takes none, or a Hugging
+    Face config that transformers rejects or that is too small for the data (``info()``,
+    read only then). A Hugging Face model is built on the meta device: shapes, no memory."""
+    if not is_hf_model(name):
+        if model_config is not None:
+            raise ValueError(f"--model-config is for the Hugging Face models "
+                             f"({', '.join(HF_MODELS)}); model {name!r} takes none")
+        resolve(MODELS, name, "model")
+        return
+    with torch.device("meta"):
+        hf_model(name, info(), model_config)
+
+
 def build_model(name: str, info: DataInfo, model_config: str | None = None) -> nn.Module:
     """The model registered as ``name`` (or returned by ``"pkg.mod:factory"``, or a Hugging
     Face model built from ``model_config``, :func:`hf_model`) for ``info``."""

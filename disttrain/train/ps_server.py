@@ -138,7 +138,8 @@ class ServerRun:
         self.data = build_dataset(config.dataset, config.data)
         torch.manual_seed(config.seed)  # the workers' initial parameters, built as they are
         self.dtype: torch.dtype = getattr(torch, config.dtype)
-        self.module = build_model(config.model, self.data.info).to(self.device, self.dtype)
+        self.module = build_model(config.model, self.data.info, config.model_config).to(
+            self.device, self.dtype)
         self.throughput = throughput_of(self.module, self.data.info, comm.world_size,
                                         self.device, config.peak_tflops)
         workers = self.roles.num_workers

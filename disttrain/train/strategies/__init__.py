@@ -258,9 +258,12 @@ def _check_layers(config: TrainConfig, stages: int) -> None:
     from disttrain.parallel.pipeline import partition as part
     from disttrain.train.data import build_dataset
     from disttrain.train.models import build_model
+    from disttrain.train.strategies.hf import pipeline_view
 
     info = build_dataset(config.dataset, config.data).info
-    model = build_model(config.model, info)
+    model = build_model(config.model, info, config.model_config)
+    if get_strategy(config.strategy).family is None:  # the baselines cut the model as it is
+        model = pipeline_view(model)
     layers = part.layers_of(model)
     v = config.parallel.virtual_stages or 1
     if v > 1 and len(layers) < stages * v:

@@ -22,9 +22,11 @@ dimension is a step here (see docs/extending.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 from disttrain.parallel.mesh import DeviceMesh, build_mesh
 from disttrain.parallel.presets import get_preset
-from disttrain.parallel.tensor import apply_tensor_parallel
+from disttrain.parallel.tensor import Parallelized, apply_tensor_parallel, parallelize
 from disttrain.parallel.tensor.transformer import TensorParallelLM
 from disttrain.train.strategies.base import BuildContext, Strategy
 from disttrain.train.strategies.mesh import MeshSettings, mesh_settings
@@ -43,6 +45,10 @@ def compose(ctx: BuildContext) -> Strategy:
         return ExpertParallelStrategy(ctx, mesh, settings)
     if settings.schedule is not None and mesh.pp_size > 1:  # 3.
         return pipeline(ctx, mesh, settings, shard)
+    if isinstance(shard, Parallelized):  # a Hugging Face model's shard (strategies/hf.py)
+        from disttrain.train.strategies.hf import HFTensorParallelStrategy
+
+        return HFTensorParallelStrategy(ctx, mesh, settings, shard)  # 4., on the shard
     if shard is not None or mesh.cp is not None:
         from disttrain.train.strategies.tensor import TensorParallelStrategy
 
@@ -51,31 +57,45 @@ def compose(ctx: BuildContext) -> Strategy:
 
 
 def tensor_parallel(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings
-                    ) -> TensorParallelLM | None:
-    """1. This rank's tensor-parallel shard of the model (None when tp = 1)."""
+                    ) -> TensorParallelLM | Parallelized | None:
+    """1. This rank's tensor-parallel shard of the model (None when tp = 1): disttrain's
+    TransformerLM as a :class:`TensorParallelLM`, any other model by its built-in plan
+    (Hugging Face GPT-2 and Llama: :func:`~disttrain.parallel.tensor.parallelize`)."""
     if mesh.tp is None:
         return None
+    if getattr(ctx.module, "config", None) is not None:  # a transformers model
+        return parallelize(ctx.module, mesh.tp, sequence_parallel=settings.sequence_parallel,
+                           algorithm=settings.algorithm)
     return apply_tensor_parallel(ctx.module, mesh.tp, settings.sequence_parallel,
                                  settings.algorithm)
 
 
 def pipeline(ctx: BuildContext, mesh: DeviceMesh, settings: MeshSettings,
-             shard: TensorParallelLM | None) -> Strategy:
+             shard: TensorParallelLM | Parallelized | None) -> Strategy:
     """3. This rank's stage of the (sharded) model; the stages of one pp position average
-    their gradients over dp (the pipeline engine's own all-reduce)."""
+    their gradients over dp (the pipeline engine's own all-reduce). A Hugging Face model
+    is cut as its chain of stage functions (:func:`~.hf.pipeline_view`)."""
     from disttrain.parallel.pipeline import build_pipeline
     from disttrain.train.strategies.pipeline import PipelineSettings, PipelineStrategy
     from disttrain.train.strategies.tensor_pipeline import TensorPipelineStrategy
 
     assert settings.schedule is not None
+    if isinstance(shard, Parallelized):
+        from disttrain.train.strategies.hf import HFTensorPipelineStrategy
+
+        return HFTensorPipelineStrategy(ctx, mesh, settings, shard)
     if shard is not None:
         return TensorPipelineStrategy(ctx, mesh, settings, shard)
+    from disttrain.parallel.pipeline import bundle
+    from disttrain.train.strategies.hf import pipeline_view
+
+    ctx = dataclasses.replace(ctx, module=pipeline_view(ctx.module))
     partition = ctx.config.parallel.partition or "params"
     m, inputs = settings.microbatches, ctx.sample[0]
     v = ctx.config.parallel.virtual_stages or 1  # chunks per stage: interleaved 1F1B
     pipe = build_pipeline(ctx.module, mesh.world, schedule=settings.schedule,
                           microbatches=m, partition=partition, mesh=mesh,
-                          sample=inputs[:max(1, len(inputs) // m)],  # one micro-batch
+                          sample=bundle.split(inputs, m)[0],  # one micro-batch
                           warn_bubble=not settings.model_parallel, virtual_stages=v)
     label = None if settings.model_parallel else settings.schedule
     return PipelineStrategy(ctx, pipe, PipelineSettings(label, m, mesh.pp_rank, mesh.pp_size,

@@ -79,7 +79,7 @@ def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
     """What can be checked before any rank starts: the model, its sizes, the mesh's."""
     from disttrain.parallel.tensor.transformer import check_divisible, check_sequence
     from disttrain.train.data import build_dataset
-    from disttrain.train.models import MODELS, TRANSFORMER_MODELS, build_model
+    from disttrain.train.models import MODELS, TRANSFORMER_MODELS, build_model, is_hf_model
 
     name, opts = config.strategy, config.parallel
     settings = mesh_settings(config, world_size)
@@ -92,8 +92,13 @@ def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
         raise ValueError(f"strategy {name!r} splits a transformer's attention heads, MLP and "
                          f"vocabulary; model {config.model!r} is not a TransformerLM: use "
                          f"--model transformer --dataset synthetic-lm")
+    if is_hf_model(config.model) and shape.size(("tp", "pp")) > 1:
+        from disttrain.train.strategies.hf import check_hf_mesh
+
+        check_hf_mesh(config, settings)
     if config.model in TRANSFORMER_MODELS and tp > 1:
-        model = build_model(config.model, build_dataset(config.dataset, config.data).info)
+        model = build_model(config.model, build_dataset(config.dataset, config.data).info,
+                            config.model_config)
         check_divisible(model, tp)
         if settings.sequence_parallel:
             check_sequence(lm_shape(model)["max_len"], tp)
@@ -128,7 +133,8 @@ def _check_experts(config: TrainConfig, ep: int) -> None:
     from disttrain.train.models import build_model
     from disttrain.train.moe import moe_layers
 
-    model = build_model(config.model, build_dataset(config.dataset, config.data).info)
+    model = build_model(config.model, build_dataset(config.dataset, config.data).info,
+                        config.model_config)
     layers = moe_layers(model)
     if not layers:
         raise ValueError(f"strategy {config.strategy!r} spreads the experts of mixture-of-"
@@ -150,7 +156,8 @@ def _check_context(config: TrainConfig, settings: MeshSettings) -> None:
     from disttrain.train.models import build_model
 
     shape, cp = settings.shape, settings.shape.size("cp")
-    model = build_model(config.model, build_dataset(config.dataset, config.data).info)
+    model = build_model(config.model, build_dataset(config.dataset, config.data).info,
+                        config.model_config)
     lm_layers(model)  # a TransformerLM (or one shaped like it), else a one-line error
     if shape.pp > 1:
         raise ValueError(f"--cp {cp} inside pipeline stages is not built yet; use --pp 1 "

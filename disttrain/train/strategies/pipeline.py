@@ -110,6 +110,25 @@ def pipeline_theory(sizes: Sequence[float], layers: tuple[int, int], stage: int,
     return sent
 
 
+def tied_weights(pipe: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                 ) -> Any:
+    """The weights ``model`` (what the pipeline cut) lists as ``tied`` across its first and
+    last stage, kept equal (:class:`~disttrain.parallel.pipeline.hf.TiedWeights`), or None
+    (nothing tied; every rank of the pipeline calls this, which makes the group)."""
+    tied = getattr(model, "tied", None)
+    if not tied:
+        return None
+    from disttrain.parallel.pipeline.hf import TiedWeights
+
+    return TiedWeights(pipe, tied, optimizer)
+
+
+def device_of(sample: Any) -> torch.device:
+    """The device of a batch's first tensor (a dict batch's too)."""
+    leaf = next(iter(sample.values())) if isinstance(sample, dict) else sample
+    return leaf.device if isinstance(leaf, torch.Tensor) else torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class PipelineSettings:
     schedule: str | None  # None: model parallel (a pipeline of one micro-batch)
@@ -130,11 +149,12 @@ class PipelineStrategy(Strategy):
         optimizer = ctx.make_optimizer(params) if params else None
         super().__init__(pipe.module, optimizer, ctx.require_comm(ctx.config.strategy))
         self.pipe, self.settings = pipe, settings
+        self.tied = tied_weights(pipe, ctx.module, optimizer)  # GPT-2's embedding and head
         self.eval_min_rows = settings.microbatches
         self.steps: list[Any] = []  # StepStats per step
         local_batch = ctx.config.global_batch // settings.dp_size
         sizes = activation_sizes(ctx.module, ctx.sample[0], autocast_factory(
-            ctx.config.precision, ctx.sample[0].device.type),
+            ctx.config.precision, device_of(ctx.sample[0]).type),
             rows=local_batch // settings.microbatches)
         theory = stage_theory(sizes, held_layers(pipe), settings.stage, settings.pp_size,
                               settings.microbatches, local_batch)
@@ -142,6 +162,8 @@ class PipelineStrategy(Strategy):
             grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             theory += ring_all_reduce_bytes(settings.dp_size, grads)
             theory += ring_all_reduce_bytes(settings.dp_size, 8)  # the loss, float64
+        if self.tied is not None:  # the tied gradients' sum over the first and last stage
+            theory += self.tied.theory_bytes()
         self.theory_bytes_per_step = theory
 
     @property
@@ -182,6 +204,8 @@ class PipelineStrategy(Strategy):
         from disttrain.train.clipping import squares
 
         mine = squares(self.module.parameters())
+        if self.tied is not None:  # a weight held twice (tied) counts once
+            mine = mine - squares(self.tied.copies())
         return (mine if self.settings.dp_rank == 0 else torch.zeros_like(mine)), self.comm
 
     def after_step(self) -> None:
