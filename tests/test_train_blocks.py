@@ -27,7 +27,7 @@ def run(comm: Any, config: TrainConfig) -> tuple[dict[str, torch.Tensor], int]:
 CASES = [("single", 1, PIPELINE, {}), ("ddp", 2, PIPELINE, {}), ("zero1", 2, PIPELINE, {}),
          ("zero2", 2, PIPELINE, {}), ("zero3", 2, PIPELINE, {}),
          ("gpipe", 2, PIPELINE, {"microbatches": 4}), ("1f1b", 2, PIPELINE, {"microbatches": 4}),
-         ("tp", 2, MESH, {}), ("tp-sp", 2, MESH, {}),
+         ("tp", 2, MESH, {}), ("tp-sp", 2, MESH, {}), ("cp", 2, MESH, {}),
          ("3d", 4, MESH, {"tp_size": 2, "pp_size": 2, "microbatches": 2})]
 
 
@@ -100,15 +100,19 @@ def checkpointed_bytes(comm: Any, config: TrainConfig) -> list[tuple[list[int], 
     return out
 
 
-@pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
-def test_checkpointed_tensor_parallel_blocks_send_what_the_theory_says(pools, strategy):
+@pytest.mark.parametrize(("strategy", "world", "options"), [
+    ("tp", 2, {}), ("tp-sp", 2, {}), ("cp", 2, {}), ("cp", 2, {"cp_variant": "ulysses"}),
+    ("3d", 4, {"tp_size": 2, "pp_size": 2, "microbatches": 2})],
+    ids=["tp", "tp-sp", "cp-ring", "cp-ulysses", "tp2-pp2"])
+def test_checkpointed_blocks_send_what_the_theory_says(pools, strategy, world, options):
     """A checkpointed block's forward runs again in backward, and so do its collectives
-    (all but the last: torch stops recomputing before the block's output): full and
-    selective, with and without sequence parallelism, bytes = formula every step."""
+    (tensor parallelism's all but the last: torch stops recomputing before the block's
+    output; context parallelism's attention): full and selective, bytes = formula every
+    step."""
     from tests.test_tensor_parallel_strategies import CONFIG
 
     config = dataclasses.replace(CONFIG, strategy=strategy, parallel=ParallelOptions(
-        algorithm="ring"))
-    for per_mode in pools(2).run(checkpointed_bytes, config):
+        algorithm="ring", **options))
+    for per_mode in pools(world).run(checkpointed_bytes, config):
         for sent, theory in per_mode:
             assert sent == [theory] * len(sent)

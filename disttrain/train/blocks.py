@@ -31,7 +31,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 MODES = ("none", "full", "selective")
-_BLOCK_NAMES = ("Block", "ParallelBlock", "GPT2Block", "LlamaDecoderLayer", "MoEBlock")
+_BLOCK_NAMES = ("Block", "ParallelBlock", "GPT2Block", "LlamaDecoderLayer", "MoEBlock",
+                "ContextParallelBlock")
 
 
 def blocks_of(module: nn.Module) -> list[nn.Module]:

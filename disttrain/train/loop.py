@@ -430,9 +430,10 @@ def _wrap_blocks(config: TrainConfig, strategy: Strategy) -> None:
     trains (a shard, a stage, the model: train/blocks.py)."""
     from disttrain.train.blocks import apply_activation_checkpointing, compile_blocks
 
+    blocks = strategy.block_module()
     if config.compile:
-        compile_blocks(strategy.module, config.compile_backend)
-    apply_activation_checkpointing(strategy.module, config.activation_checkpointing)
+        compile_blocks(blocks, config.compile_backend)
+    apply_activation_checkpointing(blocks, config.activation_checkpointing)
 
 
 def _build_module(config: TrainConfig, info: Any, device: torch.device,

@@ -30,8 +30,8 @@ output twice, head-split for the kernel and sequence-split again for the out pro
 
 from __future__ import annotations
 
-__all__ = ["attention_activation_bytes", "attention_bytes_sent", "bytes_sent",
-           "ring_all_reduce_bytes"]
+__all__ = ["attention_activation_bytes", "attention_bytes_sent", "attention_forward_bytes",
+           "bytes_sent", "ring_all_reduce_bytes"]
 
 
 def attention_bytes_sent(variant: str, cp: int, batch: int, seq: int, hidden: int,
@@ -49,6 +49,21 @@ def attention_bytes_sent(variant: str, cp: int, batch: int, seq: int, hidden: in
     else:
         raise ValueError(f"variant must be 'ring' or 'ulysses', got {variant!r}")
     return n_layers * per_layer
+
+
+def attention_forward_bytes(variant: str, cp: int, batch: int, seq: int, hidden: int,
+                            n_layers: int, element_size: int) -> int:
+    """The forward's part of :func:`attention_bytes_sent`: what a block whose activations
+    are checkpointed sends again when backward recomputes it (the ring's K and V round the
+    ring; Ulysses' all-to-alls of Q, K, V and of the output)."""
+    if cp <= 1:
+        return 0
+    a = batch * (seq // cp) * hidden
+    if variant == "ring":
+        return n_layers * (cp - 1) * 2 * a * element_size
+    if variant == "ulysses":
+        return n_layers * (cp - 1) * (4 * a // cp) * element_size
+    raise ValueError(f"variant must be 'ring' or 'ulysses', got {variant!r}")
 
 
 def ring_all_reduce_bytes(numel: int, p: int, rank: int, element_size: int) -> int:

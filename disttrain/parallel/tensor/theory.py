@@ -136,16 +136,24 @@ def tp_step_collectives(shape: LMShape, batch: int, seq: int, tp: int,
     the block's output, which torch's checkpoint does not recompute (it stops once the
     tensors backward needs are back, and none needs the output)."""
     once = tp_collectives(shape, batch, seq, tp, sequence_parallel, element_size)
-    again: list[Collective] = []
-    for b in recomputed:
-        forward = [c for c in once if c.where.startswith(f"block {b} ")
-                   and c.where.endswith("forward")]
-        again += forward[:-1]
-    out = (once + again) * microbatches
+    out = (once + recomputed_collectives(once, recomputed)) * microbatches
     if sequence_parallel and tp > 1:
         out.append(Collective("all_reduce", shape.sequence_parallel_params(), grad_element_size,
                               "sequence-parallel gradients"))
     return out
+
+
+def recomputed_collectives(once: list[Collective], blocks: Sequence[int]) -> list[Collective]:
+    """What ``blocks`` (1..L) send again when backward recomputes their forward (activation
+    checkpointing): each one's forward collectives in ``once`` but its last, the
+    reduction of its output, which torch's checkpoint leaves out (it stops recomputing once
+    the tensors backward needs are back)."""
+    again: list[Collective] = []
+    for b in blocks:
+        forward = [c for c in once if c.where.startswith(f"block {b} ")
+                   and c.where.endswith("forward")]
+        again += forward[:-1]
+    return again
 
 
 def ring_bytes_sent(op: str, p: int, numel: int, element_size: int, rank: int) -> int:

@@ -234,6 +234,12 @@ class Strategy:
             self.scaler.no_step()
         return total if total is not None else torch.zeros(())
 
+    def block_module(self) -> nn.Module:
+        """The module whose blocks each forward runs (what --activation-checkpointing and
+        --compile wrap): the trained module, unless the strategy runs it through another
+        (context parallelism runs its own blocks around the model's layers)."""
+        return self.module
+
     def before_update(self) -> None:
         """After the last micro-batch's backward, before the update: what a strategy still
         does to the gradients (expert parallelism averages them over its group)."""

@@ -61,9 +61,12 @@ class ExpertParallelStrategy(Strategy):
         self._dp_bytes = ring_all_reduce_bytes(mesh.dp_size, param_bytes(module))
         self._theory: list[float] = []
         self.theory_bytes_per_step = None  # known after the first step (routing)
-        # the replicated gradients' all-reduce over ep: unseen when it runs natively
+        # the replicated gradients' all-reduce over ep: unseen when it runs natively; and
+        # no figure under activation checkpointing, whose recomputed forwards send some of
+        # their all-to-alls again (which ones depends on where torch stops recomputing)
         self._observed = mesh.ep.theory_bytes_sent("all_reduce", 1 << 20,
-                                                   settings.algorithm) is not None
+                                                   settings.algorithm) is not None and (
+            ctx.config.activation_checkpointing == "none")
 
     @property
     def dp_rank(self) -> int:

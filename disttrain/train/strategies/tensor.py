@@ -259,6 +259,9 @@ class TensorParallelStrategy(Strategy):
             output = (self.zero if isinstance(self.zero, ZeRO3) else self.module)(inputs)
         return self.shard.full_logits(output) if self.shard is not None else output
 
+    def block_module(self) -> nn.Module:
+        return self.cp if self.cp is not None else self.module
+
     def eval_modules(self) -> list[nn.Module]:
         return [self.module] if self.cp is None else [self.module, self.cp]
 
@@ -359,12 +362,19 @@ class TensorParallelStrategy(Strategy):
         """Context parallelism's bytes per step on the cp group: attention for every
         micro-batch (exact for the ring and the pairwise all-to-all) and the gradients'
         all-reduce (the communicator's price for its algorithm; None: not observable)."""
-        from disttrain.parallel.context import attention_bytes_sent
+        from disttrain.parallel.context.theory import (
+            attention_bytes_sent,
+            attention_forward_bytes,
+        )
+        from disttrain.train.blocks import checkpointed
 
         cp_comm, element = self.mesh.cp, next(self.module.parameters()).element_size()
-        attention = attention_bytes_sent(self.settings.cp_variant, cp_comm.world_size, micro,
-                                         seq, shape.d_model // self.mesh.tp_size,
-                                         shape.n_layers, element)
+        sizes = (self.settings.cp_variant, cp_comm.world_size, micro, seq,
+                 shape.d_model // self.mesh.tp_size)
+        attention = attention_bytes_sent(*sizes, shape.n_layers, element)
+        # a checkpointed block's attention forward runs again in backward
+        again = len(checkpointed(self.checkpointing, shape.n_layers))
+        attention += attention_forward_bytes(*sizes, again, element)
         grads = cp_comm.theory_bytes_sent("all_reduce", param_bytes(self.module),
                                           self.settings.algorithm)
         if grads is None:

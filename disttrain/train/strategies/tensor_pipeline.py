@@ -143,8 +143,10 @@ class TensorPipelineStrategy(PipelineStrategy):
             sent += ring_all_reduce_bytes(m.dp_size, grads) + ring_all_reduce_bytes(m.dp_size, 8)
         shape = tp_theory.LMShape(**lm_shape(ctx.module))
         seq = ctx.sample[0].shape[-1]
-        plan = tp_theory.tp_collectives(shape, local // microbatches, seq, t, sp,
-                                        layers=range(layers[0], layers[1] + 1)) * microbatches
+        once = tp_theory.tp_collectives(shape, local // microbatches, seq, t, sp,
+                                        layers=range(layers[0], layers[1] + 1))
+        plan = (once + tp_theory.recomputed_collectives(
+            once, self._recomputed(ctx, shape, layers))) * microbatches
         if sp and t > 1:
             numel = sum(p.numel() for p in self._sp_params)
             plan.append(tp_theory.Collective("all_reduce", numel, 4, "sequence-parallel grads"))
@@ -152,6 +154,16 @@ class TensorPipelineStrategy(PipelineStrategy):
         price = None if tp_comm is None else (
             lambda op, nbytes: tp_comm.theory_bytes_sent(op, nbytes, algorithm))
         return sent + tp_theory.bytes_sent(plan, t, m.tp_rank, price)
+
+    @staticmethod
+    def _recomputed(ctx: BuildContext, shape: tp_theory.LMShape, layers: tuple[int, int]
+                    ) -> list[int]:
+        """This stage's blocks (1..L) that --activation-checkpointing wraps: it picks among
+        the stage's own blocks, in order (train/blocks.py)."""
+        from disttrain.train.blocks import checkpointed
+
+        mine = [b for b in range(1, shape.n_layers + 1) if layers[0] <= b <= layers[1]]
+        return [mine[i] for i in checkpointed(ctx.config.activation_checkpointing, len(mine))]
 
     def extras(self, warmup_steps: int) -> dict[str, Any]:
         out = super().extras(warmup_steps)
