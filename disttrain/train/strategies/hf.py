@@ -159,6 +159,12 @@ def _tp_bytes(parallel: Parallelized, within: nn.Module, config: Any, batch: int
                                 _price(mesh, settings.algorithm))
 
 
+def _counted(config: TrainConfig) -> bool:
+    """Whether the theory below holds: fp32 (mixed precision moves bf16 activations) and no
+    activation checkpointing (a recomputed forward runs its collectives again)."""
+    return config.precision == "fp32" and config.activation_checkpointing == "none"
+
+
 def _config_of(model: nn.Module) -> Any:
     """A transformers model's config (its sizes; a shard keeps the whole model's)."""
     return getattr(model, "config")  # noqa: B009  (nn.Module types attributes as tensors)
@@ -204,7 +210,7 @@ class HFTensorParallelStrategy(TensorParallelStrategy):
 
     def _theory(self, ctx: BuildContext) -> float | None:
         config = ctx.config
-        if config.precision != "fp32" or getattr(self, "zero", None) is not None:
+        if not _counted(config) or getattr(self, "zero", None) is not None:
             return None
         micro = config.micro_batch(self.mesh.dp_size)
         sent = _tp_bytes(self.parallel, self.module, _config_of(self.module), micro,
@@ -233,7 +239,7 @@ class HFTensorPipelineStrategy(TensorPipelineStrategy):
         self._sp_params = parallel.sequence_parallel_parameters(self.module)
 
     def _mesh_theory(self, ctx: BuildContext, microbatches: int) -> float | None:
-        if ctx.config.precision != "fp32":
+        if not _counted(ctx.config):
             return None
         m, config = self.mesh, _config_of(self.parallel.module)
         local = ctx.config.global_batch // m.dp_size
