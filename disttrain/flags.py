@@ -34,6 +34,10 @@ VOCABULARY: dict[str, str] = {
     "--dp-shard": "ZeRO's hybrid sharding: ranks per shard group, replicated across groups",
     "--meta-init": "ZeRO: the model built on the meta device, each rank materialising its "
                    "shards",
+    "--activation-checkpointing": "recompute the blocks' activations in backward (none, "
+                                  "full, selective)",
+    "--compile": "torch.compile the model's blocks",
+    "--compile-backend": "torch.compile's backend (inductor, aot_eager, ...)",
     "--comm-timeout": "seconds any collective (any rank waiting for a peer) may wait",
     "--timeout": "seconds the whole run may take",
     "--bucket-cap-mb": "megabytes per gradient bucket (torch DDP's word)",
