@@ -33,16 +33,17 @@ from typing import Any
 
 import torch
 
-from disttrain.parallel.zero.sharding import OptimizerFactory, ShardLayout
+from disttrain.parallel.zero.sharding import (
+    GradShardHook,
+    MasterSlice,
+    OptimizerFactory,
+    ShardLayout,
+)
 
 ParamGroups = Sequence[Mapping[str, Any]] | Callable[[str], Mapping[str, Any]]
 """A list of dicts as torch optimizers take (``"params"``: the model's parameters or their
 names, the rest: that group's options), or ``name → options`` for each parameter."""
 
-GradShardHook = Callable[[list[torch.Tensor | None]], None]
-"""Runs in ``step()`` with every flat group's reduced gradient shard (this rank's, in
-``shard_groups()`` order; None: no gradient), before the optimizer; it may change them in
-place or fill a None (a tensor mesh finishes its sums over tp there)."""
 
 
 @dataclass(frozen=True)
@@ -131,16 +132,6 @@ def slice_runs(layout: ShardLayout, groups: Sequence[int], rank: int
         return [(groups[-1], 0, layout.shard_size)]
     runs[-1] = (runs[-1][0], runs[-1][1], layout.shard_size)
     return runs
-
-
-@dataclass(frozen=True)
-class MasterSlice:
-    """One tensor the optimizer updates: ``tensor`` is ``master[start:start + n]`` (a view),
-    or the master itself when there are no groups; ``group`` indexes ``param_groups``."""
-
-    group: int
-    start: int
-    tensor: torch.Tensor
 
 
 class ShardOptimizer:

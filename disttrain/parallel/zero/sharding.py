@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -39,13 +39,26 @@ from torch import nn
 from disttrain.comm import Communicator
 from disttrain.comm.algorithms import ALGORITHMS
 
-if TYPE_CHECKING:
-    from disttrain.parallel.zero.groups import GradShardHook, MasterSlice
-
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 """Builds the optimizer from the flat shard tensors, e.g. ``lambda p: torch.optim.Adam(p, lr=1e-3)``
 or ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``; with ``param_groups`` it is
 given a list of dicts instead, as torch optimizers take (:mod:`.groups`)."""
+
+GradShardHook = Callable[[list[torch.Tensor | None]], None]
+"""Runs in ``step()`` with every flat group's reduced gradient shard (this rank's, in
+``shard_groups()`` order; None: no gradient), before the optimizer; it may change them in
+place or fill a None (a tensor mesh finishes its sums over tp there)."""
+
+
+@dataclass(frozen=True)
+class MasterSlice:
+    """One tensor the optimizer updates: ``tensor`` is ``master[start:start + n]`` (a view),
+    or the master itself when there are no groups; ``group`` indexes ``param_groups``."""
+
+    group: int
+    start: int
+    tensor: torch.Tensor
+
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # every step moves data with these two; a name must exist for both

@@ -60,41 +60,6 @@ def pipeline_view(model: nn.Module) -> nn.Module:
     return hf_stages(model) if is_hf_causal_lm(model) else model
 
 
-def check_hf_mesh(config: TrainConfig, settings: MeshSettings) -> None:
-    """A Hugging Face model's split, before any rank starts (one-line ValueErrors): the
-    sizes its plan divides by tp (heads, key/value heads, MLP width, vocabulary), the
-    sequence under sequence parallelism, and ZeRO inside the mesh only at stages 1 and 2
-    without sequence parallelism (the plan's norms are summed on whole gradients)."""
-    from disttrain.train.data import build_dataset
-    from disttrain.train.models import hf_model
-    from disttrain.train.strategies import get_strategy
-
-    tp = settings.shape.tp
-    if get_strategy(config.strategy).family is not None:
-        raise ValueError(f"strategy {config.strategy!r} splits disttrain's TransformerLM; "
-                         f"{config.model} is split by disttrain's tp, tp-sp and 3d (its "
-                         f"built-in plan)")
-    if settings.zero and (settings.zero == 3 or settings.sequence_parallel):
-        raise ValueError(f"--zero {settings.zero} inside a tensor-parallel mesh of a Hugging "
-                         f"Face model: use --zero 1 or 2 without --sequence-parallel")
-    info = build_dataset(config.dataset, config.data).info
-    with torch.device("meta"):  # shapes only
-        model: Any = hf_model(config.model, info, config.model_config)
-    c = model.config
-    sizes = {"num_attention_heads": c.num_attention_heads,
-             "num_key_value_heads": getattr(c, "num_key_value_heads", None)
-             or c.num_attention_heads, "vocab_size": c.vocab_size,
-             "MLP width": getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
-             or 4 * c.hidden_size}
-    if settings.sequence_parallel:
-        sizes["sequence length (--seq-len)"] = info.input_shape[-1]
-    for what, size in sizes.items():
-        if size % tp:
-            raise ValueError(f"tensor parallelism over {tp} ranks splits {config.model}'s "
-                             f"{what}={size}, which does not divide by {tp}; use a --tp that "
-                             f"divides it or change --model-config")
-
-
 def link_kinds(config: Any) -> list[str]:
     """The kind of each link of :func:`~disttrain.parallel.pipeline.hf.hf_stages`' chain."""
     layers = int(config.num_hidden_layers)

@@ -93,9 +93,9 @@ def check_mesh(config: TrainConfig, world_size: int, dp: int) -> None:
                          f"vocabulary; model {config.model!r} is not a TransformerLM: use "
                          f"--model transformer --dataset synthetic-lm")
     if is_hf_model(config.model) and shape.size(("tp", "pp")) > 1:
-        from disttrain.train.strategies.hf import check_hf_mesh
+        from disttrain.train.strategies.hf_checks import check_hf_mesh
 
-        check_hf_mesh(config, settings)
+        check_hf_mesh(config, shape.tp, settings.zero, settings.sequence_parallel)
     if config.model in TRANSFORMER_MODELS and tp > 1:
         model = build_model(config.model, build_dataset(config.dataset, config.data).info,
                             config.model_config)
