@@ -97,11 +97,13 @@ def test_deepspeed_rows_are_refused_with_the_install_command_when_missing(monkey
 
 
 # What each strategy's communicator is told before the strategy is built (the Gloo I/O-thread
-# policy): collectives for data parallelism, ZeRO and tensor parallelism, p2p for DeepSpeed's
-# pipeline engine, nothing (learned from the first isend) for pipelines and parameter servers.
+# policy): collectives for data parallelism, ZeRO, tensor, context and expert parallelism
+# (cp's ring also sends point-to-point, which turns the policy to normal for good), p2p for
+# DeepSpeed's pipeline engine, nothing (learned from the first isend) for pipelines and
+# parameter servers.
 COLLECTIVES = ("ddp", "zero1", "zero2", "zero3", "torch-ddp", "torch-zero1", "torch-fsdp",
                "deepspeed-ddp", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3",
-               "tp", "tp-sp", "torch-tp", "torch-tp-sp")
+               "tp", "tp-sp", "torch-tp", "torch-tp-sp", "cp", "ep")
 WORKLOADS = {**dict.fromkeys(COLLECTIVES, "collectives"), "deepspeed-pipe": "p2p"}
 
 

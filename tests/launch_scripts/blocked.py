@@ -25,8 +25,10 @@ with open(os.path.join(piddir, f"pid-server{comm.rank}"), "w") as f:
     f.write(str(server.pid))
 assert server.stdout is not None
 port = int(server.stdout.readline())
-client = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=5),
-                       wait_for_workers=False)
+# a timeout longer than any test waits: with a short one the call ends on its own (while
+# the other rank is still starting its server on a busy machine), and the rank with it
+client = dist.TCPStore("127.0.0.1", port, None, False,
+                       timeout=datetime.timedelta(seconds=300), wait_for_workers=False)
 client.set("key", "1")
 os.kill(server.pid, signal.SIGSTOP)
 print("ready", flush=True)
