@@ -19,6 +19,8 @@ from disttrain.parallel.pipeline.wire import (
     FAILED,
     HEADER_BYTES,
     OK,
+    RESHAPE,
+    TRAIN,
     Header,
     PipelineError,
     pack,
@@ -145,6 +147,53 @@ def test_one_message_per_tensor_once_sizes_are_known(pools):
         (first, first_bytes), *later = per_step
         assert first == 8  # a header in the size the receiver expects, then the payload
         assert later == [(4, first_bytes)] * 2  # one message each, the same bytes
+
+
+def rogue_short_messages(comm) -> list[str]:
+    """Stage 0 sends stage 1 an activation, then messages that end short of what stage 1
+    posted: a whole message cut by 64 bytes once sizes are known, and, after a ``RESHAPE``
+    notice, a payload cut by 8 bytes. Stage 1 says what it received each time."""
+    from disttrain.parallel.pipeline.link import Direction
+
+    comm = _fresh(comm)
+    link = StageLink(comm, comm.rank)
+    tensor = torch.arange(64, dtype=torch.float32).reshape(4, 16)  # 256 payload bytes
+    calls = [(tensor, None), (tensor, 64), (tensor[:2], 8)]  # (what, bytes cut) per call
+    results = []
+    for call, (what, cut) in enumerate(calls):
+        if comm.rank == 1:
+            link.begin(TRAIN, {}, {Direction.ACTIVATION: 1})
+            results.append(_capture(lambda call=call: link.recv(
+                Direction.ACTIVATION, call=call, mode=TRAIN, microbatch=0)))
+            continue
+        link.begin(TRAIN, {Direction.ACTIVATION: 1}, {})
+        if cut is None:
+            link.send(Direction.ACTIVATION, what, call=call, mode=TRAIN, microbatch=0, rows=4)
+        else:  # what a sender of the wrong size would put on the channel
+            chan = link._channel(Direction.ACTIVATION, TRAIN, sending=True)
+            header = Header(OK, call, TRAIN, 0, 4, 0.0, what.dtype, tuple(what.shape))
+            expected = link._out[Direction.ACTIVATION].expected(0)
+            if header.nbytes == expected:
+                messages = [pack(header, what, expected)]
+            else:
+                messages = [pack(replace(header, status=RESHAPE), None, expected),
+                            what.reshape(-1).view(torch.uint8)]
+            messages[-1] = messages[-1][:-cut]
+            for message in messages:
+                chan[0].isend(message, chan[2], chan[1]).wait()
+    return results
+
+
+def test_a_message_that_ends_short_is_refused_not_read_past_its_end(pools):
+    """Gloo fills a receive with a shorter message without saying so: the rest of the
+    buffer would be read as activations. A header-carrying message and a payload sent alone
+    after ``RESHAPE`` are each refused, naming both stages."""
+    first, short, short_payload = pools(2).run(rogue_short_messages)[1]
+    assert first == "no error"
+    for result, posted in ((short, HEADER_BYTES + 256), (short_payload, 128)):
+        assert result.startswith("PipelineError: stage 1 (rank 1) received the activation of "
+                                 "micro-batch 0"), result
+        assert f"from stage 0 (rank 0) shorter than the {posted} bytes posted" in result
 
 
 def reference_with_evals(data, evals) -> tuple[list[float], list[torch.Tensor], dict]:

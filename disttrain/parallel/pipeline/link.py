@@ -16,6 +16,8 @@ broken pipeline from hanging or corrupting silently:
   process on that);
 * shape and dtype travel with every tensor, so nothing is declared ahead and a stage whose
   output changed shape cannot be misread;
+* a message that ends short of the buffer posted for it is refused, not read past its end
+  (:func:`.wire.mark_end`);
 * a stage that fails sends ``status = FAILED`` to its neighbours, who raise
   :class:`StageFailedError` at their next receive and pass it on, instead of each waiting
   for a timeout;
@@ -166,7 +168,8 @@ class _Channel:
     mode: int = TRAIN
     position: int = 0  # messages sent (received) so far in this call
     count: int = 0  # messages this call sends (receives)
-    posted: deque[tuple[torch.Tensor, Work]] = field(default_factory=deque)
+    # receives posted: the buffer, its end mark (wire.mark_end), the pending work
+    posted: deque[tuple[torch.Tensor, bytes | None, Work]] = field(default_factory=deque)
 
     def begin(self, mode: int, count: int) -> None:
         self.mode, self.position, self.count = mode, 0, count
@@ -255,10 +258,11 @@ class StageLink:
         channel = self._in[direction]
         buffer = torch.empty(HEADER_BYTES + channel.expected(position), dtype=torch.uint8,
                              device=self.wire)
+        mark = wire.mark_end(buffer)
         peer = self._peer(direction, sending=False)
         chan = self._channel(direction, channel.mode, sending=False)
-        channel.posted.append((buffer, self._irecv(chan, buffer, peer,
-                                                   f"the next {direction.noun}")))
+        channel.posted.append((buffer, mark, self._irecv(chan, buffer, peer,
+                                                         f"the next {direction.noun}")))
 
     def _irecv(self, channel: Channel, buffer: torch.Tensor, peer: int, what: str) -> Work:
         try:
@@ -314,14 +318,17 @@ class StageLink:
         what = _what(direction, microbatch, mode, call, chunk)
         if not channel.posted:  # more receives than begin() announced
             self._post_recv(direction, channel.position)
-        buffer, work = channel.posted.popleft()
+        buffer, mark, work = channel.posted.popleft()
         self._wait(work, peer, what)
+        self._whole(buffer, mark, peer, what)
         header = self._check(Header.unpack(buffer), peer, what,
                              (call, mode, microbatch + (chunk << _CHUNK_SHIFT)), direction)
         if header.status == RESHAPE:  # the payload is the next message on this channel
             buffer, offset = torch.empty(header.nbytes, dtype=torch.uint8, device=self.wire), 0
+            mark = wire.mark_end(buffer)
             chan = self._channel(direction, channel.mode, sending=False)
             self._wait(self._irecv(chan, buffer, peer, what), peer, what)
+            self._whole(buffer, mark, peer, what)
             channel.sizes[(channel.mode, channel.position)] = header.nbytes
         elif header.nbytes == buffer.numel() - HEADER_BYTES:
             offset = HEADER_BYTES
@@ -334,6 +341,16 @@ class StageLink:
             self._post_recv(direction, channel.position)  # while this one is computed on
         tensor = wire.view_payload(buffer, offset, header).to(self.device)
         return Message(tensor, header.rows, header.value, header.bundle)
+
+    def _whole(self, buffer: torch.Tensor, mark: bytes | None, peer: int, what: str) -> None:
+        """Refuse a message that ended before the buffer posted for it (wire.ends_whole):
+        what it did not fill would be read as data."""
+        if not wire.ends_whole(buffer, mark):
+            raise PipelineError(f"{self.describe(self.stage)} received {what} from "
+                                f"{self.describe(peer)} shorter than the {buffer.numel()} "
+                                f"bytes posted for it; it was not used (the ranks run "
+                                f"different versions, or another sender used the pipeline's "
+                                f"tags)")
 
     def _check(self, header: Header, peer: int, what: str, expected: tuple[int, int, int],
                direction: Direction | None = None) -> Header:
@@ -405,7 +422,7 @@ class StageLink:
         self.orphans += [work for work, _, _, _ in self.pending]
         self.pending = []
         for channel in self._in.values():
-            self.orphans += [work for _, work in channel.posted]
+            self.orphans += [work for _, _, work in channel.posted]
             channel.posted.clear()
         header = Header(FAILED, 0, 0, failed_stage, 0, 0.0, torch.int64, (0,))
         for direction, channel in self._out.items():

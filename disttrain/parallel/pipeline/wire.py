@@ -18,13 +18,26 @@ when that guess was wrong (``status = RESHAPE``: the payload follows in a second
 The payload starts at byte 128, a multiple of every dtype's size, so it is viewed in place.
 A message lives where the communicator moves bytes (``Communicator.device``: host memory for
 Gloo and shared memory, the GPU for NCCL); the header is packed and read on the host.
+
+**Whole messages.** Gloo fills a posted receive with a shorter message without saying how
+much arrived, which would leave the rest of the buffer (heap bytes of earlier tensors) to be
+read as activations or gradients. So a receive buffer in host memory has its last 8 bytes
+set to a random value before it is posted (:func:`mark_end`), and the message is used only
+if they changed (:func:`ends_whole`): a message that ends short leaves them, one that
+arrived whole overwrote them (equal to the mark by chance with probability 2⁻⁶⁴). It costs
+no byte on the wire, which a trailer would (and the pipeline's byte counts are exact). A
+payload of under 8 bytes sent alone (after ``RESHAPE``) is not checked: the mark would match
+too often. Longer messages than posted are Gloo's to refuse (it aborts the process); on the
+GPU, NCCL matches sizes itself.
 """
 
 from __future__ import annotations
 
+import random
 import struct
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 HEADER_BYTES = 128
@@ -124,6 +137,27 @@ def as_bytes(tensor: torch.Tensor, device: torch.device | str = "cpu") -> torch.
     """``tensor``'s bytes on ``device`` as a flat uint8 tensor (a view when it is contiguous
     and there already)."""
     return tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+
+
+MARK_BYTES = 8
+_MARKS = random.Random()  # seeded from the OS: a fresh mark per receive, nothing to guess
+
+
+def mark_end(buffer: torch.Tensor) -> bytes | None:
+    """Set the last 8 bytes of a uint8 host ``buffer`` about to be posted for a receive to a
+    random value and return it; None (nothing set) for a buffer on the GPU or under 8
+    bytes."""
+    if buffer.device.type != "cpu" or buffer.numel() < MARK_BYTES:
+        return None
+    mark = _MARKS.getrandbits(8 * MARK_BYTES).to_bytes(MARK_BYTES, "little")
+    buffer.numpy()[-MARK_BYTES:] = numpy.frombuffer(mark, dtype=numpy.uint8)
+    return mark
+
+
+def ends_whole(buffer: torch.Tensor, mark: bytes | None) -> bool:
+    """Whether the message received into ``buffer`` (marked with ``mark`` by
+    :func:`mark_end`) filled it to its last byte."""
+    return mark is None or buffer.numpy()[-MARK_BYTES:].tobytes() != mark
 
 
 def view_payload(buffer: torch.Tensor, offset: int, header: Header) -> torch.Tensor:
