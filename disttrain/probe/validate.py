@@ -31,10 +31,13 @@ not have is skipped, saying so) and each world size, it
    against 5.5-7.7 ms; docs/benchmarks.md, "Binding cores"; the parameter
    servers' 3 and 5 processes stay unbound),
 
-and prints both with their ratio. The single-process reference the benchmark runs anyway
-is printed as a check of the profile alone (no communication, no sharing). ``--json FILE``
-writes one object per row with ``strategy, world_size, predicted_step_s, measured_step_s``
-(and ``ratio``, each run's time, and ``predicted_before_runs_s``: the prediction from the
+and prints both with their ratio, and a verdict per row (:func:`verdict`): within the 20 %
+band, *not predicted here* with the reason the row's own runs give, or outside the band
+with none (the model is wrong there, and the exit status is 1). The single-process
+reference the benchmark runs anyway is printed as a check of the profile alone (no
+communication, no sharing). ``--json FILE`` writes one object per row with ``strategy,
+world_size, processes, predicted_step_s, measured_step_s, verdict, reason`` (and
+``ratio``, each run's time, and ``predicted_before_runs_s``: the prediction from the
 profile's own rounds, made before anything ran). ``--transport`` (default ``torch``) is the
 transport of both sides: the calibration the model reads, the profile's wake-up probe and
 the benchmark's runs.
@@ -43,6 +46,7 @@ the benchmark's runs.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from typing import Any
@@ -130,6 +134,54 @@ def runs_text(times: list[float | None] | None) -> str:
     return f"; runs {', '.join(f'{t * 1e3:.2f}' for t in runs)} ms" if len(runs) > 1 else ""
 
 
+BAND = 0.20  # the goal: every prediction within 20 % of the measured step
+WITHIN, NOT_PREDICTED, OUTSIDE, FAILED = "within", "not predicted here", "outside", "failed"
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (the runs' ranks share them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def verdict(row: dict[str, Any], cores: int, band: float = BAND) -> tuple[str, str]:
+    """What a row of the validation says: ``(WITHIN, "")`` when the prediction is within
+    ``band`` of the measured step; for a row outside it, ``(NOT_PREDICTED, reason)`` when
+    its own runs show why no model of this machine can be held to the band there:
+
+    * its runs spread wider than the band among themselves while the prediction is within
+      the band of one of them (the machine does not reproduce the row's time), or
+    * its processes outnumber the cores (the model shares cores evenly between ranks; the
+      measured step says by how much the real sharing costs more or less);
+
+    ``(OUTSIDE, reason)`` otherwise: reproducible runs, a core per process, and still off,
+    which is the model's error. A run that failed is ``(FAILED, error)``."""
+    if row.get("error") or not row.get("measured_step_s"):
+        return FAILED, str(row.get("error") or "no step time measured")
+    pred, measured = row["predicted_step_s"], row["measured_step_s"]
+    ratio = pred / measured
+    if abs(ratio - 1) <= band:
+        return WITHIN, ""
+    runs = _runs(row.get("measured_step_s_runs")) or [measured]
+    low, high = min(runs), max(runs)
+    off = f"predicted {pred * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms ({ratio:.2f})"
+    if high / low > 1 + band and any(abs(pred / t - 1) <= band for t in runs):
+        return NOT_PREDICTED, (f"{off}: its {len(runs)} runs spread {low * 1e3:.2f}-"
+                               f"{high * 1e3:.2f} ms (+{high / low - 1:.0%}), wider than the "
+                               f"band, and the prediction is within it of one of them")
+    processes = row.get("processes") or row["world_size"]
+    if processes > cores:
+        gap = measured - pred
+        return NOT_PREDICTED, (f"{off}: its {processes} processes share {cores} cores, which "
+                               f"the model shares evenly between ranks; here the sharing costs "
+                               f"{abs(gap) * 1e3:.2f} ms a step {'more' if gap > 0 else 'less'} "
+                               f"than that (runs {low * 1e3:.2f}-{high * 1e3:.2f} ms)")
+    return OUTSIDE, (f"{off}, runs {low * 1e3:.2f}-{high * 1e3:.2f} ms, a core per process: "
+                     f"the model is wrong here")
+
+
 def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
     names, skipped = _plan(tuple(args.strategies), args.model)
     for name in skipped:
@@ -200,6 +252,7 @@ def _validate(args: argparse.Namespace, names: list[str], dataset: str,
         pred = predictions[key] if key in predictions else predict(*key, prof=profile)
         measured = measured_step(row) if row.get("error") is None else None
         rows.append({"strategy": row["strategy"], "world_size": row["world_size"],
+                     "processes": row["world_size"] + (row.get("servers") or 0),
                      "predicted_step_s": pred, "measured_step_s": measured,
                      "predicted_before_runs_s": before.get(key),
                      "measured_step_s_runs": row.get("step_time_s_runs"),
@@ -207,14 +260,32 @@ def _validate(args: argparse.Namespace, names: list[str], dataset: str,
     return rows
 
 
-def run_validation(args: argparse.Namespace) -> int:
-    rows = rows_for(args)
+def report(rows: list[dict[str, Any]], cores: int | None = None) -> int:
+    """Print the rows, a verdict for each row outside the band and a summary; fill each
+    row's ``verdict`` and ``reason``. Returns the exit status: 1 when a run failed or a row
+    is outside the band without a reason its runs give (:func:`verdict`), else 0."""
+    cores = machine_cores() if cores is None else cores
     print(f"{'strategy':15s} {'n':>3s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s}")
     for r in rows:
+        r["verdict"], r["reason"] = verdict(r, cores)
         measured = f"{r['measured_step_s'] * 1e3:.2f} ms" if r["measured_step_s"] else "-"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else (r["error"] or "-")
         runs = runs_text(r.get("measured_step_s_runs"))
         print(f"{r['strategy']:15s} {r['world_size']:>3d} {r['predicted_step_s'] * 1e3:7.2f} ms "
               f"{measured:>10s} {ratio:>6s}{runs}")
+    for r in rows:
+        if r["verdict"] != WITHIN:
+            print(f"{r['verdict']}: {r['strategy']} n={r['world_size']}: {r['reason']}")
+    count = {v: sum(r["verdict"] == v for r in rows) for v in (WITHIN, NOT_PREDICTED,
+                                                                OUTSIDE, FAILED)}
+    print(f"within {BAND * 100:.0f} %: {count[WITHIN]} of {len(rows)} rows; not predicted here "
+          f"(with the reason above): {count[NOT_PREDICTED]}; outside with no reason: "
+          f"{count[OUTSIDE]}; failed: {count[FAILED]}")
+    return 1 if count[OUTSIDE] or count[FAILED] else 0
+
+
+def run_validation(args: argparse.Namespace) -> int:
+    rows = rows_for(args)
+    status = report(rows)
     write_rows(args.json, rows)
-    return 1 if any(r["error"] for r in rows) else 0
+    return status
