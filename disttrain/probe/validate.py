@@ -149,7 +149,7 @@ def machine_cores() -> int:
 def verdict(row: dict[str, Any], cores: int, band: float = BAND) -> tuple[str, str]:
     """What a row of the validation says: ``(WITHIN, "")`` when the prediction is within
     ``band`` of the measured step; for a row outside it, ``(NOT_PREDICTED, reason)`` when
-    its own runs show why no model of this machine can be held to the band there:
+    its own runs show what the model leaves out there:
 
     * its runs spread wider than the band among themselves while the prediction is within
       the band of one of them (the machine does not reproduce the row's time), or

@@ -7,7 +7,8 @@ number of workers, and recommend one.
     disttrain simulate --cluster my_cluster.toml --json rows.jsonl --plot scaling.svg
     disttrain simulate --validate -n 2,4 --json validate.jsonl   # predicted vs measured here
 
-Exit codes: 0 done, 2 bad arguments, 1 a --validate run failed.
+Exit codes: 0 done, 2 bad arguments, 1 a --validate run failed or one of its rows is outside
+the 20 % band with no reason its runs give (disttrain.probe.validate.verdict).
 """
 
 from __future__ import annotations

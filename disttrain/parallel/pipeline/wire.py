@@ -140,7 +140,8 @@ def as_bytes(tensor: torch.Tensor, device: torch.device | str = "cpu") -> torch.
 
 
 MARK_BYTES = 8
-_MARKS = random.Random()  # seeded from the OS: a fresh mark per receive, nothing to guess
+_MARKS = random.Random()  # a fresh mark per receive: it only has to differ from a whole
+# message's last 8 bytes, which no sender sees or chooses for it
 
 
 def mark_end(buffer: torch.Tensor) -> bytes | None:
