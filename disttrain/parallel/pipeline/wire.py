@@ -27,8 +27,10 @@ if they changed (:func:`ends_whole`): a message that ends short leaves them, one
 arrived whole overwrote them (equal to the mark by chance with probability 2⁻⁶⁴). It costs
 no byte on the wire, which a trailer would (and the pipeline's byte counts are exact). A
 payload of under 8 bytes sent alone (after ``RESHAPE``) is not checked: the mark would match
-too often. Longer messages than posted are Gloo's to refuse (it aborts the process); on the
-GPU, NCCL matches sizes itself.
+too often. Longer messages than posted are Gloo's to refuse (it aborts the process). Buffers
+on the GPU are not marked: under NCCL a receive larger than its send does not complete (the
+communicator's timeout names the peer), and a smaller one has been seen to complete with
+the message cut (NVIDIA/nccl#1938), which nothing here detects.
 """
 
 from __future__ import annotations
