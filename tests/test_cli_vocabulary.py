@@ -168,10 +168,11 @@ def test_row_writer_writes_one_object_per_line(tmp_path, capsys):
 def test_validate_json_is_json_lines(tmp_path, monkeypatch, capsys):
     import disttrain.probe.validate as validate
 
-    rows = [{"strategy": s, "world_size": 2, "predicted_step_s": 0.01, "measured_step_s": 0.02,
-             "ratio": 0.5, "error": None, "measured_step_s_runs": None} for s in ("ddp", "zero1")]
+    rows = [{"strategy": s, "world_size": 2, "predicted_step_s": 0.018, "measured_step_s": 0.02,
+             "ratio": 0.9, "error": None, "measured_step_s_runs": None} for s in ("ddp", "zero1")]
     monkeypatch.setattr(validate, "rows_for", lambda args: rows)
     path = tmp_path / "validate.jsonl"
     assert validate.run_validation(argparse.Namespace(json=path)) == 0
-    assert [json.loads(line) for line in path.read_text().splitlines()] == rows
+    written = [json.loads(line) for line in path.read_text().splitlines()]
+    assert written == rows and all(r["verdict"] == "within" for r in written)
     capsys.readouterr()
