@@ -9,6 +9,10 @@ the rules.
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +41,15 @@ class Pools:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "nccl_rules: run the test on the plain pools and again "
                                        "under NCCL's matching rules (disttrain.comm.nccl_rules)")
+    # The suite never reads this machine's calibration (~/.cache/disttrain): with one,
+    # "auto" picks other algorithms than on a fresh machine (a broadcast of DDP's buffers
+    # that Gloo's native call hides from the byte counters becomes disttrain's own, and
+    # counted), so results would depend on who ran `bench comm --calibrate` here. Tests
+    # that calibrate set their own path.
+    if "DISTTRAIN_CALIBRATION" not in os.environ:
+        scratch = tempfile.mkdtemp(prefix="disttrain-tests-calibration-")
+        atexit.register(shutil.rmtree, scratch, True)
+        os.environ["DISTTRAIN_CALIBRATION"] = os.path.join(scratch, "none.json")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
