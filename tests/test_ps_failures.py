@@ -218,12 +218,13 @@ def test_tolerating_worker_loss_needs_to_know_the_workers() -> None:
 
 
 def test_launch_names_a_killed_server_even_when_worker_losses_are_tolerated() -> None:
-    # server 0 (rank 2) dies at version 5: the workers cannot go on without its keys, each
-    # names it, and the launcher blames it, not a worker that reported it first
+    # server 0 (rank 2) dies at version 5: the workers cannot go on without its keys, and
+    # the launcher blames it, not a worker that reported it first. A worker names it when it
+    # next talks to it; the launcher may stop the other worker before it does (an async
+    # worker between exchanges with server 1 on a loaded machine), so one naming it is enough
     proc = run_cli("launch", "-n", "2", "--servers", "2", "--tolerate-worker-loss",
                    str(SCRIPTS / "ps_server_fault.py"), "--strategy", "ps-async", *RUN,
                    env=clean_env(PS_SERVER_KILL="2:5"))
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert "rank 2 failed first; it was killed by SIGKILL" in proc.stderr
-    for worker in (0, 1):
-        assert re.search(rf"\[rank {worker}\].*server 0 \(rank 2\) failed", proc.stderr)
+    assert re.search(r"\[rank [01]\].*server 0 \(rank 2\) failed", proc.stderr), proc.stderr
