@@ -48,6 +48,7 @@ reverse unit order). Both are small state machines, tested without processes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -116,3 +117,23 @@ class InOrderLauncher:
     def reset(self) -> None:
         self._ready = [False] * len(self._ready)
         self.next = 0
+
+
+def all_reduce_flat_gradients(params: list[torch.nn.Parameter], comm: Any, op: str = "sum",
+                              algorithm: str | None = None) -> None:
+    """Reduce the gradients of ``params`` (one dtype) over ``comm`` in one flat all-reduce,
+    in place; a parameter without a gradient on this rank contributes zeros and receives the
+    result. Every rank passes the same parameters in the same order."""
+    if not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+    comm.all_reduce(flat, op, algorithm=algorithm)
+    offset = 0
+    for p in params:
+        reduced = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if p.grad is None:
+            p.grad = reduced.clone()
+        else:
+            p.grad.copy_(reduced)

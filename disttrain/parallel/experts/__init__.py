@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
+from disttrain.parallel.backward import all_reduce_flat_gradients
 from disttrain.parallel.experts.layers import ExpertParallelExperts, Experts, expert_mlp
 from disttrain.parallel.experts.ops import EPGroup, all_to_all, exchange_counts
 from disttrain.parallel.experts.theory import (
@@ -132,18 +133,8 @@ def finish_gradients(model: nn.Module, ep: Communicator | EPGroup | None, *,
         return
     params = [p for p in replicated_parameters(model) if p.requires_grad]
     for dtype in sorted({p.dtype for p in params}, key=str):  # the same order on all ranks
-        same = [p for p in params if p.dtype == dtype]
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in same]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, "avg", algorithm=algorithm)
-        offset = 0
-        for p in same:
-            averaged = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = averaged.clone()
-            else:
-                p.grad.copy_(averaged)
+        all_reduce_flat_gradients([p for p in params if p.dtype == dtype], comm, "avg",
+                                  algorithm)
     for p in expert_parameters(model):
         if p.grad is not None:
             p.grad.div_(comm.world_size)

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from disttrain.comm import Communicator
+from disttrain.parallel.backward import all_reduce_flat_gradients
 
 PASSED_KEYS = ("input_ids", "labels", "attention_mask")  # what a dict batch may hold
 
@@ -258,17 +259,7 @@ class TiedWeights:
         """Sum each tied gradient over the two stages that hold it (a collective)."""
         if self.group is None or not self.params:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.group.all_reduce(flat)
-        offset = 0
-        for p in self.params:
-            summed = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = summed.clone()
-            else:
-                p.grad.copy_(summed)
+        all_reduce_flat_gradients(self.params, self.group)
 
     def theory_bytes(self) -> float:
         """Bytes this rank sends in :meth:`sync` with its group's algorithm (0 where
