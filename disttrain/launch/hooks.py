@@ -372,8 +372,10 @@ def _kill_descendants() -> None:
 
 
 def _kill_own_group() -> None:
-    """SIGKILL this process and, when it leads its process group (the launcher starts every
-    worker as one), everything it started."""
+    """SIGKILL this process and everything it started: its descendants by parent (also
+    those that left its process group) and, when it leads its process group (the launcher
+    starts every worker as one), the rest of the group."""
+    _kill_descendants()
     group = os.getpgrp()
     if group == os.getpid():
         os.killpg(group, signal.SIGKILL)

@@ -60,8 +60,17 @@ def assert_all_gone(piddir: Path, expected: int, wait_s: float = 5.0) -> None:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and not all(is_gone(p) for p in pids.values()):
         time.sleep(0.1)
-    alive = {name: pid for name, pid in pids.items() if not is_gone(pid)}
-    assert not alive, f"left behind: {alive}"
+    alive = {name: f"{pid} {_state_of(pid)}" for name, pid in pids.items() if not is_gone(pid)}
+    assert not alive, f"left behind (pid, state, parent, process group): {alive}"
+
+
+def _state_of(pid: int) -> str:
+    """``T ppid 1 pgrp 4711`` from /proc (what a leftover process was doing, and whose)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return "gone"
+    return f"{fields[0]} ppid {fields[1]} pgrp {fields[2]}"
 
 
 def error_record(run_dir: Path, rank: int) -> dict[str, Any]:
