@@ -64,7 +64,7 @@ def test_a_header_with_unknown_fields_or_negative_sizes_is_malformed(field):
 
 class _TwoRanks:
     world_size, global_ranks, device = 2, [4, 5], torch.device("cpu")
-    transport = SimpleNamespace(in_order=False)  # channels are tags of this communicator
+    transport = SimpleNamespace(in_order=False, name="fake")  # channels: tags of this communicator
 
 
 @pytest.mark.parametrize("failed", [-1, 2, 99])
@@ -84,12 +84,12 @@ class _RefusingComm:
     (the connections to both neighbours are closed)."""
 
     world_size, global_ranks, device = 3, [4, 5, 6], torch.device("cpu")
-    transport = SimpleNamespace(in_order=False)  # channels are tags of this communicator
+    transport = SimpleNamespace(in_order=False, name="fake")  # channels: tags of this communicator
 
     def __init__(self) -> None:
         self.posts: list[int] = []
 
-    def isend(self, tensor, peer, tag=0):  # type: ignore[no-untyped-def]
+    def isend(self, tensor, peer, tag=0, **_):  # type: ignore[no-untyped-def]
         from disttrain.comm.errors import PeerFailedError
 
         self.posts.append(peer)
@@ -149,25 +149,28 @@ def test_one_message_per_tensor_once_sizes_are_known(pools):
         assert later == [(4, first_bytes)] * 2  # one message each, the same bytes
 
 
-def rogue_short_messages(comm) -> list[str]:
-    """Stage 0 sends stage 1 an activation, then messages that end short of what stage 1
-    posted: a whole message cut by 64 bytes once sizes are known, and, after a ``RESHAPE``
-    notice, a payload cut by 8 bytes. Stage 1 says what it received each time."""
+def rogue_messages(comm, longer: bool) -> list[str]:
+    """Stage 0 sends stage 1 an activation, then messages that end short of (``longer``: go
+    on past) what stage 1 posted: a whole message off by 64 bytes once sizes are known, and,
+    after a ``RESHAPE`` notice, a payload off by 8 bytes. Stage 1 says what it received
+    each time, and the bytes its communicator counted for the first (whole) activation."""
     from disttrain.parallel.pipeline.link import Direction
 
     comm = _fresh(comm)
     link = StageLink(comm, comm.rank)
     tensor = torch.arange(64, dtype=torch.float32).reshape(4, 16)  # 256 payload bytes
-    calls = [(tensor, None), (tensor, 64), (tensor[:2], 8)]  # (what, bytes cut) per call
+    calls = [(tensor, None), (tensor, 64), (tensor[:2], 8)]  # (what, bytes off) per call
     results = []
-    for call, (what, cut) in enumerate(calls):
+    for call, (what, off) in enumerate(calls):
         if comm.rank == 1:
             link.begin(TRAIN, {}, {Direction.ACTIVATION: 1})
             results.append(_capture(lambda call=call: link.recv(
                 Direction.ACTIVATION, call=call, mode=TRAIN, microbatch=0)))
+            if call == 0:
+                results.append(f"counted {comm.stats.bytes_recv}")
             continue
         link.begin(TRAIN, {Direction.ACTIVATION: 1}, {})
-        if cut is None:
+        if off is None:
             link.send(Direction.ACTIVATION, what, call=call, mode=TRAIN, microbatch=0, rows=4)
         else:  # what a sender of the wrong size would put on the channel
             chan = link._channel(Direction.ACTIVATION, TRAIN, sending=True)
@@ -178,22 +181,29 @@ def rogue_short_messages(comm) -> list[str]:
             else:
                 messages = [pack(replace(header, status=RESHAPE), None, expected),
                             what.reshape(-1).view(torch.uint8)]
-            messages[-1] = messages[-1][:-cut]
+            last = messages[-1]
+            messages[-1] = (torch.cat([last, torch.full((off,), 0x5A, dtype=torch.uint8)])
+                            if longer else last[:-off])
             for message in messages:
                 chan[0].isend(message, chan[2], chan[1]).wait()
     return results
 
 
-def test_a_message_that_ends_short_is_refused_not_read_past_its_end(pools):
-    """Gloo fills a receive with a shorter message without saying so: the rest of the
-    buffer would be read as activations. A header-carrying message and a payload sent alone
-    after ``RESHAPE`` are each refused, naming both stages."""
-    first, short, short_payload = pools(2).run(rogue_short_messages)[1]
+@pytest.mark.parametrize("longer", [False, True], ids=["short", "long"])
+def test_a_message_of_the_wrong_length_is_refused_not_misread(pools, longer):
+    """Gloo fills a receive with a shorter message without saying so (the rest of the
+    buffer would be read as activations) and aborts the process on a longer one. A
+    header-carrying message and a payload sent alone after ``RESHAPE`` are each refused,
+    naming both stages; a longer one lands in room past the buffer (not counted as
+    received: the byte counts are the messages')."""
+    first, counted, wrong, wrong_payload = pools(2).run(rogue_messages, longer)[1]
     assert first == "no error"
-    for result, posted in ((short, HEADER_BYTES + 256), (short_payload, 128)):
+    assert counted == f"counted {HEADER_BYTES + 256}"  # the notice, then the payload alone
+    how = "longer than" if longer else "shorter than"
+    for result, posted in ((wrong, HEADER_BYTES + 256), (wrong_payload, 128)):
         assert result.startswith("PipelineError: stage 1 (rank 1) received the activation of "
                                  "micro-batch 0"), result
-        assert f"from stage 0 (rank 0) shorter than the {posted} bytes posted" in result
+        assert f"from stage 0 (rank 0) {how} the {posted} bytes posted" in result
 
 
 def reference_with_evals(data, evals) -> tuple[list[float], list[torch.Tensor], dict]:

@@ -326,7 +326,7 @@ class Communicator:
 
     # ----------------------------------------------------------------- point to point
     def _p2p(self, kind: str, tensor: torch.Tensor, peer: int, tag: int,
-             check_in: bool = True) -> P2PWork:
+             check_in: bool = True, counted: int | None = None) -> P2PWork:
         self._check_usable(())
         t = self._tensor("tensor", tensor)
         peer, tag = checks.p2p_args(kind, peer, tag, self.world_size, self.rank, MAX_USER_TAG)
@@ -341,7 +341,7 @@ class Communicator:
         work = P2PWork.start(self.transport, self.stats, kind, checks.flat(t), peer, tag,
                              seq=self._p2p_seq, timeout_s=self.config.timeout_s,
                              on_error=functools.partial(self._fail_message, peer),
-                             check_in=check_in)
+                             check_in=check_in, counted=counted)
         self.stats.count_call(kind)
         return work
 
@@ -370,10 +370,12 @@ class Communicator:
 
     @staged(out=("tensor",))
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, *,
-              check_in: bool = True) -> Work:
+              check_in: bool = True, counted: int | None = None) -> Work:
         """Start receiving into ``tensor`` from rank ``src``; returns a handle with ``wait()``
-        (``check_in`` as for :meth:`isend`)."""
-        return self._p2p("recv", tensor, src, tag, check_in)
+        (``check_in`` as for :meth:`isend`). ``counted``: the bytes the message is expected
+        to carry, counted as received instead of the buffer's size, where ``tensor`` is
+        posted larger than the message to catch a longer one (:mod:`.overrun`)."""
+        return self._p2p("recv", tensor, src, tag, check_in, counted)
 
     def connect(self, peers: Sequence[int]) -> None:
         """Create this rank's connections to ``peers`` now, in ascending rank order. NCCL

@@ -194,11 +194,15 @@ class CollectiveContext:
         self.stats.count_send(self.op, tensor.numel() * tensor.element_size())
         return Pending(raw, peer, "send")
 
-    def irecv(self, tensor: torch.Tensor, peer: int, step: int = 0) -> Pending:
+    def irecv(self, tensor: torch.Tensor, peer: int, step: int = 0, *,
+              counted: int | None = None) -> Pending:
+        """``counted``: the bytes to count as received, where ``tensor`` is posted larger
+        than the message it expects (:mod:`disttrain.comm.overrun`); its size otherwise."""
         if tensor.numel() == 0:
             return Pending(DoneWork(), peer, "recv")
         raw = self._post(self.transport.irecv, tensor, peer, step, "recv")
-        self.stats.count_recv(self.op, tensor.numel() * tensor.element_size())
+        self.stats.count_recv(self.op, tensor.numel() * tensor.element_size()
+                              if counted is None else counted)
         return Pending(raw, peer, "recv")
 
     def _post(self, post: Callable[[torch.Tensor, int, int], RawWork], tensor: torch.Tensor,

@@ -84,13 +84,16 @@ class P2PWork(Work):
     @classmethod
     def start(cls, transport: Transport, stats: TrafficStats, kind: str, flat: torch.Tensor,
               peer: int, tag: int, *, seq: int, timeout_s: float,
-              on_error: Callable[[BaseException], None], check_in: bool = True) -> P2PWork:
+              on_error: Callable[[BaseException], None], check_in: bool = True,
+              counted: int | None = None) -> P2PWork:
         """Post a ``kind`` ("send" or "recv") of ``flat`` with user tag ``tag``; a failed
-        wait asks who else is still there first only with ``check_in``."""
+        wait asks who else is still there first only with ``check_in``; a receive counts
+        ``counted`` bytes where given (a buffer posted larger than the message)."""
         ctx = CollectiveContext(transport, stats, op=kind, seq=seq, algorithm="p2p",
                                 timeout_s=timeout_s, chunk_bytes=1, tag_base=tag,
                                 probe_posts=False, probe_waits=check_in)
-        pending = ctx.isend(flat, peer) if kind == "send" else ctx.irecv(flat, peer)
+        pending = (ctx.isend(flat, peer) if kind == "send"
+                   else ctx.irecv(flat, peer, counted=counted))
         return cls(ctx, pending, on_error)
 
     def wait(self, timeout: float | None = None) -> None:

@@ -29,7 +29,6 @@ none follows.
 from __future__ import annotations
 
 import functools
-import mmap
 import struct
 import time
 from collections.abc import Callable, Generator
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from disttrain.comm import Communicator, Work
+from disttrain.comm.overrun import aborts_on_overrun, anonymous_buffer
 from disttrain.parallel.parameter_server.partition import PSRoles
 from disttrain.parallel.parameter_server.protocol import (
     TAG_REPLY,
@@ -90,13 +90,9 @@ def receive_buffer(nbytes: int, reserve: int = 0) -> torch.Tensor:
     the kernel commits only where a message writes, so a longer message lands in it (and is
     refused by its trailer) instead of overrunning Gloo's receive, which aborts."""
     size = nbytes + TRAILER_BYTES
-    if reserve > size:
-        try:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
-            return torch.frombuffer(mmap.mmap(-1, reserve, flags=flags), dtype=torch.uint8)
-        except (OSError, ValueError):  # no address space for it: the exact size still works
-            pass
-    return torch.zeros(size, dtype=torch.uint8)
+    region = anonymous_buffer(reserve) if reserve > size else None
+    # no address space for the reserve: the exact size still works
+    return region if region is not None else torch.zeros(size, dtype=torch.uint8)
 
 
 def unseal(buffer: torch.Tensor, nbytes: int, seq: int, index: int,
@@ -240,7 +236,7 @@ class ServerIO:
         self.comm, self.roles, self.timeout_s = comm, roles, timeout_s
         # Gloo aborts a receiver sent more than it posted: size payload receives for the
         # largest payload accepted (other transports enforce sizes: exact buffers there)
-        gloo = comm.transport.name == "torch" and comm.device.type == "cpu"
+        gloo = aborts_on_overrun(comm)
         self.reserve = max_payload_bytes + TRAILER_BYTES if gloo and max_payload_bytes else 0
         self.reserved_bytes = 0  # posted beyond the granted messages (counted as received)
         self.name = roles.describe(comm.rank)
@@ -330,7 +326,8 @@ class ServerIO:
         """Swap ``mine`` for ``theirs`` (same size) with server ``rank``: the lower rank sends
         first, so the pair's messages match in posting order (NCCL's rule)."""
         doing = f"{self.name} exchanged the lost workers with it"
-        posts = [(self.comm.isend, mine), (self.comm.irecv, theirs)]
+        posts: list[tuple[Callable[..., Work], torch.Tensor]] = [(self.comm.isend, mine),
+                                                                 (self.comm.irecv, theirs)]
         if self.comm.rank > rank:
             posts.reverse()
         works = [self._post(start, t, rank, TAG_SERVERS, doing) for start, t in posts]

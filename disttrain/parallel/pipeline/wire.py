@@ -27,7 +27,11 @@ if they changed (:func:`ends_whole`): a message that ends short leaves them, one
 arrived whole overwrote them (equal to the mark by chance with probability 2⁻⁶⁴). It costs
 no byte on the wire, which a trailer would (and the pipeline's byte counts are exact). A
 payload of under 8 bytes sent alone (after ``RESHAPE``) is not checked: the mark would match
-too often. Longer messages than posted are Gloo's to refuse (it aborts the process). Buffers
+too often. Gloo aborts the process on a message longer than the receive posted for it, so on
+Gloo the receive is posted into a region with room past the expected end
+(:mod:`disttrain.comm.overrun`) and the 8 bytes past the end are marked too: a message that
+changed them went on too long (one k < 8 bytes too long goes unnoticed, cut at the expected
+end, with probability 2⁻⁸ᵏ: the bytes it wrote there equal the mark's). Buffers
 on the GPU are not marked: under NCCL a receive larger than its send does not complete (the
 communicator's timeout names the peer), and a smaller one has been seen to complete with
 the message cut (NVIDIA/nccl#1938), which nothing here detects.
@@ -161,6 +165,12 @@ def ends_whole(buffer: torch.Tensor, mark: bytes | None) -> bool:
     """Whether the message received into ``buffer`` (marked with ``mark`` by
     :func:`mark_end`) filled it to its last byte."""
     return mark is None or buffer.numpy()[-MARK_BYTES:].tobytes() != mark
+
+
+def untouched(room: torch.Tensor, mark: bytes | None) -> bool:
+    """Whether the 8 bytes ``room`` past a message's end (marked with ``mark`` by
+    :func:`mark_end`) are as marked: the message did not go on past its expected end."""
+    return mark is None or room.numpy().tobytes() == mark
 
 
 def view_payload(buffer: torch.Tensor, offset: int, header: Header) -> torch.Tensor:
