@@ -238,7 +238,6 @@ class ServerIO:
         # largest payload accepted (other transports enforce sizes: exact buffers there)
         gloo = aborts_on_overrun(comm)
         self.reserve = max_payload_bytes + TRAILER_BYTES if gloo and max_payload_bytes else 0
-        self.reserved_bytes = 0  # posted beyond the granted messages (counted as received)
         self.name = roles.describe(comm.rank)
         self._version = version  # the parameter version every answer reports
         self.watcher = Watcher(f"ps-{roles.role(comm.rank).kind}{roles.role(comm.rank).index}")
@@ -287,10 +286,11 @@ class ServerIO:
         :class:`~.protocol.PSPayloadError` naming the worker: its stream is not trusted."""
         nbytes = [n * dtype.itemsize for n, dtype in sizes]
         buffers = [receive_buffer(n, self.reserve) for n in nbytes]
-        self.reserved_bytes += sum(b.numel() - n - TRAILER_BYTES for b, n in zip(buffers, nbytes))
         self._send(rank, [self._answer(h, Msg.GRANT)], "sending a GRANT")
-        works = [self._post(self.comm.irecv, b, rank, TAG_REQUEST_PAYLOAD, "granting a payload")
-                 for b in buffers]
+        # each counted as the granted message, not the reserve it may land in
+        works = [self._post(functools.partial(self.comm.irecv, counted=n + TRAILER_BYTES), b,
+                            rank, TAG_REQUEST_PAYLOAD, "granting a payload")
+                 for b, n in zip(buffers, nbytes)]
         for work in works:
             yield from self._await(work, rank, "receiving a granted payload")
         self._settle(rank, "sending a GRANT")

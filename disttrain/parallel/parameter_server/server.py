@@ -190,7 +190,7 @@ class ParameterServer:
                             self.shard.version, self.clocks.slowest, self.staleness.as_dict(),
                             dict(self.requests), dict(self.rejected),
                             self.comm.stats.bytes_sent - sent0,
-                            self.comm.stats.bytes_recv - recv0 - self.io.reserved_bytes,
+                            self.comm.stats.bytes_recv - recv0,
                             dict(self.lost))
 
     def _abort(self, exc: PSError) -> None:
