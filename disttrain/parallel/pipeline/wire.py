@@ -15,7 +15,8 @@ pipeline's communication time. The receiver must post a buffer of the right size
 message arrives, so :mod:`.link` keeps, on both sides of each channel, the payload size of
 the previous message at the same position of the same kind of call, and the header says
 when that guess was wrong (``status = RESHAPE``: the payload follows in a second message).
-The payload starts at byte 128, a multiple of every dtype's size, so it is viewed in place.
+The payload starts at byte 128, a multiple of every dtype's size, so it is viewed in place (on
+Gloo, copied out of the landing region its receive reuses; see **Whole messages**).
 A message lives where the communicator moves bytes (``Communicator.device``: host memory for
 Gloo and shared memory, the GPU for NCCL); the header is packed and read on the host.
 
