@@ -319,11 +319,17 @@ def _end_if_orphaned() -> None:
     stop what the rank started. So the rank ends itself and its process group
     ``_ORPHAN_EXIT_S`` after the signal (time enough to write its record) when the launcher
     is gone by then, and takes its children along if it exits first (:func:`_at_exit`).
-    It looks only after the delay because the kernel sends the signal as soon as the
+    It looks again after the delay because the kernel sends the signal as soon as the
     launcher's *thread* that started the worker has died, while the launcher's other
-    threads still run (and are still the worker's parent)."""
+    threads still run (and are still the worker's parent). Where the launcher is gone
+    already, what the rank started is killed at once, so that it does not depend on the
+    rank living through the delay (a rank can end sooner, by its own exit or a crash)."""
     state = _state
-    if state is None or state.orphan_watch or not state.env.get(records.LAUNCHER_PID_VAR):
+    if state is None or not state.env.get(records.LAUNCHER_PID_VAR):
+        return
+    if _launcher_gone():
+        _kill_descendants()
+    if state.orphan_watch:
         return
     state.orphan_watch = True
 
