@@ -18,7 +18,7 @@ broken pipeline from hanging or corrupting silently:
   output changed shape cannot be misread;
 * a message that ends short of the buffer posted for it is refused, not read past its end
   (:func:`.wire.mark_end`), and so, on Gloo, is one longer than expected: it lands in room
-  reserved past the buffer's end instead of aborting the process (:mod:`disttrain.comm.overrun`);
+  reserved past the buffer's end instead of aborting the process (:mod:`.landing`);
 * a stage that fails sends ``status = FAILED`` to its neighbours, who raise
   :class:`StageFailedError` at their next receive and pass it on, instead of each waiting
   for a timeout;
@@ -76,8 +76,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from disttrain.comm import CommError, Communicator, Work, overrun
+from disttrain.comm import CommError, Communicator, Work
 from disttrain.parallel.pipeline import wire
+from disttrain.parallel.pipeline.landing import Landing, Posted
 from disttrain.parallel.pipeline.wire import (
     DTYPES,
     EVAL,
@@ -162,19 +163,6 @@ class Message:
 
 
 @dataclass
-class _Posted:
-    """A receive posted: into ``buffer`` (on Gloo a region longer than the message), for a
-    message of ``size`` bytes, with random marks in its last 8 bytes (``end``) and in the 8
-    past them (``past``; :func:`.wire.mark_end`)."""
-
-    buffer: torch.Tensor
-    size: int
-    end: bytes | None
-    past: bytes | None
-    work: Work
-
-
-@dataclass
 class _Channel:
     """One direction of messages to (or from) one neighbour during the current call."""
 
@@ -182,7 +170,7 @@ class _Channel:
     mode: int = TRAIN
     position: int = 0  # messages sent (received) so far in this call
     count: int = 0  # messages this call sends (receives)
-    posted: deque[_Posted] = field(default_factory=deque)  # receives posted, in order
+    posted: deque[Posted] = field(default_factory=deque)  # receives posted, in order
 
     def begin(self, mode: int, count: int) -> None:
         self.mode, self.position, self.count = mode, 0, count
@@ -197,10 +185,6 @@ def _mode_name(mode: int) -> str:
 
 
 _CHUNK_SHIFT = 32  # a header's micro-batch field: micro-batch + receiving chunk · 2³²
-# Room past a receive's end on Gloo (:mod:`disttrain.comm.overrun`): a message up to this
-# much longer than expected is refused; a longer one still reaches Gloo's abort. Address
-# space, not memory: pages are committed only where a message writes.
-ROOM_BYTES = 1 << 30
 
 
 def _what(direction: Direction, microbatch: int, mode: int, call: int, chunk: int = 0) -> str:
@@ -230,11 +214,7 @@ class StageLink:
         self._out = {d: _Channel() for d in Direction}
         self._in = {d: _Channel() for d in Direction}
         self.orphans: list[Work] = []  # messages abandoned by a failure, kept alive
-        self._orphan_buffers: list[torch.Tensor] = []  # and the buffers they may still fill
-        # On Gloo, one landing region per direction, reused: each message is checked for
-        # its end, and its payload copied out, before the next receive is posted there
-        self._room = overrun.aborts_on_overrun(comm)
-        self._regions: dict[Direction, torch.Tensor] = {}
+        self.landing = Landing(comm)  # receive buffers, one landing region per direction
         self.wait_s = 0.0  # time blocked waiting for messages, since begin()
         self._told_on: Direction | None = None  # where a failure notice came in
 
@@ -281,35 +261,13 @@ class StageLink:
         channel.posted.append(self._post(direction, HEADER_BYTES + channel.expected(position),
                                          f"the next {direction.noun}"))
 
-    def _post(self, direction: Direction, size: int, what: str) -> _Posted:
-        """Post the receive of the next ``size``-byte message in ``direction``, its end
-        marked (and, on Gloo, the 8 bytes past it, in the direction's landing region)."""
+    def _post(self, direction: Direction, size: int, what: str) -> Posted:
+        """Post the receive of the next ``size``-byte message in ``direction``."""
         peer = self._peer(direction, sending=False)
         chan = self._channel(direction, self._in[direction].mode, sending=False)
-        region = self._region(direction, size)
-        if region is None:
-            buffer = torch.empty(size, dtype=torch.uint8, device=self.wire)
-            return _Posted(buffer, size, wire.mark_end(buffer), None,
-                           self._irecv(chan, buffer, peer, what))
-        end = wire.mark_end(region[:size])
-        past = wire.mark_end(region[size:size + wire.MARK_BYTES])
-        return _Posted(region, size, end, past,
-                       self._irecv(chan, region, peer, what, counted=size))
-
-    def _region(self, direction: Direction, size: int) -> torch.Tensor | None:
-        """The landing region for a ``size``-byte message in ``direction`` (None: post an
-        exact buffer; not on Gloo, or no address space for the room). A region that a
-        posted receive still holds is left to it and a new one made."""
-        if not self._room or size == 0:  # an empty message is never sent: nothing to post
-            return None
-        region = self._regions.get(direction)
-        if region is None or region.numel() < size + ROOM_BYTES or any(
-                p.buffer is region for p in self._in[direction].posted):
-            region = overrun.anonymous_buffer(size + ROOM_BYTES)
-            if region is None:
-                return None
-            self._regions[direction] = region
-        return region
+        return self.landing.post(direction, size, self._in[direction].posted,
+                                 lambda buffer, counted: self._irecv(chan, buffer, peer, what,
+                                                                     counted))
 
     def _irecv(self, channel: Channel, buffer: torch.Tensor, peer: int, what: str,
                counted: int | None = None) -> Work:
@@ -383,28 +341,22 @@ class StageLink:
                                 f"{header.nbytes} bytes of payload in a message of "
                                 f"{buffer.numel()} bytes: the ranks run different versions")
         # out of a landing region before its next receive is posted; in place otherwise
-        tensor = wire.view_payload(buffer, offset, header).to(
-            self.device, copy=posted.past is not None)
+        tensor = wire.view_payload(buffer, offset, header).to(self.device, copy=posted.reused)
         channel.position += 1
         if channel.position < channel.count and not channel.posted:  # the next one lands
             self._post_recv(direction, channel.position)  # while this one is computed on
         return Message(tensor, header.rows, header.value, header.bundle)
 
-    def _whole(self, posted: _Posted, peer: int, what: str) -> torch.Tensor:
-        """The message ``posted`` received, once it is known to have filled the ``size``
-        bytes posted for it (what it did not fill would be read as data) and, where there
-        is room past them, not to have gone on (:func:`.wire.mark_end`)."""
-        size = posted.size
-        if not wire.ends_whole(posted.buffer[:size], posted.end):
-            how = "shorter than"
-        elif not wire.untouched(posted.buffer[size:size + wire.MARK_BYTES], posted.past):
-            how = "longer than"
-        else:
-            return posted.buffer[:size]
+    def _whole(self, posted: Posted, peer: int, what: str) -> torch.Tensor:
+        """The message ``posted`` received, once it is known to have filled the bytes posted
+        for it (what it did not fill would be read as data) and not gone on past them."""
+        how = posted.fault()
+        if how is None:
+            return posted.message()
         raise PipelineError(f"{self.describe(self.stage)} received {what} from "
-                            f"{self.describe(peer)} {how} the {size} bytes posted for it; it "
-                            f"was not used (the ranks run different versions, or another "
-                            f"sender used the pipeline's tags)")
+                            f"{self.describe(peer)} {how} the {posted.size} bytes posted for "
+                            f"it; it was not used (the ranks run different versions, or "
+                            f"another sender used the pipeline's tags)")
 
     def _check(self, header: Header, peer: int, what: str, expected: tuple[int, int, int],
                direction: Direction | None = None) -> Header:
@@ -477,9 +429,8 @@ class StageLink:
         self.pending = []
         for channel in self._in.values():
             self.orphans += [posted.work for posted in channel.posted]
-            self._orphan_buffers += [posted.buffer for posted in channel.posted]
+            self.landing.abandon(channel.posted)
             channel.posted.clear()
-        self._regions.clear()  # an abandoned receive may still land in them
         header = Header(FAILED, 0, 0, failed_stage, 0, 0.0, torch.int64, (0,))
         for direction, channel in self._out.items():
             peer = self._peer(direction, sending=True)

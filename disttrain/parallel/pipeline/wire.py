@@ -30,7 +30,7 @@ no byte on the wire, which a trailer would (and the pipeline's byte counts are e
 payload of under 8 bytes sent alone (after ``RESHAPE``) is not checked: the mark would match
 too often. Gloo aborts the process on a message longer than the receive posted for it, so on
 Gloo the receive is posted into a region with room past the expected end
-(:mod:`disttrain.comm.overrun`) and the 8 bytes past the end are marked too: a message that
+(:mod:`.landing`) and the 8 bytes past the end are marked too: a message that
 changed them went on too long (one k < 8 bytes too long goes unnoticed, cut at the expected
 end, with probability 2⁻⁸ᵏ: the bytes it wrote there equal the mark's). Buffers
 on the GPU are not marked: under NCCL a receive larger than its send does not complete (the
