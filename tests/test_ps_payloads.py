@@ -60,14 +60,16 @@ def rogue_run(comm: Communicator, mode: str, case: str) -> dict[str, Any]:
         outcome = catching(server.serve)
         return {**outcome, "values": server.shard.param.detach().clone()}
     model = make_counter()
-    ps = PSWorker(comm, model, roles, config)
     if comm.rank == ROGUE:
+        ps = PSWorker(comm, model, roles, config)
         seq = ps.channels[0].seq + 1
         push = Header(Msg.PUSH, ROGUE, key=0, count=COUNTER_SLOTS, dtype=F64, clock=ps.clock,
                       seq=seq)
         return {"status": raw_request(comm, push, (rogue_payload(case, seq),)).status}
 
     def train() -> Any:
+        # the first pull is in here too: a sync server may stop before it is answered
+        ps = PSWorker(comm, model, roles, config)
         for _ in range(STEPS):
             ps.pull()
             x, y = counter_batch(ps.clock, 2)

@@ -149,6 +149,7 @@ class ParameterServer:
                            lambda: self.shard.version, config.max_message_elems * 8)
         self._gated: dict[int, Header] = {}  # worker → its request waiting at the gate
         self._done: dict[int, Header] = {}  # worker → its DONE, answered at the end
+        self._in_hand: dict[int, Header] = {}  # worker → its request being served, unanswered
         self.lost: dict[int, str] = {}  # lost worker rank → what happened
         self.updates: list[AppliedUpdate] | None = [] if record_updates else None
 
@@ -194,13 +195,14 @@ class ParameterServer:
                             dict(self.lost))
 
     def _abort(self, exc: PSError) -> None:
-        """Best effort: answer the requests held at a gate, the DONEs not answered yet and
-        the next request of every other worker (if it comes within a few seconds) with
-        PEER_FAILED (KEY: the failed rank), so those workers learn who failed instead of
-        timing out on, or finding gone, this server."""
+        """Best effort: answer the requests held at a gate or in hand (a granted PUSH whose
+        payload was awaited), the DONEs not answered yet and the next request of every
+        other worker (if it comes within a few seconds) with PEER_FAILED (KEY: the failed
+        rank), so those workers learn who failed instead of timing out on, or finding
+        gone, this server."""
         failed = exc.rank if isinstance(exc, PSPeerError) and exc.rank is not None else -1
         rank_of = self.roles.worker_rank
-        held = {**self._gated, **self._done}
+        held = {**self._in_hand, **self._gated, **self._done}
         told = [rank_of(w) for w in held if rank_of(w) != failed]
         grace = min(self.io.timeout_s, _NOTICE_S)
         asking = [r for r in self.io.asking() if r != failed and r not in self.lost]
@@ -271,6 +273,7 @@ class ParameterServer:
         dropped = self.shard.discard(w)
         self.io.forget(rank)
         self._gated.pop(w, None)
+        self._in_hand.pop(w, None)
         alive = self.roles.num_workers - len(self.lost)
         log.warning("%s: lost %s at clock %d (%s); %s mode goes on with %d worker(s): its "
                     "clock leaves the staleness bound, %d pending update(s) of it dropped",
@@ -286,9 +289,12 @@ class ParameterServer:
             try:
                 header = decode_request(raw, rank, self.config.max_message_elems)
                 self.requests[Msg(header.type).name] += 1
+                self._in_hand[w] = header
                 if (yield from self._handle(w, rank, header)):
                     return
+                del self._in_hand[w]  # answered: every reply is a handler's last step
             except ProtocolError as err:
+                self._in_hand.pop(w, None)  # answered below
                 self.rejected[status_name(err.status)] += 1
                 log.error("%s: rejected a request from %s (%s): %s", self.name, peer,
                           status_name(err.status), err)
